@@ -1,0 +1,192 @@
+"""m3c: the command line. A thin click + rich layer over the public API: parse, call, render."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _run(fn, *args, **kwargs):
+    """Call the API; bad input becomes a one-line error and exit status 2."""
+    from m3compile.errors import M3CompileError
+
+    try:
+        return fn(*args, **kwargs)
+    except M3CompileError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted; no output was written")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False)
+
+
+def _parse_layers(text: str | None) -> tuple[int, ...]:
+    if text is None or text.strip() == "":
+        return ()
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * units[unit])
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise click.BadParameter(f"expected a size such as 5GB or 500MB, got {text!r}") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="m3compile")
+def main():
+    """m3compile: rewrite a dense GQA transformer into MiniMax Sparse Attention (MSA).
+
+    \b
+    m3c convert SRC OUT    dense checkpoint -> MSA checkpoint (M3 tensor names)
+    m3c eval MODEL --data  dense vs sparse loss and block recall per layer
+    m3c passes             the graph passes and what each does
+    """
+
+
+@main.command()
+@click.argument("src", required=False, type=click.Path(path_type=Path))
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--preset", default=None, help="Convert a built-in preset instead of SRC (default when SRC is omitted: m3-tiny).")
+@click.option("--out", "out_opt", type=click.Path(path_type=Path), default=None, help="Output directory (same as OUT).")
+@click.option("--block-size", default=128, show_default=True, help="Keys per block (also the KV-cache page).")
+@click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included.")
+@click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
+@click.option("--index-dim", type=int, default=None, help="Index head dim [default: the model's head dim].")
+@click.option("--index-heads", type=int, default=None, help="Index query heads [default: the KV head count, which it must equal].")
+@click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
+@click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")
+@click.option("--dtype", default=None, help="Output dtype (float32, bfloat16, float16) [default: the source's].")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
+def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
+            local_blocks, dtype, max_shard_size, force, as_json):
+    """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
+
+    With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
+    sparse_attention_config), safetensors shards with M3 tensor names, graph/module.py (the rewritten graph)
+    and conversion_report.json. Nothing is written unless the whole conversion succeeds.
+    """
+    from m3compile import MSAConfig, convert_checkpoint
+
+    if src is not None and preset is not None:
+        raise click.UsageError("give SRC or --preset, not both")
+    out = out or out_opt or (Path(f"{preset or 'm3-tiny'}-msa") if src is None else None)
+    if out is None:
+        raise click.UsageError("missing OUT directory")
+    config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
+                  init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers))
+    console = _console()
+    with console.status(f"converting {src or 'preset ' + (preset or 'm3-tiny')} ..."):
+        report = _run(convert_checkpoint, src, out, config, preset=preset, force=force, dtype=dtype,
+                      max_shard_size=_parse_size(max_shard_size))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{report.model} -> {out}")
+    table.add_column("layer", justify="right")
+    table.add_column("attention")
+    table.add_column("change")
+    details = {int(d.split(":")[0].split()[1]): d.split(": ", 1)[1] for p in report.passes for d in p.details}
+    for row in report.layers:
+        table.add_row(str(row["layer"]), row["attention"].upper(), details.get(row["layer"], "already MSA" if row["attention"] == "msa" else ""))
+    console.print(table)
+    for p in report.passes:
+        console.print(f"pass {p.name}: replaced {p.replaced} attention ops, +{p.added} / -{p.removed} graph nodes")
+    console.print(f"parameters {report.params_before:,} -> {report.params_after:,} (+{report.index_params:,} index branch); "
+                  f"{report.seconds:.1f} s")
+
+
+@main.command(name="eval")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window.")
+@click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all].")
+@click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_(model_dir, data, seq_len, max_windows, dtype, as_json):
+    """Dense loss, sparse (MSA) loss and block recall per layer of MODEL_DIR on --data.
+
+    Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
+    in the blocks the index branch selected. Loss is in nats per token.
+    """
+    from rich.progress import Progress
+
+    from m3compile import evaluate, load
+    from m3compile.data import load_tokens
+
+    if seq_len < 1:
+        raise click.BadParameter("--seq-len must be >= 1")
+    model = _run(load, model_dir, dtype=dtype)
+    tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
+    with Progress(transient=True, disable=as_json) as bar:
+        task = bar.add_task("evaluating", total=None)
+        report = _run(evaluate, model, tokens, seq_len, max_windows,
+                      progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"{report.windows} windows x {report.seq_len} tokens = {report.tokens:,} tokens, {report.seconds:.1f} s")
+    console.print(f"dense loss  {report.dense_loss:.4f} nats/token")
+    if report.sparse_loss is None:
+        console.print("the model has no MSA layers (not converted): no sparse loss or recall")
+        return
+    console.print(f"sparse loss {report.sparse_loss:.4f} nats/token ({100 * report.loss_increase:+.2f}%)")
+    table = Table(title="block recall per MSA layer")
+    table.add_column("layer", justify="right")
+    table.add_column("recall", justify="right")
+    for layer, r in report.recall.items():
+        table.add_row(str(layer), f"{r:.3f}")
+    table.add_row("mean", f"{report.mean_recall:.3f}")
+    console.print(table)
+
+
+@main.command()
+def passes():
+    """List the graph passes, in pipeline order, with what each does."""
+    import passes as _  # noqa: F401  registers the passes
+    from m3compile.pass_manager import PASSES
+
+    from rich.table import Table
+
+    table = Table(title="m3compile passes")
+    table.add_column("name")
+    table.add_column("what it does")
+    for name, cls in PASSES.items():
+        table.add_row(name, cls.summary())
+    _console().print(table)
+
+
+if __name__ == "__main__":
+    main()

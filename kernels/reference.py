@@ -1,0 +1,236 @@
+"""Plain-PyTorch reference for MiniMax Sparse Attention (MSA): the ground truth every kernel is tested against.
+
+Shapes (head-major, the layout `scaled_dot_product_attention` takes):
+    q        [B, Hq, T, D]     query heads of the main branch, RoPE applied
+    k, v     [B, Hkv, T, D]    key/value heads; query head h belongs to KV group h // (Hq // Hkv)
+    q_idx    [B, Hi, T, Di]    index queries, one head per KV group (Hi == Hkv)
+    k_idx    [B, T, Di]        the single shared index key head
+    blocks   [B, Hi, T, K]     selected key-block ids per (group, query); -1 marks an empty slot;
+                               slot order carries no meaning
+
+Everything is computed in fp32 and cast back to the input dtype. The query axis is processed in chunks sized so
+that no [T, T] tensor is ever allocated: memory is O(chunk * T) for scoring and O(chunk * K * block) for the
+sparse attention itself.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "block_scores",
+    "select_blocks",
+    "sparse_attention",
+    "dense_attention",
+    "block_recall",
+    "query_chunk",
+]
+
+# Elements of fp32 scratch one chunk may allocate (128 MiB): bounds memory at any T.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def query_chunk(rows_per_query: int, length: int, budget: int = _CHUNK_ELEMENTS) -> int:
+    """Queries per chunk so that `chunk * rows_per_query * length` elements stay within `budget`."""
+    return max(1, min(length, budget // max(1, rows_per_query * length)))
+
+
+def _check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+    if k_idx.dim() == 4:  # [B, 1, T, Di] accepted too
+        if k_idx.shape[1] != 1:
+            raise ValueError(f"k_idx must have a single index key head, got shape {tuple(k_idx.shape)}")
+        k_idx = k_idx[:, 0]
+    if q_idx.dim() != 4 or k_idx.dim() != 3:
+        raise ValueError(f"q_idx must be [B, Hi, T, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
+    if q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[2] != k_idx.shape[1] or q_idx.shape[3] != k_idx.shape[2]:
+        raise ValueError(f"q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)} disagree on B, T or Di")
+    return k_idx
+
+
+def block_scores(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """Causal block-max index scores for queries `start:end`.
+
+    Token score s[g, t, j] = q_idx[g, t] . k_idx[j] / sqrt(Di) in fp32, keys j > t set to -inf before pooling;
+    block score S[g, t, b] = max over the keys j of block b. Returns [B, Hi, end - start, ceil(end / block_size)]
+    (blocks wholly in the future of every query of the chunk are not returned; those inside are -inf).
+    """
+    k_idx = _check_index_inputs(q_idx, k_idx)
+    T = q_idx.shape[2]
+    end = T if end is None else end
+    n_blocks = -(-end // block_size)
+    q = q_idx[:, :, start:end].float()
+    k = k_idx[:, :end].float()
+    s = torch.einsum("bhtd,bjd->bhtj", q, k) / math.sqrt(q_idx.shape[-1])
+    t_pos = torch.arange(start, end, device=q.device)
+    j_pos = torch.arange(end, device=q.device)
+    s = s.masked_fill(j_pos[None, :] > t_pos[:, None], float("-inf"))
+    s = F.pad(s, (0, n_blocks * block_size - end), value=float("-inf"))
+    return s.view(*s.shape[:3], n_blocks, block_size).amax(-1)
+
+
+def _select_from_scores(
+    scores: torch.Tensor, t_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int, local_blocks: int
+) -> torch.Tensor:
+    """Top-k over block scores [B, Hi, C, NB] for queries at positions `t_pos` [C]; forced blocks win; -1 pads."""
+    n_blocks = scores.shape[-1]
+    b_pos = torch.arange(n_blocks, device=scores.device)
+    q_block = (t_pos // block_size)[:, None]  # [C, 1]
+    visible = b_pos[None, :] <= q_block
+    forced = visible & (b_pos[None, :] > q_block - local_blocks)
+    if init_blocks > 0:
+        forced = forced | (visible & (b_pos[None, :] < init_blocks))
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+    k = min(topk, n_blocks)
+    top_scores, top_idx = scores.topk(k, dim=-1)
+    top_idx = top_idx.masked_fill(top_scores == float("-inf"), -1)
+    if k < topk:
+        top_idx = F.pad(top_idx, (0, topk - k), value=-1)
+    return top_idx
+
+
+def select_blocks(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Per (index head, query) selection of `topk` key blocks (MSA_SPEC section 2).
+
+    The `local_blocks` most recent blocks (the query's own block first) and the first `init_blocks` blocks are
+    always kept when visible; the remaining slots take the best-scoring earlier blocks; slots that cannot be filled
+    hold -1. Index heads are never reduced together: each KV group selects its own blocks.
+
+    q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64.
+    """
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    k_idx = _check_index_inputs(q_idx, k_idx)
+    B, Hi, T, _ = q_idx.shape
+    out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
+    chunk = chunk or query_chunk(B * Hi, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        scores = block_scores(q_idx, k_idx, block_size, start, end)
+        t_pos = torch.arange(start, end, device=q_idx.device)
+        out[:, :, start:end] = _select_from_scores(scores, t_pos, block_size, topk, init_blocks, local_blocks)
+    return out
+
+
+def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, T, D = q.shape
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D or Hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} are not a GQA pair")
+    return Hq // k.shape[1]
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Exact causal softmax attention restricted to the selected key blocks (MSA_SPEC section 3).
+
+    All G = Hq // Hkv query heads of group g attend over the causally visible tokens of the blocks selected for
+    (g, t); -1 slots are ignored; the query's own block is masked per token.
+
+    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D] in q's dtype.
+    """
+    G = _check_attention_inputs(q, k, v)
+    B, Hq, T, D = q.shape
+    Hkv, K = k.shape[1], blocks.shape[-1]
+    if blocks.shape[:3] != (B, Hkv, T):
+        raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    qg = q.view(B, Hkv, G, T, D)
+    offs = torch.arange(block_size, device=q.device)
+    chunk = chunk or query_chunk(B * Hkv * (G + 2 * D), K * block_size)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        idx = blocks[:, :, start:end]  # [B, Hkv, C, K]
+        pos = (idx.clamp(min=0)[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs]
+        t_pos = torch.arange(start, end, device=q.device)[:, None]
+        valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
+        pos = pos.clamp(max=T - 1)
+        C, S = end - start, pos.shape[-1]
+        gather = pos.reshape(B, Hkv, C * S, 1).expand(-1, -1, -1, D)
+        kg = k.float().gather(2, gather).view(B, Hkv, C, S, D)
+        vg = v.float().gather(2, gather).view(B, Hkv, C, S, D)
+        s = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].float(), kg) * scale
+        s = s.masked_fill(~valid[:, :, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[:, :, :, start:end] = torch.einsum("bhgcs,bhcsd->bhgcd", p, vg)
+    return out.view(B, Hq, T, D).to(q.dtype)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, chunk: int | None = None
+) -> torch.Tensor:
+    """Causal GQA softmax attention, query-chunked; the dense baseline MSA must equal when every block is selected.
+
+    q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D].
+    """
+    G = _check_attention_inputs(q, k, v)
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    qg = q.view(B, Hkv, G, T, D)
+    chunk = chunk or query_chunk(B * Hq, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].float(), k[:, :, :end].float()) * scale
+        t_pos = torch.arange(start, end, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(end, device=q.device) > t_pos, float("-inf"))
+        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", torch.softmax(s, -1), v[:, :, :end].float())
+    return out.view(B, Hq, T, D).to(q.dtype)
+
+
+def block_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Share of the dense attention mass of each (group, query) that falls in its selected blocks.
+
+    The mass is the teacher of MSA_SPEC section 4: the mean over the G heads of the group of their causal softmax.
+    q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hkv, T] fp32 in [0, 1].
+    """
+    G = _check_attention_inputs(q, k, k)
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, Hkv, T, dtype=torch.float32, device=q.device)
+    qg = q.view(B, Hkv, G, T, D)
+    chunk = chunk or query_chunk(B * Hq, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        n_blocks = -(-end // block_size)
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].float(), k[:, :, :end].float()) * scale
+        t_pos = torch.arange(start, end, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(end, device=q.device) > t_pos, float("-inf"))
+        p = torch.softmax(s, -1).mean(2)  # [B, Hkv, C, end]
+        p = F.pad(p, (0, n_blocks * block_size - end)).view(B, Hkv, end - start, n_blocks, block_size).sum(-1)
+        idx = blocks[:, :, start:end]
+        picked = p.gather(-1, idx.clamp(min=0).clamp(max=n_blocks - 1)) * (idx >= 0) * (idx < n_blocks)
+        out[:, :, start:end] = picked.sum(-1)
+    return out

@@ -1,0 +1,370 @@
+"""Hugging Face checkpoint directories: config.json -> ModelArgs, safetensors <-> our tensor names, atomic writes.
+
+Read: model_type llama, mistral, qwen2, qwen3, minimax_m3_vl_text, and the text model of minimax_m3_vl, in both
+M3 layouts (MSA_SPEC section 1): the release naming (`language_model.model.`, `block_sparse_moe.`, per-expert
+w1/w2/w3, `index_q_proj`) and what `transformers` saves (`indexer.q_proj`, fused `gate_up_proj`, packed experts).
+Write: the release naming, without the `language_model.` prefix for text-only models.
+Tensors are read through safetensors only; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from m3compile.errors import M3CompileError
+from models.decoder import ModelArgs, MSALayerArgs
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "Checkpoint",
+    "read_config",
+    "args_from_config",
+    "read_checkpoint",
+    "load_state_dict",
+    "to_release_names",
+    "write_checkpoint",
+    "atomic_output_dir",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl")
+_M3_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
+# Tensors that carry no weights of the text model (recomputed buffers, multi-token-prediction heads).
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|((^|\.)mtp\.)")
+_VISION = re.compile(r"^(vision_tower|multi_modal_projector|patch_merge_mlp|model\.vision_tower|model\.multi_modal_projector)\.")
+
+
+@dataclass
+class Checkpoint:
+    """A parsed checkpoint directory: its raw config, the model args, and tensors under our names."""
+
+    path: Path
+    config: dict  # config.json as written
+    args: ModelArgs
+    state_dict: dict[str, torch.Tensor]
+    layout: str  # "hf" (llama family), "m3-release" or "m3-transformers"
+    dtype: torch.dtype
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise M3CompileError(f"{path}: not a directory")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise M3CompileError(f"{path}: no config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise M3CompileError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _rope(cfg: dict) -> tuple[float, float, dict | None]:
+    """(theta, partial_rotary_factor, scaling) from either the old keys or transformers 5's rope_parameters."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        scaling = params
+    return float(theta), float(factor), scaling
+
+
+def args_from_config(cfg: dict, attn_impl: str = "sdpa_gqa") -> tuple[ModelArgs, str | None]:
+    """ModelArgs for a config.json dict; also the M3 flavour ("release"/"transformers") or None."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise M3CompileError(
+            f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if model_type == "minimax_m3_vl":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise M3CompileError("minimax_m3_vl config.json has no text_config")
+        cfg = dict(text, model_type="minimax_m3_vl_text")
+    try:
+        return _args_from_config(cfg, attn_impl)
+    except KeyError as e:
+        raise M3CompileError(f"config.json lacks {e.args[0]!r}, needed for model_type {model_type}") from None
+
+
+def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]:
+    model_type = cfg["model_type"]
+    hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // n_heads
+    n_layers = cfg["num_hidden_layers"]
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    theta, partial, scaling = _rope(cfg)
+    for key in ("sliding_window",):
+        window = cfg.get(key)
+        uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
+        if window is not None and uses_window and window < cfg.get("max_position_embeddings", 0):
+            raise M3CompileError(f"sliding-window attention ({key}={window}) is not supported; only full causal attention")
+    common = dict(
+        vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        rope_scaling=scaling, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attn_impl=attn_impl,
+    )
+    if cfg.get("hidden_act", "silu") != "silu" and model_type not in _M3_TYPES:
+        raise M3CompileError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    rotary = int(head_dim * partial)
+    if model_type not in _M3_TYPES:
+        bias = cfg.get("attention_bias", model_type == "qwen2")
+        args = ModelArgs(
+            **common, intermediate_size=cfg["intermediate_size"], rotary_dim=rotary, qkv_bias=bool(bias),
+            o_bias=bool(bias) and model_type != "qwen2", qk_norm="rms" if model_type == "qwen3" else None,
+        )
+        msa = _msa_from_release(cfg.get("sparse_attention_config"), args)
+        return (args.replace(**msa) if msa else args), None
+
+    # M3 text model: two flavours of config keys, like the two flavours of tensor names.
+    sparse_cfg = cfg.get("sparse_attention_config") or {}
+    flavour = "transformers" if "layer_types" in cfg or "index_n_heads" in cfg else "release"
+    if flavour == "release" and "rotary_dim" in cfg and "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+        rotary = int(cfg["rotary_dim"])
+    mlp_types = cfg.get("mlp_layer_types")
+    if mlp_types is None and "moe_layer_freq" in cfg:
+        mlp_types = ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]]
+    mlp_types = tuple(mlp_types or ["sparse"] * n_layers)
+    args = ModelArgs(
+        **common, intermediate_size=cfg.get("dense_intermediate_size", 12288), rotary_dim=rotary,
+        qk_norm="gemma", norm_style="gemma", mlp_act="swiglu_oai", swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+        swiglu_limit=cfg.get("swiglu_limit", 7.0), mlp_layer_types=mlp_types,
+        n_experts=cfg.get("num_local_experts", 128), experts_per_tok=cfg.get("num_experts_per_tok", 4),
+        moe_intermediate_size=cfg.get("intermediate_size", 3072),
+        shared_intermediate_size=cfg.get("shared_intermediate_size", 3072),
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 2.0),
+    )
+    if flavour == "transformers":
+        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+        sparse = tuple(t == "minimax_m3_sparse" for t in layer_types)
+        msa = MSALayerArgs(
+            index_heads=cfg.get("index_n_heads", 4), index_dim=cfg.get("index_head_dim", 128),
+            block_size=cfg.get("index_block_size", 128), topk=cfg.get("index_topk_blocks", 16),
+            init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
+        )
+        return args.replace(sparse_layers=sparse, msa=msa if any(sparse) else None), flavour
+    msa = _msa_from_release(sparse_cfg, args)
+    return (args.replace(**msa) if msa else args), flavour
+
+
+def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
+    """sparse_layers/msa from M3's `sparse_attention_config`, or None when the model has no MSA layers."""
+    if not sparse_cfg or not sparse_cfg.get("use_sparse_attention", True):
+        return None
+    freq = sparse_cfg.get("sparse_attention_freq") or [0] * args.n_layers
+    if len(freq) != args.n_layers:
+        raise M3CompileError(f"sparse_attention_freq has {len(freq)} entries for {args.n_layers} layers")
+    if sparse_cfg.get("sparse_score_type", "max") != "max":
+        raise M3CompileError(f"sparse_score_type {sparse_cfg['sparse_score_type']!r} is not supported (max only)")
+    if not any(freq):
+        return None
+    msa = MSALayerArgs(
+        index_heads=sparse_cfg.get("sparse_num_index_heads", args.n_kv_heads),
+        index_dim=sparse_cfg.get("sparse_index_dim", args.head_dim),
+        block_size=sparse_cfg.get("sparse_block_size", 128), topk=sparse_cfg.get("sparse_topk_blocks", 16),
+        init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
+    )
+    return {"sparse_layers": tuple(bool(f) for f in freq), "msa": msa}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise M3CompileError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise M3CompileError(f"{path}: shard {f} listed in model.safetensors.index.json is missing")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise M3CompileError(f"{path}: only pickle checkpoints (.bin/.pt) found; convert them to safetensors first")
+    raise M3CompileError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read_tensors(files: list[Path], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as h:
+                for name in h.keys():
+                    tensors[name] = h.get_tensor(name)
+        except M3CompileError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise M3CompileError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]})") from None
+    return tensors
+
+
+def _strip_prefix(name: str) -> str | None:
+    """Our name for a text-model tensor name of any layout, or None for tensors outside the text model."""
+    for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("model.language_model.", "model.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _internal_names(raw: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], str]:
+    """Map any supported layout to our names; returns the tensors and the layout detected."""
+    out: dict[str, torch.Tensor] = {}
+    layout = "hf"
+    experts: dict[tuple[int, int, str], torch.Tensor] = {}
+    for name, t in raw.items():
+        if _IGNORED.search(name) or _VISION.match(name):
+            continue
+        name = _strip_prefix(name)
+        if ".block_sparse_moe." in name or ".index_q_proj." in name or re.search(r"\.experts\.\d+\.w[123]\.", name):
+            layout = "m3-release"
+        if ".indexer." in name or ".experts.gate_up_proj" in name:
+            layout = "m3-transformers"
+        m = re.match(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", name)
+        if m:
+            experts[(int(m[1]), int(m[2]), m[3])] = t
+            continue
+        name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.e_score_correction_bias")
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+        name = re.sub(r"\.self_attn\.indexer\.(q|k)_(proj|norm)\.", r".self_attn.index_\1_\2.", name)
+        if name.endswith(".experts.gate_up_proj"):
+            out[name.replace(".experts.gate_up_proj", ".w13")] = t
+        elif name.endswith(".experts.down_proj"):
+            out[name.replace(".experts.down_proj", ".w2")] = t
+        elif name.endswith(".gate_up_proj.weight"):  # fused dense MLP: gate rows, then up rows
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace(".gate_up_proj.", ".gate_proj.")] = gate
+            out[name.replace(".gate_up_proj.", ".up_proj.")] = up
+        else:
+            out[name] = t
+    if experts:
+        for layer in sorted({k[0] for k in experts}):
+            n = args.n_experts
+            try:
+                w1 = torch.stack([experts[(layer, e, "w1")] for e in range(n)])
+                w3 = torch.stack([experts[(layer, e, "w3")] for e in range(n)])
+                w2 = torch.stack([experts[(layer, e, "w2")] for e in range(n)])
+            except KeyError as e:
+                raise M3CompileError(f"layer {layer}: expert tensor {e.args[0]} missing") from None
+            out[f"model.layers.{layer}.mlp.w13"] = torch.cat([w1, w3], dim=1)
+            out[f"model.layers.{layer}.mlp.w2"] = w2
+    return out, layout
+
+
+def read_checkpoint(path: str | os.PathLike, attn_impl: str = "sdpa_gqa") -> Checkpoint:
+    """Parse a checkpoint directory; tensors come back under our names, validated against config.json later."""
+    path = Path(path)
+    cfg = read_config(path)
+    args, _ = args_from_config(cfg, attn_impl)
+    raw = _read_tensors(_shard_files(path))
+    state, layout = _internal_names(raw, args)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    dtype = torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    return Checkpoint(path, cfg, args, state, layout, dtype)
+
+
+def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
+    """Copy `state` into `model` by name; missing, unexpected or mis-shaped tensors are one-line errors."""
+    expected = model.state_dict()
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    missing = [n for n in expected if n not in state and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise M3CompileError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    unexpected = [n for n in state if n not in expected]
+    if unexpected:
+        raise M3CompileError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise M3CompileError(
+                f"{source}: tensor {name} has shape {list(t.shape)} but config.json implies {list(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=not tied, assign=False)
+
+
+def to_release_names(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Our names -> M3's release naming: MoE under `block_sparse_moe.` with per-expert w1/w2/w3."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = re.match(r"(model\.layers\.\d+)\.mlp\.(w13|w2|gate\.weight|e_score_correction_bias|shared_experts\..*)$", name)
+        if m:
+            base, leaf = m[1] + ".block_sparse_moe", m[2]
+            if leaf == "w13":
+                w1, w3 = t.chunk(2, dim=1)
+                for e in range(t.shape[0]):
+                    out[f"{base}.experts.{e}.w1.weight"] = w1[e]
+                    out[f"{base}.experts.{e}.w3.weight"] = w3[e]
+            elif leaf == "w2":
+                for e in range(t.shape[0]):
+                    out[f"{base}.experts.{e}.w2.weight"] = t[e]
+            else:
+                out[f"{base}.{leaf}"] = t
+            continue
+        out[prefix + name if prefix else name] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, force: bool = False):
+    """Yield a temporary sibling directory that becomes `out` only if the block completes."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise M3CompileError(f"{out} already exists (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_checkpoint(
+    out_dir: Path, config: dict, state: dict[str, torch.Tensor], max_shard_bytes: int = 5 * 1024**3
+) -> list[str]:
+    """Write config.json and safetensors shards (with an index when more than one) into `out_dir`."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        t = state[name]
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    names = (
+        ["model.safetensors"] if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {n: fname for fname, shard in zip(names, shards) for n in shard}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+        )
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return names

@@ -1,0 +1,85 @@
+"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from m3compile.errors import M3CompileError
+
+__all__ = ["MSAConfig"]
+
+
+@dataclass(frozen=True)
+class MSAConfig:
+    """Settings of the GQA -> MSA conversion.
+
+    block_size    keys per block (also the KV-cache page)                         M3: 128
+    topk          blocks each (KV group, query) attends to, local block included  M3: 16
+    index_heads   index query heads; None = the model's KV head count (must equal it: one per KV group)
+    index_dim     index head dim; None = the model's head dim                     M3: 128
+    init_blocks   leading blocks always kept                                       M3: 0
+    local_blocks  most recent blocks always kept, the query's own first            M3: 1
+    dense_layers  layer indices that keep dense attention                          M3: (0, 1, 2)
+    """
+
+    block_size: int = 128
+    topk: int = 16
+    index_heads: int | None = None
+    index_dim: int | None = None
+    init_blocks: int = 0
+    local_blocks: int = 1
+    dense_layers: tuple[int, ...] = (0,)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
+        for name in ("block_size", "topk", "local_blocks"):
+            if getattr(self, name) < 1:
+                raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.init_blocks < 0:
+            raise M3CompileError(f"MSAConfig.init_blocks must be >= 0, got {self.init_blocks}")
+        if self.init_blocks + self.local_blocks > self.topk:
+            raise M3CompileError(
+                f"init_blocks ({self.init_blocks}) + local_blocks ({self.local_blocks}) exceed topk ({self.topk})"
+            )
+        for name in ("index_heads", "index_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {value}")
+        if any(i < 0 for i in self.dense_layers):
+            raise M3CompileError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MSAConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise M3CompileError(f"unknown MSAConfig keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MSAConfig":
+        return cls.from_dict(json.loads(text))
+
+    def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool]) -> dict:
+        """`sparse_attention_config` with M3's own key names."""
+        return {
+            "use_sparse_attention": True,
+            "sparse_num_index_heads": index_heads,
+            "sparse_index_dim": index_dim,
+            "sparse_block_size": self.block_size,
+            "sparse_topk_blocks": self.topk,
+            "sparse_score_type": "max",
+            "sparse_init_block": self.init_blocks,
+            "sparse_local_block": self.local_blocks,
+            "sparse_attention_freq": [int(s) for s in sparse_layers],
+            "sparse_disable_index_value": [1] * n_layers,
+        }

@@ -1,0 +1,92 @@
+"""Initialising the index branch from the dense weights, so that selection is useful before any training.
+
+Target: for KV group g, the group-mean dense logit  mean_h q_h . k_g  (the teacher's logits, MSA_SPEC section 4).
+Constraint: one shared index key head, and the index branch uses the main branch's own RoPE.
+
+RoPE rotates each channel pair (p, p + R/2) as one complex number, so any map from dense to index channels that
+commutes with RoPE must act on each pair by a complex scalar. Per pair p, with complex weight rows
+alpha_g (group-mean query, q_norm scale folded in) and beta_g (group g's key), the dense bilinear form of group g is
+alpha_g beta_g^H. We approximate every group's form by mu_g nu^H with one shared key row nu:
+
+    nu   = top eigenvector of  sum_g |alpha_g|^2 beta_g beta_g^H      (Hermitian, rank <= Hkv: solved in the span)
+    mu_g = alpha_g (beta_g^H nu)                                         (the optimal query row for that nu)
+
+which minimises sum_g || alpha_g beta_g^H - mu_g nu^H ||_F. With one KV head this is exact. Channels RoPE does not
+rotate (partial RoPE) get the same treatment with real numbers, one channel at a time; when the index head has fewer
+such channels than the dense head, the channels with the largest sum_g |alpha_g|^2 |beta_g|^2 are kept. Biases are
+dropped (M3's index projections have none) and the index norms start as identity (Gemma-style weight 0).
+`m3c eval` reports the block recall this reaches.
+"""
+from __future__ import annotations
+
+import torch
+
+from m3compile.errors import M3CompileError
+
+__all__ = ["init_index_weights"]
+
+
+def _shared_key(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha, beta [P, G, H] (complex or real): rows mu [P, G, H] and nu [P, H] as in the module docstring."""
+    w = alpha.abs().pow(2).sum(-1)  # [P, G]
+    basis = beta * w.sqrt()[..., None]  # [P, G, H]
+    gram = basis.conj() @ basis.transpose(1, 2)  # [P, G, G] = basis^H basis in the row convention
+    _, vecs = torch.linalg.eigh(gram)
+    top = vecs[..., -1]  # [P, G]
+    nu = (top[..., None] * basis).sum(1)  # [P, H]: eigenvector of basis basis^H, a combination of key rows
+    nu = nu / nu.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    proj = (beta.conj() * nu[:, None]).sum(-1)  # beta_g^H nu  [P, G]
+    # Balance magnitudes: the key row carries the group-averaged key norm along nu, the query rows the rest.
+    scale = ((w * proj.abs().pow(2)).sum(-1) / w.sum(-1).clamp_min(1e-30)).sqrt().clamp_min(1e-12)  # [P]
+    mu = alpha * (proj / scale[:, None])[..., None]
+    return mu, nu * scale[:, None]
+
+
+def init_index_weights(
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    rope_dim: int,
+    index_dim: int,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index_q_proj.weight [Hkv * Di, hidden], index_k_proj.weight [Di, hidden]) from q_proj/k_proj weights.
+
+    wq [Hq * D, hidden], wk [Hkv * D, hidden]; q_scale/k_scale [D]: the effective per-channel scale of a QK norm.
+    """
+    if index_dim < rope_dim:
+        raise M3CompileError(f"index_dim ({index_dim}) must be at least the rotary dims of the model ({rope_dim})")
+    hidden, dtype = wq.shape[1], wq.dtype
+    if wq.is_meta:
+        return (torch.empty(n_kv_heads * index_dim, hidden, device="meta", dtype=dtype),
+                torch.empty(index_dim, hidden, device="meta", dtype=dtype))
+    G = n_heads // n_kv_heads
+    a = wq.double().view(n_kv_heads, G, head_dim, hidden).mean(1)  # [Hkv, D, hidden]
+    b = wk.double().view(n_kv_heads, head_dim, hidden)
+    if q_scale is not None:
+        a = a * q_scale.double()[None, :, None]
+    if k_scale is not None:
+        b = b * k_scale.double()[None, :, None]
+    half = rope_dim // 2
+    wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64)
+    wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64)
+    if half:
+        alpha = torch.complex(a[:, :half], a[:, half:rope_dim]).transpose(0, 1)  # [P, G, hidden]
+        beta = torch.complex(b[:, :half], b[:, half:rope_dim]).transpose(0, 1)
+        mu, nu = _shared_key(alpha, beta)
+        wq_idx[:, :half], wq_idx[:, half:rope_dim] = mu.real.transpose(0, 1), mu.imag.transpose(0, 1)
+        wk_idx[:half], wk_idx[half:rope_dim] = nu.real, nu.imag
+    n_pass, slots = head_dim - rope_dim, index_dim - rope_dim
+    if n_pass and slots:
+        alpha = a[:, rope_dim:].transpose(0, 1)  # [n_pass, G, hidden]
+        beta = b[:, rope_dim:].transpose(0, 1)
+        energy = (alpha.pow(2).sum(-1) * beta.pow(2).sum(-1)).sum(-1)
+        keep = energy.argsort(descending=True)[:slots].sort().values
+        mu, nu = _shared_key(alpha[keep], beta[keep])
+        wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
+        wk_idx[rope_dim:rope_dim + len(keep)] = nu
+    return wq_idx.reshape(n_kv_heads * index_dim, hidden).to(dtype), wk_idx.to(dtype)

@@ -1,0 +1,411 @@
+"""An M3-style decoder-only transformer, read top-down.
+
+It covers what people convert: GQA with any group size, optional q/k/v bias (Qwen2), optional per-head QK RMSNorm
+(Qwen3 plain, M3 Gemma-style `1 + w`), full or partial NeoX RoPE, SwiGLU (or M3's clamped SwiGLU-OAI) MLPs, an
+optional MoE block (M3's sigmoid router with correction bias and shared experts), tied or untied embeddings, and
+MSA layers (index branch + block-sparse attention) natively, so converted and M3 checkpoints run without tracing.
+
+Attention is written in one of three forms (`attn_impl`), all of which the graph matcher recognises:
+    "sdpa_gqa"    scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    "sdpa_repeat" scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), is_causal=True)
+    "eager"       softmax(q @ repeat_kv(k)^T * scale + causal_mask) @ repeat_kv(v)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import reference as ref
+
+__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "apply_rope", "split_heads", "msa_select", "msa_attention"]
+
+
+@dataclass(frozen=True)
+class MSALayerArgs:
+    """Settings of the MSA layers of a model (M3's `sparse_attention_config`)."""
+
+    index_heads: int
+    index_dim: int
+    block_size: int = 128
+    topk: int = 16
+    init_blocks: int = 0
+    local_blocks: int = 1
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rotary_dim: int | None = None  # None: the whole head is rotated
+    rope_scaling: dict | None = None  # llama3 / linear frequency scaling
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None, "rms" (Qwen3) or "gemma" (M3: x * (1 + w))
+    norm_style: str = "rms"  # "rms" (w * x) or "gemma" (x * (1 + w))
+    mlp_act: str = "silu"  # "silu" or "swiglu_oai" (M3)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_embeddings: bool = False
+    # MoE: layers whose entry of `mlp_layer_types` is "sparse" get a MoE block.
+    mlp_layer_types: tuple[str, ...] | None = None
+    n_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    # MSA: layers whose entry of `sparse_layers` is True use the index branch and block-sparse attention.
+    sparse_layers: tuple[bool, ...] | None = None
+    msa: MSALayerArgs | None = None
+    attn_impl: str = "sdpa_gqa"
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.attn_impl not in ("sdpa_gqa", "sdpa_repeat", "eager"):
+            raise ValueError(f"unknown attn_impl {self.attn_impl!r}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+        for name, n in (("mlp_layer_types", self.mlp_layer_types), ("sparse_layers", self.sparse_layers)):
+            if n is not None and len(n) != self.n_layers:
+                raise ValueError(f"{name} has {len(n)} entries for {self.n_layers} layers")
+        if self.sparse_layers and any(self.sparse_layers) and self.msa is None:
+            raise ValueError("sparse layers need MSA settings (msa)")
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return self.mlp_layer_types is not None and self.mlp_layer_types[layer] == "sparse"
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers and self.sparse_layers[layer])
+
+    def replace(self, **changes) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Functions that appear as single nodes in a traced graph (torch.fx.wrap): the matcher and the passes key on them.
+
+
+@torch.fx.wrap
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+@torch.fx.wrap
+def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """[B, T, n_heads * head_dim] -> [B, T, n_heads, head_dim]."""
+    return x.view(*x.shape[:-1], n_heads, head_dim)
+
+
+@torch.fx.wrap
+def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
+    """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty)."""
+    return ref.select_blocks(
+        q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+        local_blocks=local_blocks,
+    )
+
+
+@torch.fx.wrap
+def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
+
+    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
+    """
+    if not sparse:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv * n_rep, T, D], each KV head repeated for its group."""
+    if n_rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+def causal_mask(length, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [T, T] mask: 0 on and below the diagonal, -inf above."""
+    return torch.full((length, length), float("-inf"), dtype=dtype, device=device).triu(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. style "rms": w * x (Llama, Qwen); "gemma": x * (1 + w) (M3)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, style: str = "rms"):
+        super().__init__()
+        if style not in ("rms", "gemma"):
+            raise ValueError(f"unknown norm style {style!r}")
+        self.eps, self.style = eps, style
+        self.weight = nn.Parameter(torch.ones(dim) if style == "rms" else torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.style == "gemma":
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, style={self.style}"
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [B, T, R] for NeoX RoPE over R = rope_dim channels."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.rope_dim
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", _scale_frequencies(inv_freq, args.rope_scaling), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1: long wavelengths scaled by `factor`, smooth ramp in between
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+class Attention(nn.Module):
+    """GQA attention; with `msa` it is an MSA layer: index branch (selection only) + block-sparse attention."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.attn_impl = args.attn_impl
+        self.scale = args.head_dim**-0.5
+        self.q_proj = nn.Linear(args.hidden_size, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.qk_norm)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.qk_norm)
+        self.msa = args.msa if args.is_sparse(layer) else None
+        self.sparse = True  # False runs an MSA layer densely (the "dense loss" of `m3c eval`)
+        self.probe = None  # evaluation hook: probe(attn, q, k, blocks) sees each sparse forward
+        if self.msa is not None:
+            m = self.msa
+            self.index_q_proj = nn.Linear(args.hidden_size, m.index_heads * m.index_dim, bias=False)
+            self.index_k_proj = nn.Linear(args.hidden_size, m.index_dim, bias=False)
+            self.index_q_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
+            self.index_k_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.transpose(1, 2)
+        if self.msa is not None:
+            o = self._msa(x, q, k, v, cos, sin)
+        elif self.attn_impl == "sdpa_gqa":
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.attn_impl == "sdpa_repeat":
+            n_rep = self.n_heads // self.n_kv_heads
+            o = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+        else:
+            n_rep = self.n_heads // self.n_kv_heads
+            s = torch.matmul(q, repeat_kv(k, n_rep).transpose(2, 3)) * self.scale
+            s = s + causal_mask(T, s.dtype, s.device)
+            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(p, repeat_kv(v, n_rep))
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def index_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q_idx [B, T, Hi, Di], k_idx [B, T, Di]; input detached (the index branch never trains the backbone)."""
+        x = x.detach()
+        q_idx = self.index_q_norm(split_heads(self.index_q_proj(x), self.msa.index_heads, self.msa.index_dim))
+        k_idx = self.index_k_norm(split_heads(self.index_k_proj(x), 1, self.msa.index_dim))
+        return apply_rope(q_idx, cos, sin), apply_rope(k_idx, cos, sin)[:, :, 0]
+
+    def _msa(self, x, q, k, v, cos, sin):
+        m = self.msa
+        q_idx, k_idx = self.index_branch(x, cos, sin)
+        blocks = msa_select(q_idx, k_idx, m.block_size, m.topk, m.init_blocks, m.local_blocks)
+        if self.probe is not None and self.sparse:
+            self.probe(self, q, k, blocks)
+        return msa_attention(q, k, v, blocks, m.block_size, self.scale, self.sparse)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)); "swiglu_oai" is M3's clamped variant (up + 1) * g * sigmoid(alpha g)."""
+
+    def __init__(self, args: ModelArgs, intermediate_size: int):
+        super().__init__()
+        self.act, self.alpha, self.limit = args.mlp_act, args.swiglu_alpha, args.swiglu_limit
+        self.gate_proj = nn.Linear(args.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self.act, self.alpha, self.limit))
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+class MoE(nn.Module):
+    """M3's MoE block: sigmoid router (+ correction bias for the choice only), top-k renormalised weights scaled by
+    `routed_scaling_factor`, plus shared experts. Expert weights are packed: w13 [E, 2I, H] (gate rows then up rows),
+    w2 [E, H, I]. Traced as a leaf module: its routing is data-dependent."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E, I, H = args.n_experts, args.moe_intermediate_size, args.hidden_size
+        self.top_k, self.scaling = args.experts_per_tok, args.routed_scaling_factor
+        self.act, self.alpha, self.limit = args.mlp_act, args.swiglu_alpha, args.swiglu_limit
+        self.gate = nn.Linear(H, E, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, I))
+        nn.init.normal_(self.w13, std=0.02)
+        nn.init.normal_(self.w2, std=0.02)
+        self.shared_experts = MLP(args, args.shared_intermediate_size) if args.shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = torch.sigmoid(self.gate(x.to(self.gate.weight.dtype)).float())
+        _, idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1)
+        weights = probs.gather(1, idx)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            rows, slot = torch.where(idx == e)
+            gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(_glu(gate, up, self.act, self.alpha, self.limit), self.w2[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        out = out * self.scaling
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
+        self.self_attn = Attention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
+        self.mlp = MoE(args) if args.is_moe(layer) else MLP(args, args.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
+        self.rotary_emb = RotaryEmbedding(args)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = self.rotary_emb(x, positions)  # [1, T, R]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class Decoder(nn.Module):
+    """Causal LM: input_ids [B, T] -> logits [B, T, vocab]. State-dict names follow Hugging Face (`model.`, `lm_head`)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+    def set_sparse(self, enabled: bool) -> None:
+        """Run MSA layers sparsely (True) or with dense causal attention (False)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.sparse = enabled
+
+
+def _m3_args(**overrides) -> ModelArgs:
+    n_layers = overrides.pop("n_layers", 60)
+    dense_first = 3
+    base = dict(
+        vocab_size=200064, hidden_size=6144, n_layers=n_layers, n_heads=64, n_kv_heads=4, head_dim=128,
+        intermediate_size=12288, rms_norm_eps=1e-6, rope_theta=5e6, rotary_dim=64, qk_norm="gemma",
+        norm_style="gemma", mlp_act="swiglu_oai", mlp_layer_types=tuple(["dense"] * dense_first + ["sparse"] * (n_layers - dense_first)),
+        n_experts=128, experts_per_tok=4, moe_intermediate_size=3072, shared_intermediate_size=3072,
+        routed_scaling_factor=2.0,
+    )
+    base.update(overrides)
+    return ModelArgs(**base)
+
+
+# Named presets. `m3` is M3's real text shapes, dense (the converter adds MSA); build it on the meta device.
+PRESETS: dict[str, ModelArgs] = {
+    "m3": _m3_args(),
+    "m3-tiny": _m3_args(
+        vocab_size=256, hidden_size=64, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, intermediate_size=96,
+        rotary_dim=8, rope_theta=1e4, n_experts=4, experts_per_tok=2, moe_intermediate_size=32,
+        shared_intermediate_size=32, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+    ),
+}

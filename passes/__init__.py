@@ -1,0 +1,4 @@
+"""Graph passes, one file each. See passes/README.md for the pipeline."""
+from passes.gqa_to_msa import GQAToMSA
+
+__all__ = ["GQAToMSA"]
