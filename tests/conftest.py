@@ -1,0 +1,14 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+LLAMA_BYTE = SHARED / "checkpoints" / "dense-llama-byte"
+EVAL_DATA = SHARED / "data" / "eval_code.bin"
+CALIB_DATA = SHARED / "data" / "calib_code.bin"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,154 @@
+"""The reference kernels against brute-force statements of MSA_SPEC sections 2-3, on odd shapes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as ref
+
+
+def brute_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks):
+    """Per (b, h, t): the set of selected blocks, straight from the spec, one query at a time."""
+    B, H, T, D = q_idx.shape
+    out = {}
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                qb = t // block_size
+                scores = {}
+                for blk in range(qb + 1):
+                    keys = range(blk * block_size, min((blk + 1) * block_size, t + 1))
+                    scores[blk] = max(float(q_idx[b, h, t] @ k_idx[b, j]) / math.sqrt(D) for j in keys)
+                forced = {blk for blk in range(qb + 1) if blk > qb - local_blocks or blk < init_blocks}
+                rest = sorted((blk for blk in scores if blk not in forced), key=lambda x: -scores[x])
+                out[b, h, t] = forced | set(rest[: topk - len(forced)])
+    return out
+
+
+SELECT_CASES = [
+    # B, H, T, D, block, topk, init, local
+    (1, 1, 1, 4, 4, 1, 0, 1),  # one token
+    (2, 3, 17, 8, 4, 3, 0, 1),  # T not a multiple of the block, 3 index heads
+    (1, 2, 33, 5, 8, 2, 1, 1),  # init block forced
+    (1, 1, 40, 6, 4, 4, 0, 2),  # two local blocks
+    (1, 4, 9, 4, 16, 4, 0, 1),  # T smaller than one block
+    (1, 2, 64, 8, 4, 32, 0, 1),  # topk larger than the block count: -1 slots
+]
+
+
+@pytest.mark.parametrize("B,H,T,D,bs,topk,init,local", SELECT_CASES, ids=[str(c) for c in SELECT_CASES])
+def test_select_blocks_matches_spec(B, H, T, D, bs, topk, init, local):
+    q_idx, k_idx = torch.randn(B, H, T, D), torch.randn(B, T, D)
+    blocks = ref.select_blocks(q_idx, k_idx, block_size=bs, topk=topk, init_blocks=init, local_blocks=local)
+    assert blocks.shape == (B, H, T, topk)
+    expected = brute_select(q_idx, k_idx, bs, topk, init, local)
+    for (b, h, t), want in expected.items():
+        row = blocks[b, h, t].tolist()
+        got = [x for x in row if x >= 0]
+        assert len(got) == len(set(got)), f"duplicate block in {row}"
+        assert set(got) == want, (b, h, t, row, want)
+        assert row.count(-1) == topk - len(want)
+
+
+def test_select_blocks_is_per_group_and_chunk_invariant():
+    q_idx, k_idx = torch.randn(1, 3, 70, 8), torch.randn(1, 70, 8)
+    a = ref.select_blocks(q_idx, k_idx, block_size=8, topk=3)
+    b = ref.select_blocks(q_idx, k_idx, block_size=8, topk=3, chunk=7)
+    assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+    # each index head selects on its own: changing head 1's query changes only head 1's selection
+    q2 = q_idx.clone()
+    q2[:, 1] = torch.randn_like(q2[:, 1])
+    c = ref.select_blocks(q2, k_idx, block_size=8, topk=3)
+    assert torch.equal(a[:, [0, 2]], c[:, [0, 2]]) and not torch.equal(a[:, 1], c[:, 1])
+
+
+def brute_sparse_attention(q, k, v, blocks, block_size, scale):
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, T, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            g = h // G
+            for t in range(T):
+                keys = [j for blk in blocks[b, g, t].tolist() if blk >= 0
+                        for j in range(blk * block_size, min((blk + 1) * block_size, T)) if j <= t]
+                s = torch.stack([q[b, h, t].double() @ k[b, g, j].double() for j in keys]) * scale
+                out[b, h, t] = torch.softmax(s, 0) @ v[b, g, keys].double()
+    return out
+
+
+ATTN_CASES = [
+    # B, Hkv, G, T, D, block, topk
+    (1, 1, 1, 1, 8, 4, 1),  # one token, G = 1
+    (2, 2, 3, 19, 8, 4, 2),  # G = 3, T not a multiple of the block
+    (1, 3, 4, 30, 16, 8, 2),
+    (1, 1, 5, 12, 4, 16, 4),  # T smaller than one block, -1 slots
+]
+
+
+@pytest.mark.parametrize("B,Hkv,G,T,D,bs,topk", ATTN_CASES, ids=[str(c) for c in ATTN_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sparse_attention_matches_brute_force(B, Hkv, G, T, D, bs, topk, dtype):
+    q = torch.randn(B, Hkv * G, T, D).to(dtype)
+    k, v = torch.randn(B, Hkv, T, D).to(dtype), torch.randn(B, Hkv, T, D).to(dtype)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 4), torch.randn(B, T, 4), block_size=bs, topk=topk)
+    # shuffle the slot order: no consumer may assume one
+    blocks = blocks.gather(-1, torch.rand(blocks.shape).argsort(-1))
+    got = ref.sparse_attention(q, k, v, blocks, block_size=bs, scale=D**-0.5)
+    want = brute_sparse_attention(q, k, v, blocks, bs, D**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_sparse_attention_ignores_minus_one_and_chunks():
+    B, Hkv, G, T, D, bs = 1, 2, 2, 23, 8, 4
+    q, k, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 4), torch.randn(B, T, 4), block_size=bs, topk=3)
+    padded = torch.cat([blocks, torch.full_like(blocks[..., :2], -1)], -1)
+    a = ref.sparse_attention(q, k, v, blocks, block_size=bs)
+    b = ref.sparse_attention(q, k, v, padded, block_size=bs, chunk=5)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 131])
+def test_all_blocks_selected_equals_dense(T):
+    B, Hkv, G, D, bs = 1, 2, 3, 16, 16
+    q, k, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    topk = -(-T // bs)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=topk)
+    sparse = ref.sparse_attention(q, k, v, blocks, block_size=bs)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.dense_attention(q, k, v, chunk=5), dense, rtol=1e-5, atol=1e-5)
+    recall = ref.block_recall(q, k, blocks, block_size=bs)
+    torch.testing.assert_close(recall, torch.ones_like(recall))
+
+
+def test_block_recall_partial():
+    B, Hkv, G, T, D, bs = 1, 1, 2, 32, 8, 8
+    q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
+    only_local = (torch.arange(T) // bs).view(1, 1, T, 1)
+    recall = ref.block_recall(q, k, only_local, block_size=bs)
+    p = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(torch.ones(T, T).triu(1).bool(), -torch.inf), -1)
+    p = p.mean(1)[0]  # group mean [T, T]
+    want = torch.stack([p[t, (t // bs) * bs: t + 1].sum() for t in range(T)])
+    torch.testing.assert_close(recall[0, 0], want, rtol=1e-5, atol=1e-6)
+    none = torch.full((B, Hkv, T, 2), -1)
+    assert float(ref.block_recall(q, k, none, block_size=bs).abs().max()) == 0.0
+
+
+def test_memory_is_bounded_at_16k(monkeypatch):
+    """No [T, T] tensor at T = 16384: every scoring chunk covers far fewer than T queries."""
+    T, seen = 16384, []
+    original = ref.block_scores
+
+    def spy(q_idx, k_idx, block_size, start=0, end=None):
+        seen.append((end - start) * end)
+        return original(q_idx, k_idx, block_size, start, end)
+
+    monkeypatch.setattr(ref, "block_scores", spy)
+    q_idx, k_idx = torch.randn(1, 1, T, 4), torch.randn(1, T, 4)
+    blocks = ref.select_blocks(q_idx, k_idx, block_size=128, topk=4)
+    assert max(seen) <= ref._CHUNK_ELEMENTS and max(seen) < T * T
+    assert int(blocks[0, 0, -1].max()) == T // 128 - 1  # the last query keeps its own block
