@@ -24,7 +24,7 @@ from m3compile.data import windows
 from m3compile.errors import M3CompileError
 from m3compile.pass_manager import PassManager, PassReport
 from m3compile.tracing import trace
-from models.decoder import PRESETS, Attention, Decoder, ModelArgs, MSALayerArgs
+from models.decoder import PRESETS, Attention, Decoder, ModelArgs, MSALayerArgs, RMSNorm, RotaryEmbedding
 
 __all__ = [
     "load", "from_preset", "convert", "save", "convert_checkpoint", "evaluate",
@@ -53,8 +53,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
     load_state_dict(model, ck.state_dict, ck.path)
     if ck.args.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.__init__(ck.args)  # non-persistent buffer: recompute after to_empty
-    model.to(device)
+    model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint
     model.source_config = ck.config
     return model.to(parse_dtype(dtype) or ck.dtype).eval()
 
@@ -69,10 +68,10 @@ def from_preset(name: str, seed: int = 0, attn_impl: str = "sdpa_gqa") -> Decode
             return Decoder(args).eval()
     torch.manual_seed(seed)
     model = Decoder(args)
-    with torch.no_grad():  # non-trivial norm weights, as in a trained model
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.normal_(0.0, 0.1).add_(1.0 if p.data.mean() > 0.5 else 0.0)
+    with torch.no_grad():  # non-trivial norm weights, as in a trained model (around 1 for w * x, 0 for x * (1 + w))
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.normal_(1.0 if module.style == "rms" else 0.0, 0.1)
     return model.eval()
 
 
@@ -162,7 +161,7 @@ def _output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
 
 
 def _config_for_preset(args: ModelArgs) -> dict:
-    """A llama-style config.json for a dense preset (m3-tiny is written as minimax_m3_vl_text)."""
+    """config.json for a preset: an M3 text model (minimax_m3_vl_text) in the release flavour of keys."""
     return {
         "model_type": "minimax_m3_vl_text", "architectures": ["MiniMaxM3VLForCausalLM"],
         "vocab_size": args.vocab_size, "hidden_size": args.hidden_size, "num_hidden_layers": args.n_layers,

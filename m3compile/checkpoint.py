@@ -105,11 +105,10 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
     n_layers = cfg["num_hidden_layers"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
     theta, partial, scaling = _rope(cfg)
-    for key in ("sliding_window",):
-        window = cfg.get(key)
-        uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
-        if window is not None and uses_window and window < cfg.get("max_position_embeddings", 0):
-            raise M3CompileError(f"sliding-window attention ({key}={window}) is not supported; only full causal attention")
+    window = cfg.get("sliding_window")
+    uses_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
+    if window is not None and uses_window and window < cfg.get("max_position_embeddings", 0):
+        raise M3CompileError(f"sliding-window attention (sliding_window={window}) is not supported; only full causal")
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
         head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,

@@ -182,9 +182,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.register_buffer("inv_freq", self.frequencies(args), persistent=False)
+
+    @staticmethod
+    def frequencies(args: ModelArgs) -> torch.Tensor:
         dim = args.rope_dim
         inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", _scale_frequencies(inv_freq, args.rope_scaling), persistent=False)
+        return _scale_frequencies(inv_freq, args.rope_scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
         freqs = positions[..., None].float() * self.inv_freq.float()
