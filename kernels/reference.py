@@ -158,19 +158,23 @@ def sparse_attention(
     scale = D**-0.5 if scale is None else scale
     out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
     qg = q.view(B, Hkv, G, T, D)
+    n_blocks = -(-T // block_size)
+    pad = (0, 0, 0, n_blocks * block_size - T)
+    kb = F.pad(k.float(), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
+    vb = F.pad(v.float(), pad).view(B, Hkv, n_blocks, block_size, D)
+    i_b = torch.arange(B, device=q.device)[:, None, None, None]
+    i_h = torch.arange(Hkv, device=q.device)[None, :, None, None]
     offs = torch.arange(block_size, device=q.device)
     chunk = chunk or query_chunk(B * Hkv * (G + 2 * D), K * block_size)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         idx = blocks[:, :, start:end]  # [B, Hkv, C, K]
-        pos = (idx.clamp(min=0)[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs]
+        pos = (idx.clamp(min=0)[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs] token ids
         t_pos = torch.arange(start, end, device=q.device)[:, None]
         valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
-        pos = pos.clamp(max=T - 1)
-        C, S = end - start, pos.shape[-1]
-        gather = pos.reshape(B, Hkv, C * S, 1).expand(-1, -1, -1, D)
-        kg = k.float().gather(2, gather).view(B, Hkv, C, S, D)
-        vg = v.float().gather(2, gather).view(B, Hkv, C, S, D)
+        C = end - start
+        kg = kb[i_b, i_h, idx.clamp(min=0)].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
+        vg = vb[i_b, i_h, idx.clamp(min=0)].view(B, Hkv, C, K * block_size, D)
         s = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].float(), kg) * scale
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
