@@ -169,12 +169,13 @@ def sparse_attention(
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         idx = blocks[:, :, start:end]  # [B, Hkv, C, K]
-        pos = (idx.clamp(min=0)[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs] token ids
+        safe = idx.clamp(min=0)  # -1 slots read block 0, then are masked out by `valid`
+        pos = (safe[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs] token ids
         t_pos = torch.arange(start, end, device=q.device)[:, None]
         valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
         C = end - start
-        kg = kb[i_b, i_h, idx.clamp(min=0)].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
-        vg = vb[i_b, i_h, idx.clamp(min=0)].view(B, Hkv, C, K * block_size, D)
+        kg = kb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
+        vg = vb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)
         s = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].float(), kg) * scale
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
