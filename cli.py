@@ -65,6 +65,8 @@ def main():
     \b
     m3c convert SRC OUT    dense checkpoint -> MSA checkpoint (M3 tensor names)
     m3c eval MODEL --data  dense vs sparse loss and block recall per layer
+    m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
+    m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
     m3c passes             the graph passes and what each does
     """
 
@@ -170,6 +172,68 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, as_json):
         table.add_row(str(layer), f"{r:.3f}")
     table.add_row("mean", f"{report.mean_recall:.3f}")
     console.print(table)
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Calibration tokens: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Output directory: the distilled checkpoint plus its resumable state.")
+@click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total).")
+@click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence.")
+@click.option("--batch", default=1, show_default=True, help="Sequences per process per step (global batch = batch x processes).")
+@click.option("--lr", default=1e-3, show_default=True, help="AdamW learning rate of the index parameters.")
+@click.option("--warmup-steps", default=0, show_default=True, help="First steps with dense support and a dense main branch.")
+@click.option("--checkpoint-every", default=100, show_default=True, help="Write a resumable checkpoint every this many steps.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
+@click.option("--dtype", default="float32", show_default=True, help="Compute and index-weight dtype.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
+@click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
+            resume, force, as_json):
+    """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
+
+    Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
+    over each KV group's heads; the student is the index branch's softmax over the same support (all visible
+    keys during --warmup-steps, the selected blocks after). Ctrl-C saves a resumable state in --out. Runs under
+    torchrun for data parallelism (gloo on CPU, NCCL on CUDA).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from m3compile import DistillConfig, DistillInterrupted
+    from m3compile import distill as run_distill
+
+    config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+    rank0 = int(__import__("os").environ.get("RANK", "0")) == 0
+    columns = (TextColumn("[bold]distil"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, disable=as_json or not rank0) as bar:
+        task = bar.add_task("distil", total=steps, info="loading")
+
+        def show(step, total, m):
+            bar.update(task, completed=step, info=f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
+                                                   f"{m['tokens_per_s']:,.0f} tok/s")
+
+        try:
+            report = _run(run_distill, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
+                          progress=show)
+        except DistillInterrupted as e:
+            click.echo(str(e), err=True)
+            sys.exit(130)
+    if not rank0:
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    first, last = report.history[0], report.history[-1]
+    console = _console()
+    console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es), "
+                  f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
+    console.print(f"KL {first['kl']:.4f} -> {last['kl']:.4f}   recall {first['recall']:.3f} -> {last['recall']:.3f}   "
+                  f"(step {first['step']} -> {last['step']})")
+    console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
 
 @main.command()

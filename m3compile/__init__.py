@@ -1,6 +1,6 @@
 """m3compile: rewrite dense GQA transformers into MiniMax Sparse Attention (MSA).
 
-    trace -> analyse (match attention) -> rewrite (gqa_to_msa) -> save / load / evaluate
+    trace -> analyse (match attention) -> rewrite (gqa_to_msa) -> distil (kl_distill) -> save / load / evaluate
 
 Importing the package initialises no GPU and imports no Triton code.
 """
@@ -8,10 +8,11 @@ from m3compile.api import (
     ConversionReport, EvalReport, convert, convert_checkpoint, evaluate, from_preset, load, save,
 )
 from m3compile.config import MSAConfig
+from m3compile.distill import DistillConfig, DistillInterrupted, DistillReport, distill
 from m3compile.errors import M3CompileError
 
 __all__ = [
     "MSAConfig", "M3CompileError", "convert", "convert_checkpoint", "save", "load", "from_preset", "evaluate",
-    "ConversionReport", "EvalReport",
+    "ConversionReport", "EvalReport", "distill", "DistillConfig", "DistillReport", "DistillInterrupted",
 ]
 __version__ = "0.1.0"

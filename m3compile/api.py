@@ -55,6 +55,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint
     model.source_config = ck.config
+    model.source_dtype = ck.dtype
     return model.to(parse_dtype(dtype) or ck.dtype).eval()
 
 

@@ -314,3 +314,22 @@ def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list
 def msa_nodes(gm: torch.fx.GraphModule) -> list[Node]:
     """The block-sparse attention nodes already in the graph (MSA layers)."""
     return [n for n in gm.graph.nodes if _is_fn(n, {msa_attention})]
+
+
+def msa_layer(n: Node) -> int:
+    """The decoder layer of an MSA attention node: recorded by gqa_to_msa, or read from the index projections'
+    module path (`...layers.{i}.self_attn.index_q_proj`) of a natively traced MSA model. -1 when unknown."""
+    if "m3_msa_layer" in n.meta:
+        return n.meta["m3_msa_layer"]
+    todo, seen = [n.args[3]], set()
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur.op == "call_module":
+            m = re.search(r"layers\.(\d+)\.", str(cur.target))
+            if m:
+                return int(m[1])
+        todo.extend(cur.all_input_nodes)
+    return -1

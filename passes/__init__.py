@@ -1,4 +1,5 @@
 """Graph passes, one file each. See passes/README.md for the pipeline."""
 from passes.gqa_to_msa import GQAToMSA
+from passes.kl_distill import KLDistill
 
-__all__ = ["GQAToMSA"]
+__all__ = ["GQAToMSA", "KLDistill"]

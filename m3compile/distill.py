@@ -1,0 +1,307 @@
+"""Index-branch distillation (MSA_SPEC section 4): teach a converted model's index branch to select the blocks the
+dense model attends to.
+
+    load converted model -> trace -> kl_distill pass -> AdamW on index parameters only -> checkpoint (resumable)
+
+Only the index projections and norms learn (the backbone is frozen and bit-identical afterwards). The first
+`warmup_steps` use dense support with a dense main branch, then the support becomes the selected blocks. Data
+order is a pure function of (seed, step), so a resumed run continues bit for bit. Under `torchrun` the index
+parameters are wrapped in DistributedDataParallel and each rank takes its slice of the global batch.
+
+Output directory: a loadable converted checkpoint (config.json, safetensors in the source dtype) plus
+`distill_state/` (fp32 index weights, optimizer state, run fingerprint; all safetensors and JSON) and
+`distill_report.json`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from m3compile.api import load, parse_dtype
+from m3compile.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
+from m3compile.data import load_tokens, windows
+from m3compile.errors import M3CompileError
+from m3compile.pass_manager import PassManager
+from m3compile.tracing import trace
+
+__all__ = ["DistillConfig", "DistillReport", "DistillInterrupted", "distill", "index_parameters"]
+
+STATE_DIR = "distill_state"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of a distillation run. `batch` is sequences per process per step (global batch = batch x ranks)."""
+
+    steps: int
+    seq_len: int = 8192
+    batch: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    checkpoint_every: int = 100
+    seed: int = 0
+    dtype: str = "float32"
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        for name in ("steps", "seq_len", "batch", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise M3CompileError(f"lr must be > 0, got {self.lr}")
+        parse_dtype(self.dtype)
+
+    def mode(self, step: int) -> str:
+        return "warmup" if step < self.warmup_steps else "sparse"
+
+    def fingerprint(self, world_size: int) -> dict:
+        """What a resumed run must share with the run it continues (steps may grow)."""
+        return {"seq_len": self.seq_len, "global_batch": self.batch * world_size, "lr": self.lr,
+                "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype,
+                "weight_decay": self.weight_decay}
+
+
+@dataclass
+class DistillReport:
+    model: str
+    out_dir: str
+    start_step: int
+    steps: int
+    world_size: int
+    tokens: int = 0  # tokens processed by this run (all ranks)
+    seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)  # per step: step, mode, kl, recall, per-layer lists
+    interrupted: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
+
+
+class DistillInterrupted(KeyboardInterrupt):
+    """Ctrl-C during distillation: the state after the last finished step was saved."""
+
+    def __init__(self, step: int, out_dir: Path):
+        super().__init__(f"interrupted after step {step}; state saved in {out_dir} (continue with --resume)")
+        self.step, self.out_dir = step, out_dir
+
+
+def index_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The index branch's parameters (index_q_proj, index_k_proj, index_q_norm, index_k_norm of every MSA layer)."""
+    return {n: p for n, p in module.named_parameters() if ".index_" in n}
+
+
+def _model_fingerprint(model_dir: Path) -> str:
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _batch_ids(step: int, rank: int, batch: int, world: int, n_windows: int, seed: int) -> list[int]:
+    """Window indices of one rank at one step: a seeded permutation per epoch, sliced by rank."""
+    out = []
+    for i in range(batch):
+        p = (step * world + rank) * batch + i  # position in the global stream
+        epoch, pos = divmod(p, n_windows)
+        perm = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(perm[pos]))
+    return out
+
+
+def _init_distributed(device: str) -> tuple[int, int, bool]:
+    """(rank, world size, whether this call created the process group). Reads torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if str(device).startswith("cuda") else "gloo")
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def distill(
+    model_dir: str | os.PathLike,
+    data: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: DistillConfig,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    force: bool = False,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> DistillReport:
+    """Distil the index branch of the converted model in `model_dir` on token `data`; write to `out_dir`.
+
+    Raises M3CompileError (nothing written) on bad input: an unconverted model, data shorter than one sequence,
+    token ids outside the vocabulary, an existing `out_dir` without `force`/`resume`, or `resume` from a run with
+    other settings. Ctrl-C saves the state after the last finished step and raises DistillInterrupted.
+    """
+    if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ and ":" not in str(device):
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    rank, world, own_group = _init_distributed(device)
+    try:
+        return _Run(Path(model_dir), Path(data), Path(out_dir), config, device, rank, world).run(resume, force, progress)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+class _Run:
+    def __init__(self, model_dir: Path, data: Path, out_dir: Path, config: DistillConfig, device: str, rank: int,
+                 world: int):
+        self.model_dir, self.data, self.out_dir, self.config = model_dir, data, out_dir, config
+        self.device, self.rank, self.world = device, rank, world
+
+    def run(self, resume: bool, force: bool, progress) -> DistillReport:
+        from passes.kl_distill import KLDistill, set_distill_mode
+
+        cfg, out = self.config, self.out_dir
+        state = self._read_state() if resume else None
+        if not resume and out.exists() and not force:
+            raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
+        model = load(self.model_dir, dtype=cfg.dtype, device=self.device)
+        if model.args.msa is None:
+            raise M3CompileError(f"{self.model_dir} has no MSA layers: it was never converted (run m3c convert first)")
+        tokens = load_tokens(self.data, model.args.vocab_size, self.model_dir)
+        wins = windows(tokens, cfg.seq_len)
+        fingerprint = {"model": _model_fingerprint(self.model_dir), "data": f"{self.data.name}:{tokens.numel()}",
+                       **cfg.fingerprint(self.world)}
+        start = 0
+        history: list[dict] = []
+        if state is not None:
+            start, history = self._check_resume(state, fingerprint)
+
+        gm = trace(model)
+        PassManager([KLDistill(cfg.mode(start))]).run(gm)
+        params = index_parameters(gm)
+        for p in gm.parameters():
+            p.requires_grad_(False)
+        for p in params.values():
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if state is not None:
+            self._load_state(params, opt)
+        net = gm
+        if self.world > 1:
+            net = torch.nn.parallel.DistributedDataParallel(gm, device_ids=None if self.device == "cpu" else [self.device])
+
+        report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history)
+        t0 = time.perf_counter()
+        step = start
+        try:
+            while step < cfg.steps:
+                mode = cfg.mode(step)
+                if gm.meta["m3_kl_distill"].mode != mode:
+                    set_distill_mode(gm, mode)
+                ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
+                x = wins[ids, :-1].to(self.device)
+                _, kl, recall = net(x)
+                opt.zero_grad(set_to_none=True)
+                kl.float().sum().backward()
+                opt.step()
+                step += 1
+                metrics = self._metrics(step, mode, kl.detach(), recall.detach(), gm.meta["m3_kl_distill"].layers)
+                report.history.append(metrics)
+                report.tokens += cfg.batch * self.world * cfg.seq_len
+                report.seconds = time.perf_counter() - t0
+                if progress is not None:
+                    progress(step, cfg.steps, {**metrics, "tokens_per_s": report.tokens_per_s})
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                    self._save(model, params, opt, step, fingerprint, report)
+        except KeyboardInterrupt:
+            report.interrupted = True
+            report.seconds = time.perf_counter() - t0
+            self._save(model, params, opt, step, fingerprint, report)
+            raise DistillInterrupted(step, out) from None
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _metrics(self, step: int, mode: str, kl: torch.Tensor, recall: torch.Tensor, layers: list[int]) -> dict:
+        both = torch.stack([kl.float(), recall.float()])
+        if self.world > 1:
+            dist.all_reduce(both)
+            both /= self.world
+        kl_l, rec_l = both.tolist()
+        return {"step": step, "mode": mode, "kl": sum(kl_l) / len(kl_l), "recall": sum(rec_l) / len(rec_l),
+                "layers": layers, "kl_layers": kl_l, "recall_layers": rec_l}
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _read_state(self) -> dict:
+        path = self.out_dir / STATE_DIR / "state.json"
+        if not path.is_file():
+            raise M3CompileError(f"{self.out_dir} holds no distillation state to resume ({path} missing)")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise M3CompileError(f"{path}: not valid JSON") from None
+
+    def _check_resume(self, state: dict, fingerprint: dict) -> tuple[int, list[dict]]:
+        saved = state.get("fingerprint", {})
+        for key, value in fingerprint.items():
+            if saved.get(key) != value:
+                raise M3CompileError(
+                    f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, this run has {value!r}"
+                )
+        step = int(state["step"])
+        if step >= self.config.steps:
+            raise M3CompileError(f"--resume: {self.out_dir} already holds {step} steps; ask for more than {step} with --steps")
+        report = self.out_dir / "distill_report.json"
+        history = json.loads(report.read_text())["history"] if report.is_file() else []
+        return step, [h for h in history if h["step"] <= step]
+
+    def _load_state(self, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+        folder = self.out_dir / STATE_DIR
+        weights = load_file(str(folder / "index.safetensors"))
+        if set(weights) != set(params):
+            raise M3CompileError(f"--resume: {folder} holds other index tensors than this model has")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+        meta = json.loads((folder / "state.json").read_text())
+        order = list(params)
+        sd = {"state": {}, "param_groups": meta["param_groups"]}
+        for key, t in tensors.items():
+            i, name = key.split(".", 1)
+            sd["state"].setdefault(order.index(meta["param_names"][int(i)]), {})[name] = t
+        for g in sd["param_groups"]:
+            g["betas"] = tuple(g["betas"])
+        opt.load_state_dict(sd)
+
+    def _save(self, model, params, opt, step: int, fingerprint: dict, report: DistillReport) -> None:
+        if self.rank == 0:
+            with atomic_output_dir(self.out_dir, force=True) as tmp:
+                dtype = model.source_dtype
+                state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+                if model.args.tie_embeddings:
+                    state.pop("lm_head.weight", None)
+                write_checkpoint(tmp, model.source_config, to_release_names(state))
+                folder = tmp / STATE_DIR
+                folder.mkdir()
+                save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()},
+                          str(folder / "index.safetensors"))
+                sd = opt.state_dict()
+                names = list(params)
+                save_file({f"{i}.{k}": v.detach().to("cpu").contiguous() for i, s in sd["state"].items()
+                           for k, v in s.items()}, str(folder / "optimizer.safetensors"))
+                groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in sd["param_groups"]]
+                (folder / "state.json").write_text(json.dumps(
+                    {"step": step, "fingerprint": fingerprint, "param_names": names, "param_groups": groups}, indent=2))
+                (tmp / "distill_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        if self.world > 1:
+            dist.barrier()

@@ -1,0 +1,159 @@
+"""Index-branch distillation on the shared checkpoint: it learns, only the index branch changes, resume is exact,
+data parallelism matches a doubled batch, and bad input leaves the output untouched."""
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from m3compile import DistillConfig, DistillInterrupted, MSAConfig, convert_checkpoint, distill, load
+from m3compile.data import load_tokens, windows
+from m3compile.pass_manager import PassManager
+from m3compile.tracing import trace
+from passes.kl_distill import KLDistill
+from tests.conftest import CALIB_DATA, EVAL_DATA, LLAMA_BYTE
+from tests.test_cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """dense-llama-byte with 16-token blocks and top-4: at 256 tokens (16 blocks) selection is really sparse."""
+    out = tmp_path_factory.mktemp("distill") / "msa"
+    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
+    return out
+
+
+def measure(model_dir: Path, n_windows: int = 4, seq_len: int = 256) -> tuple[float, float]:
+    """Mean sparse-support KL and mean dense-teacher recall on fixed held-out windows."""
+    model = load(model_dir, dtype="float32")
+    gm = trace(model)
+    PassManager([KLDistill("sparse")]).run(gm)
+    x = windows(load_tokens(EVAL_DATA, 256), seq_len, n_windows)[:, :-1]
+    with torch.no_grad():
+        _, kl, recall = gm(x)
+    return float(kl.mean()), float(recall.mean())
+
+
+def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_distillation_lowers_kl_raises_recall_and_keeps_the_backbone(converted, tmp_path):
+    out = tmp_path / "distilled"
+    kl_before, recall_before = measure(converted)
+    report = distill(converted, CALIB_DATA, out, DistillConfig(steps=24, seq_len=256, batch=4, lr=1e-2, warmup_steps=8))
+    kl_after, recall_after = measure(out)
+    assert kl_after < 0.7 * kl_before, (kl_before, kl_after)
+    assert recall_after > recall_before, (recall_before, recall_after)
+    assert [h["mode"] for h in report.history] == ["warmup"] * 8 + ["sparse"] * 16
+    before, after = tensors(converted), tensors(out)
+    assert before.keys() == after.keys()
+    index = [n for n in before if ".index_" in n]
+    assert len(index) == 5 * 4  # 5 MSA layers x (q_proj, k_proj, q_norm, k_norm)
+    for name in before:
+        if name in index:
+            assert not torch.equal(before[name], after[name]), f"{name} did not learn"
+        else:
+            assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+
+
+def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
+    config = DistillConfig(steps=6, seq_len=128, batch=2, lr=1e-2, warmup_steps=2)
+    distill(converted, CALIB_DATA, tmp_path / "straight", config)
+
+    def interrupt_at_3(step, total, metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(DistillInterrupted, match="after step 3"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_3)
+    assert '"step": 3' in (tmp_path / "resumed" / "distill_state" / "state.json").read_text()
+    report = distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
+    assert report.start_step == 3 and [h["step"] for h in report.history] == [1, 2, 3, 4, 5, 6]
+    for name in ("distill_state/index.safetensors", "distill_state/optimizer.safetensors", "model.safetensors"):
+        a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}:{key}"
+
+
+def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
+    common = ["distill", str(converted), "--data", str(CALIB_DATA), "--steps", "3", "--seq-len", "128",
+              "--lr", "1e-2", "--warmup-steps", "1", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli", *common,
+         "--batch", "1", "--out", str(tmp_path / "ddp")], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert '"world_size": 2' in two.stdout
+    one = subprocess.run([sys.executable, "-m", "cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = load_file(str(tmp_path / "ddp" / "distill_state" / "index.safetensors"))
+    b = load_file(str(tmp_path / "single" / "distill_state" / "index.safetensors"))
+    start = load_file(str(converted / "model.safetensors"))
+    for key in a:
+        assert not torch.equal(a[key], start[key].float())
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, existing output untouched
+
+
+def distill_cli(model_dir, data, out, *extra):
+    return run("distill", model_dir, "--data", data, "--out", out, "--steps", "2", "--seq-len", "128", *extra)
+
+
+def test_data_shorter_than_one_sequence(converted, tmp_path):
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"def f():\n    pass\n")
+    code, output = distill_cli(converted, short, tmp_path / "out")
+    assert code == 2 and "fewer than one sequence" in output and not (tmp_path / "out").exists()
+
+
+def test_token_ids_beyond_the_vocabulary(converted, tmp_path):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(1000, dtype=np.int64) % 300)
+    code, output = distill_cli(converted, ids, tmp_path / "out")
+    assert code == 2 and "outside the model's vocabulary" in output and not (tmp_path / "out").exists()
+
+
+def test_model_that_was_never_converted(tmp_path):
+    code, output = distill_cli(LLAMA_BYTE, CALIB_DATA, tmp_path / "out")
+    assert code == 2 and "never converted" in output and not (tmp_path / "out").exists()
+
+
+def test_existing_output_and_mismatched_resume_leave_it_untouched(converted, tmp_path):
+    out = tmp_path / "out"
+    code, output = distill_cli(converted, CALIB_DATA, out, "--batch", "1")
+    assert code == 0, output
+    before = digest(out)
+    code, output = distill_cli(converted, CALIB_DATA, out)
+    assert code == 2 and "already exists" in output
+    code, output = distill_cli(converted, CALIB_DATA, out, "--resume", "--steps", "4", "--lr", "0.5")
+    assert code == 2 and "lr" in output, output
+    code, output = distill_cli(converted, CALIB_DATA, out, "--resume")
+    assert code == 2 and "already holds 2 steps" in output, output
+    assert digest(out) == before
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    code, output = distill_cli(converted, CALIB_DATA, plain, "--resume")
+    assert code == 2 and "no distillation state" in output
