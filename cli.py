@@ -133,8 +133,9 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 @click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window.")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all].")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_(model_dir, data, seq_len, max_windows, dtype, as_json):
+def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
     """Dense loss, sparse (MSA) loss and block recall per layer of MODEL_DIR on --data.
 
     Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
@@ -147,7 +148,7 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, as_json):
 
     if seq_len < 1:
         raise click.BadParameter("--seq-len must be >= 1")
-    model = _run(load, model_dir, dtype=dtype)
+    model = _run(load, model_dir, dtype=dtype, device=device)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
     with Progress(transient=True, disable=as_json) as bar:
         task = bar.add_task("evaluating", total=None)
@@ -234,6 +235,47 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     console.print(f"KL {first['kl']:.4f} -> {last['kl']:.4f}   recall {first['recall']:.3f} -> {last['recall']:.3f}   "
                   f"(step {first['step']} -> {last['step']})")
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
+
+
+@main.command(name="attention-map")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.option("--layer", required=True, type=int, help="MSA layer to draw.")
+@click.option("--group", default=0, show_default=True, help="KV group (index head) to draw.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
+@click.option("--seq-len", default=1024, show_default=True, help="Tokens in the window (the map is seq-len x seq-len).")
+@click.option("--offset", default=0, show_default=True, help="First token of the window in --data.")
+@click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--json", "as_json", is_flag=True, help="Print the recall figures as JSON.")
+def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, device, as_json):
+    """Draw the dense attention of one KV group of MODEL_DIR with its selected blocks outlined, plus per-layer recall.
+
+    The left panel is the mean over the group's query heads of the dense causal softmax (log colour scale); the
+    outlines enclose, for every query row, the key blocks the index branch selected. Mass outside the outlines is
+    what MSA drops. The right panel is the block recall of every MSA layer on the same window.
+    """
+    from m3compile import load
+    from m3compile.attention_map import attention_map as compute, draw_attention_map
+    from m3compile.data import load_tokens
+
+    model = _run(load, model_dir, dtype=dtype, device=device)
+    tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
+    amap = _run(compute, model, tokens, layer, group, seq_len, offset)
+    _run(draw_attention_map, amap, out)
+    if as_json:
+        click.echo(json.dumps(amap.to_dict() | {"out": str(out)}, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"block recall on tokens {offset}..{offset + seq_len}")
+    table.add_column("MSA layer", justify="right")
+    table.add_column("recall", justify="right")
+    for i, r in amap.recall.items():
+        table.add_row(str(i) + (" (drawn)" if i == layer else ""), f"{r:.3f}")
+    console = _console()
+    console.print(table)
+    console.print(f"layer {layer}, group {group}: recall {amap.group_recall:.3f}; wrote {out}")
 
 
 @main.command()
