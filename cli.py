@@ -169,9 +169,10 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
     table = Table(title="block recall per MSA layer")
     table.add_column("layer", justify="right")
     table.add_column("recall", justify="right")
+    table.add_column("oracle (teacher's own top-k)", justify="right")
     for layer, r in report.recall.items():
-        table.add_row(str(layer), f"{r:.3f}")
-    table.add_row("mean", f"{report.mean_recall:.3f}")
+        table.add_row(str(layer), f"{r:.3f}", f"{report.oracle_recall[layer]:.3f}")
+    table.add_row("mean", f"{report.mean_recall:.3f}", f"{report.mean_oracle_recall:.3f}")
     console.print(table)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "sparse_attention",
     "dense_attention",
     "block_recall",
+    "oracle_recall",
     "index_kl",
     "query_chunk",
 ]
@@ -207,6 +208,19 @@ def dense_attention(
     return out.view(B, Hq, T, D).to(q.dtype)
 
 
+def _block_mass(q: torch.Tensor, k: torch.Tensor, start: int, end: int, block_size: int, scale: float) -> torch.Tensor:
+    """Group-mean causal softmax of queries start:end summed per key block: [B, Hkv, end - start, ceil(end / bs)]."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    n_blocks = -(-end // block_size)
+    qg = q[:, :, start:end].float().view(B, Hkv, Hq // Hkv, end - start, D)
+    s = torch.einsum("bhgcd,bhjd->bhgcj", qg, k[:, :, :end].float()) * scale
+    t_pos = torch.arange(start, end, device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(end, device=q.device) > t_pos, float("-inf"))
+    p = torch.softmax(s, -1).mean(2)  # [B, Hkv, C, end]
+    return F.pad(p, (0, n_blocks * block_size - end)).view(B, Hkv, end - start, n_blocks, block_size).sum(-1)
+
+
 def block_recall(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,24 +235,47 @@ def block_recall(
     The mass is the teacher of MSA_SPEC section 4: the mean over the G heads of the group of their causal softmax.
     q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hkv, T] fp32 in [0, 1].
     """
-    G = _check_attention_inputs(q, k, k)
+    _check_attention_inputs(q, k, k)
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
     scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, Hkv, T, dtype=torch.float32, device=q.device)
-    qg = q.view(B, Hkv, G, T, D)
+    out = torch.empty(B, k.shape[1], T, dtype=torch.float32, device=q.device)
     chunk = chunk or query_chunk(B * Hq, T)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
-        n_blocks = -(-end // block_size)
-        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].float(), k[:, :, :end].float()) * scale
-        t_pos = torch.arange(start, end, device=q.device)[:, None]
-        s = s.masked_fill(torch.arange(end, device=q.device) > t_pos, float("-inf"))
-        p = torch.softmax(s, -1).mean(2)  # [B, Hkv, C, end]
-        p = F.pad(p, (0, n_blocks * block_size - end)).view(B, Hkv, end - start, n_blocks, block_size).sum(-1)
+        p = _block_mass(q, k, start, end, block_size, scale)
+        n_blocks = p.shape[-1]
         idx = blocks[:, :, start:end]
         picked = p.gather(-1, idx.clamp(min=0).clamp(max=n_blocks - 1)) * (idx >= 0) * (idx < n_blocks)
         out[:, :, start:end] = picked.sum(-1)
+    return out
+
+
+def oracle_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """The best recall any index branch could reach: the teacher's own top-k blocks (forced blocks kept).
+
+    q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T] fp32 in [0, 1].
+    """
+    _check_attention_inputs(q, k, k)
+    B, Hq, T, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+    chunk = chunk or query_chunk(B * Hq, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        p = _block_mass(q, k, start, end, block_size, scale)
+        t_pos = torch.arange(start, end, device=q.device)
+        best = _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
+        out[:, :, start:end] = (p.gather(-1, best.clamp(min=0)) * (best >= 0)).sum(-1)
     return out
 
 

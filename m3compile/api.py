@@ -240,6 +240,11 @@ class EvalReport:
     sparse_loss: float | None
     recall: dict[int, float] = field(default_factory=dict)  # layer -> mean block recall
     seconds: float = 0.0
+    oracle_recall: dict[int, float] = field(default_factory=dict)  # layer -> recall of the teacher's own top-k
+
+    @property
+    def mean_oracle_recall(self) -> float | None:
+        return sum(self.oracle_recall.values()) / len(self.oracle_recall) if self.oracle_recall else None
 
     @property
     def mean_recall(self) -> float | None:
@@ -253,24 +258,31 @@ class EvalReport:
         return {
             "seq_len": self.seq_len, "windows": self.windows, "tokens": self.tokens, "dense_loss": self.dense_loss,
             "sparse_loss": self.sparse_loss, "loss_increase": self.loss_increase, "mean_recall": self.mean_recall,
-            "recall": {str(k): v for k, v in self.recall.items()}, "seconds": round(self.seconds, 2),
+            "recall": {str(k): v for k, v in self.recall.items()}, "mean_oracle_recall": self.mean_oracle_recall,
+            "oracle_recall": {str(k): v for k, v in self.oracle_recall.items()}, "seconds": round(self.seconds, 2),
         }
 
 
 class _RecallProbe:
-    """Attached to MSA layers during evaluation: accumulates per-layer block recall."""
+    """Attached to MSA layers during evaluation: accumulates per-layer block recall and oracle recall."""
 
     def __init__(self):
         self.sums: dict[int, float] = {}
+        self.oracle_sums: dict[int, float] = {}
         self.counts: dict[int, int] = {}
 
     def __call__(self, layer: int, attn: Attention, q, k, blocks) -> None:
-        r = ref.block_recall(q, k, blocks, block_size=attn.msa.block_size, scale=attn.scale)
+        m = attn.msa
+        r = ref.block_recall(q, k, blocks, block_size=m.block_size, scale=attn.scale)
+        best = ref.oracle_recall(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                 local_blocks=m.local_blocks, scale=attn.scale)
         self.sums[layer] = self.sums.get(layer, 0.0) + float(r.sum())
+        self.oracle_sums[layer] = self.oracle_sums.get(layer, 0.0) + float(best.sum())
         self.counts[layer] = self.counts.get(layer, 0) + r.numel()
 
-    def result(self) -> dict[int, float]:
-        return {layer: self.sums[layer] / self.counts[layer] for layer in sorted(self.sums)}
+    def result(self, oracle: bool = False) -> dict[int, float]:
+        sums = self.oracle_sums if oracle else self.sums
+        return {layer: sums[layer] / self.counts[layer] for layer in sorted(sums)}
 
 
 @torch.no_grad()
@@ -301,4 +313,4 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
             layer.self_attn.probe = None
     n = data.shape[0] * seq_len
     return EvalReport(seq_len, data.shape[0], n, dense_sum / n, sparse_sum / n if sparse_layers else None,
-                      probe.result(), time.perf_counter() - start)
+                      probe.result(), time.perf_counter() - start, probe.result(oracle=True))

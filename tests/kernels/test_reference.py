@@ -152,3 +152,27 @@ def test_memory_is_bounded_at_16k(monkeypatch):
     blocks = ref.select_blocks(q_idx, k_idx, block_size=128, topk=4)
     assert max(seen) <= ref._CHUNK_ELEMENTS and max(seen) < T * T
     assert int(blocks[0, 0, -1].max()) == T // 128 - 1  # the last query keeps its own block
+
+
+@pytest.mark.parametrize("T,bs,topk,local", [(1, 4, 2, 1), (23, 4, 3, 1), (40, 8, 2, 2)])
+def test_oracle_recall_is_the_teachers_best_choice(T, bs, topk, local):
+    """Brute force over every allowed choice of blocks: the oracle is the best, and it bounds the index's recall."""
+    import itertools
+
+    torch.manual_seed(T)
+    q, k = torch.randn(1, 6, T, 8), torch.randn(1, 2, T, 8)
+    oracle = ref.oracle_recall(q, k, block_size=bs, topk=topk, local_blocks=local)
+    selected = ref.select_blocks(torch.randn(1, 2, T, 8), torch.randn(1, T, 8), block_size=bs, topk=topk,
+                                 local_blocks=local)
+    assert bool((ref.block_recall(q, k, selected, block_size=bs) <= oracle + 1e-6).all())
+    for t in range(T):
+        qb = t // bs
+        forced = [b for b in range(qb + 1) if b > qb - local]
+        free = [b for b in range(qb + 1) if b not in forced]
+        best = 0.0
+        for extra in itertools.combinations(free, max(0, min(topk - len(forced), len(free)))):
+            blocks = torch.full((1, 2, T, topk), -1)
+            chosen = torch.tensor((forced + list(extra))[:topk])
+            blocks[:, :, t, :len(chosen)] = chosen
+            best = torch.maximum(torch.as_tensor(best), ref.block_recall(q, k, blocks, block_size=bs)[0, :, t])
+        torch.testing.assert_close(oracle[0, :, t], best.expand(2).float(), rtol=1e-5, atol=1e-6)
