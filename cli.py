@@ -83,8 +83,8 @@ def main():
 @click.option("--index-heads", type=int, default=None, help="Index query heads [default: the KV head count, which it must equal].")
 @click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
 @click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")
-@click.option("--dtype", default=None, help="Output dtype (float32, bfloat16, float16) [default: the source's].")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
 def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
@@ -94,6 +94,10 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
     sparse_attention_config), safetensors shards with M3 tensor names, graph/module.py (the rewritten graph)
     and conversion_report.json. Nothing is written unless the whole conversion succeeds.
+
+    A checkpoint is converted streaming: the model is traced on the meta device and tensors are read from the
+    memory-mapped source shards one layer at a time, so memory stays near one layer whatever the model's size.
+    Each tensor keeps its dtype unless --dtype is given.
     """
     from m3compile import MSAConfig, convert_checkpoint
 
@@ -104,10 +108,16 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         raise click.UsageError("missing OUT directory")
     config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                   init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers))
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     console = _console()
-    with console.status(f"converting {src or 'preset ' + (preset or 'm3-tiny')} ..."):
+    columns = (TextColumn("[bold]convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task(f"{src or 'preset ' + (preset or 'm3-tiny')}", total=None)
         report = _run(convert_checkpoint, src, out, config, preset=preset, force=force, dtype=dtype,
-                      max_shard_size=_parse_size(max_shard_size))
+                      max_shard_size=_parse_size(max_shard_size),
+                      progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return

@@ -31,6 +31,7 @@ __all__ = [
     "args_from_config",
     "read_checkpoint",
     "load_state_dict",
+    "check_state",
     "to_release_names",
     "write_checkpoint",
     "atomic_output_dir",
@@ -281,10 +282,9 @@ def read_checkpoint(path: str | os.PathLike, attn_impl: str = "sdpa_gqa") -> Che
     return Checkpoint(path, cfg, args, state, layout, dtype)
 
 
-def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
-    """Copy `state` into `model` by name; missing, unexpected or mis-shaped tensors are one-line errors."""
-    expected = model.state_dict()
-    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: Path | str,
+                tied: bool = False) -> None:
+    """Missing, unexpected or mis-shaped tensors (against `expected`, e.g. a meta model's state dict) as one-line errors."""
     missing = [n for n in expected if n not in state and not (tied and n == "lm_head.weight")]
     if missing:
         raise M3CompileError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
@@ -296,6 +296,12 @@ def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
             raise M3CompileError(
                 f"{source}: tensor {name} has shape {list(t.shape)} but config.json implies {list(expected[name].shape)}"
             )
+
+
+def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
+    """Copy `state` into `model` by name; missing, unexpected or mis-shaped tensors are one-line errors."""
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    check_state(model.state_dict(), state, source, tied)
     model.load_state_dict(state, strict=not tied, assign=False)
 
 

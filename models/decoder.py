@@ -182,12 +182,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.register_buffer("inv_freq", self.frequencies(args), persistent=False)
+        # computed on the CPU, then placed where modules are being built (the meta device under a meta context)
+        self.register_buffer("inv_freq", self.frequencies(args).to(torch.empty(0).device), persistent=False)
 
     @staticmethod
     def frequencies(args: ModelArgs) -> torch.Tensor:
-        dim = args.rope_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        dim = args.rope_dim  # computed on the CPU even under a meta-device context: it is small and exact
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
         return _scale_frequencies(inv_freq, args.rope_scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
@@ -316,8 +317,9 @@ class MoE(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2 = nn.Parameter(torch.empty(E, H, I))
-        nn.init.normal_(self.w13, std=0.02)
-        nn.init.normal_(self.w2, std=0.02)
+        if not self.w13.is_meta:  # on meta, normal_ would import torch._dynamo (seconds) for nothing
+            nn.init.normal_(self.w13, std=0.02)
+            nn.init.normal_(self.w2, std=0.02)
         self.shared_experts = MLP(args, args.shared_intermediate_size) if args.shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -355,7 +357,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # _weight skips Embedding's own normal_ init, which on the meta device imports torch._dynamo (seconds)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size))
+        if not self.embed_tokens.weight.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
         self.rotary_emb = RotaryEmbedding(args)

@@ -1,0 +1,268 @@
+"""Streaming conversion of checkpoint directories with bounded memory (any size: 7B, 70B, M3 itself).
+
+    config.json --> Decoder on the meta device --> trace + gqa_to_msa (shapes only) --> output plan (names, shapes,
+    dtypes, shard split) --> per layer: read its tensors from the memory-mapped source shards, derive the index
+    branch, write the tensors into the current output shard --> index.json --> rename into place
+
+At any time memory holds one layer's tensors (plus the float64 scratch of that layer's index initialisation),
+never the model. Output shards are written tensor by tensor in safetensors format (a header computed from the
+plan, then the raw bytes), because safetensors' own writer takes a whole shard as a dict in memory. dtypes are
+kept per tensor (bf16 in, bf16 out) unless a dtype is asked for. Nothing is written unless everything succeeds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from m3compile.api import ConversionReport, convert, parse_dtype
+from m3compile.checkpoint import (
+    _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state, read_config,
+    to_release_names,
+)
+from m3compile.config import MSAConfig
+from m3compile.errors import M3CompileError
+from m3compile.index_init import init_index_weights
+from models.decoder import Decoder, ModelArgs, MSALayerArgs
+
+__all__ = ["convert_streaming", "SafetensorsWriter", "DEFAULT_MAX_SHARD_SIZE"]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as Hugging Face counts
+
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: the header (from the known names, shapes and dtypes) first."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in entries:
+            nbytes = _nbytes(shape, dtype)
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.expected = [(n, tuple(s), d) for n, s, d in entries]
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.done = 0
+
+    def write(self, name: str, t: torch.Tensor) -> int:
+        want_name, want_shape, want_dtype = self.expected[self.done]
+        if (name, tuple(t.shape), t.dtype) != (want_name, want_shape, want_dtype):
+            raise AssertionError(f"writing {name} {tuple(t.shape)} {t.dtype}; the plan has {want_name} {want_shape} {want_dtype}")
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.file.write(memoryview(data.numpy()))
+        self.done += 1
+        return data.numel()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.done != len(self.expected):
+            raise AssertionError(f"{self.done} of {len(self.expected)} tensors written")
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class _Source:
+    """The tensors of a checkpoint directory by name: headers for shapes and dtypes, data read on demand.
+
+    Files are opened per read batch and closed after it, so no memory map outlives the layer being converted
+    (mapped pages that were read count towards resident memory for as long as the map exists)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.where: dict[str, Path] = {}
+        self.headers: dict[str, tuple[list[int], str]] = {}
+        for f in _shard_files(path):
+            with self._open(f) as h:
+                for name in h.keys():
+                    sl = h.get_slice(name)
+                    self.where[name] = f
+                    self.headers[name] = (sl.get_shape(), sl.get_dtype())
+
+    @staticmethod
+    def _open(f: Path):
+        try:
+            return safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own types for truncated or corrupt files
+            raise M3CompileError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]})") from None
+
+    def meta(self, name: str) -> torch.Tensor:
+        shape, code = self.headers[name]
+        if code not in _CODE_DTYPES:
+            raise M3CompileError(f"{self.where[name]}: tensor {name} has unsupported dtype {code}")
+        return torch.empty(shape, dtype=_CODE_DTYPES[code], device="meta")
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for f in sorted({self.where[n] for n in names}):
+            with self._open(f) as h:
+                for name in (n for n in names if self.where[n] == f):
+                    try:
+                        out[name] = h.get_tensor(name)
+                    except Exception as e:
+                        raise M3CompileError(f"{f}: cannot read tensor {name} ({str(e).splitlines()[0]})") from None
+        return out
+
+
+def _group_of(name: str) -> tuple[int, str]:
+    """Read-and-write unit of a source tensor: a whole layer, or one tensor outside the layers (embeddings first,
+    then the layers in order, then the final norm and the head). Sorting the keys gives the output order."""
+    stripped = _strip_prefix(name) or name
+    m = re.match(r"model\.layers\.(\d+)\.", stripped)
+    if m:
+        return int(m[1]), ""
+    return (-1 if "embed" in stripped else 1 << 30), stripped
+
+
+@dataclass
+class _Planned:
+    group: tuple[int, str]
+    name: str  # output (release) name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Converter:
+    def __init__(self, src: Path, args: ModelArgs, settings: dict[int, MSALayerArgs], dtype: torch.dtype | None):
+        self.source = _Source(src)
+        self.args, self.settings, self.dtype = args, settings, dtype
+        self.groups: dict[tuple[int, str], list[str]] = {}
+        for name in self.source.where:
+            self.groups.setdefault(_group_of(name), []).append(name)
+
+    def group(self, g: tuple[int, str], materialise: bool) -> dict[str, torch.Tensor]:
+        """Output tensors of one group, release names: the source's (cast if asked) plus the new index branch."""
+        names = self.groups[g]
+        raw = self.source.load(names) if materialise else {n: self.source.meta(n) for n in names}
+        if self.dtype is not None:
+            raw = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in raw.items()}
+        state, _ = _internal_names(raw, self.args)
+        if g[0] in self.settings:
+            state.update(self._index_branch(g[0], state))
+        if self.args.tie_embeddings:
+            state.pop("lm_head.weight", None)
+        return to_release_names(state)
+
+    def _index_branch(self, layer: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        a, s = self.args, self.settings[layer]
+        pre = f"model.layers.{layer}.self_attn"
+
+        def scale(name):
+            w = state.get(f"{pre}.{name}.weight")
+            if w is None:
+                return None
+            return (1.0 + w.float()) if a.qk_norm == "gemma" else w.float()
+
+        wq, wk = state[f"{pre}.q_proj.weight"], state[f"{pre}.k_proj.weight"]
+        with torch.no_grad():
+            wq_idx, wk_idx = init_index_weights(
+                wq, wk, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, rope_dim=a.rope_dim,
+                index_dim=s.index_dim, q_scale=scale("q_norm"), k_scale=scale("k_norm"),
+            )
+        zeros = torch.zeros(s.index_dim, dtype=wq.dtype, device=wq.device)  # Gemma-style norms start as identity
+        return {f"{pre}.index_q_proj.weight": wq_idx, f"{pre}.index_k_proj.weight": wk_idx,
+                f"{pre}.index_q_norm.weight": zeros, f"{pre}.index_k_norm.weight": zeros.clone()}
+
+
+def convert_streaming(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: MSAConfig | None = None,
+    *,
+    force: bool = False,
+    dtype: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> ConversionReport:
+    """Convert the checkpoint directory `src` into `out_dir` with memory bounded by one layer (see module doc).
+
+    progress(bytes_written, total_bytes, what) is called after every tensor.
+    """
+    from m3compile.api import _output_config, _write_extras
+
+    start = time.perf_counter()
+    src, out_dir = Path(src), Path(out_dir)
+    if out_dir.exists() and not force:
+        raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
+    if max_shard_size < 1:
+        raise M3CompileError(f"max shard size must be positive, got {max_shard_size}")
+    cfg = read_config(src)
+    args, _ = args_from_config(cfg)
+    with torch.device("meta"):
+        model = Decoder(args)
+    gm, report = convert(model, config)
+    report.model = str(src)
+    out_args: ModelArgs = gm.meta["model_args"]
+    settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
+    conv = _Converter(src, args, settings, parse_dtype(dtype))
+
+    # Plan from headers alone: validates names and shapes, fixes every output tensor's place before any write.
+    internal_meta: dict[str, torch.Tensor] = {}
+    plan: list[_Planned] = []
+    for g in sorted(conv.groups):
+        raw = {n: conv.source.meta(n) for n in conv.groups[g]}
+        internal_meta.update(_internal_names(raw, args)[0])
+        plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
+    with torch.device("meta"):
+        check_state(Decoder(args).state_dict(), internal_meta, src, args.tie_embeddings)
+    shards: list[list[_Planned]] = [[]]
+    size = 0
+    for p in plan:
+        nbytes = _nbytes(p.shape, p.dtype)
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(_nbytes(p.shape, p.dtype) for p in plan)
+
+    written = 0
+    with atomic_output_dir(out_dir, force) as tmp:
+        current, tensors = None, {}
+        for fname, shard in zip(names, shards):
+            writer = SafetensorsWriter(tmp / fname, [(p.name, p.shape, p.dtype) for p in shard])
+            try:
+                for p in shard:
+                    if p.group != current:
+                        current, tensors = p.group, None
+                        tensors = conv.group(p.group, materialise=True)
+                    written += writer.write(p.name, tensors.pop(p.name))
+                    if progress:
+                        progress(written, total, f"{p.group[1] or 'layer ' + str(p.group[0])} -> {fname}")
+            except BaseException:
+                writer.file.close()
+                raise
+            writer.close()
+        if len(shards) > 1:
+            weight_map = {p.name: fname for fname, shard in zip(names, shards) for p in shard}
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(_output_config(cfg, out_args, report.config), indent=2,
+                                                    sort_keys=True) + "\n")
+        report.seconds = time.perf_counter() - start
+        _write_extras(tmp, gm, report)
+    return report

@@ -1,0 +1,79 @@
+"""Synthetic Llama-style checkpoints with random weights, written tensor by tensor (memory stays at one tensor).
+
+For benchmarks and tests of real-size conversion: the shapes are a real model's, the values are random.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from m3compile.checkpoint import atomic_output_dir
+
+__all__ = ["SHAPES", "write_synthetic_checkpoint"]
+
+SHAPES = {
+    # 7B Llama-style with GQA: hidden 4096, 32 layers, 32 query / 8 KV heads; 6.4B parameters, 12.9 GB in bf16
+    "7b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
+    # about 300 MB in bf16 (0.17B parameters), 30 MB per layer: the CI test's model
+    "300m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=10, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=8192),
+}
+
+
+def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    out = [("model.embed_tokens.weight", (v, h))]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+
+def write_synthetic_checkpoint(out: str | os.PathLike, shape: str | dict = "300m", *, seed: int = 0,
+                               max_shard_size: int = 5 * 10**9, dtype: torch.dtype = torch.bfloat16,
+                               force: bool = False) -> Path:
+    """A Llama checkpoint directory (config.json, safetensors shards + index) of random weights."""
+    from m3compile.streaming import SafetensorsWriter, _nbytes
+
+    cfg = dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[-1])
+    entries = _tensors(cfg)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, s in entries:
+        n = _nbytes(s, dtype)
+        if shards[-1] and size + n > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, s))
+        size += n
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    gen = torch.Generator().manual_seed(seed)
+    out = Path(out)
+    with atomic_output_dir(out, force) as tmp:
+        for fname, shard in zip(names, shards):
+            writer = SafetensorsWriter(tmp / fname, [(n, s, dtype) for n, s in shard])
+            for name, s in shard:
+                if name.endswith("norm.weight"):
+                    t = 1.0 + 0.1 * torch.randn(s, generator=gen)
+                else:
+                    t = torch.randn(s, generator=gen) * (1.0 / s[-1] ** 0.5)
+                writer.write(name, t.to(dtype))
+            writer.close()
+        weight_map = {n: fname for fname, shard in zip(names, shards) for n, _ in shard}
+        total = sum(_nbytes(s, dtype) for _, s in entries)
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
