@@ -67,6 +67,7 @@ def main():
     m3c eval MODEL --data  dense vs sparse loss and block recall per layer
     m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
+    m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c passes             the graph passes and what each does
     """
 
@@ -287,6 +288,117 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     console = _console()
     console.print(table)
     console.print(f"layer {layer}, group {group}: recall {amap.group_recall:.3f}; wrote {out}")
+
+
+@main.command()
+@click.argument("src", required=False, type=click.Path(path_type=Path))
+@click.option("--preset", default=None, help="Inspect a built-in preset instead of SRC (default when SRC is omitted: m3).")
+@click.option("--context", default=131072, show_default=True, help="Context length for the cost figures.")
+@click.option("--format", "fmt", type=click.Choice(["rich", "json", "dot", "svg", "mermaid"]), default="rich",
+              show_default=True, help="rich tables, JSON, or one layer's graph as Graphviz DOT, SVG or Mermaid.")
+@click.option("--layer", type=int, default=None, help="Layer drawn by dot/svg/mermaid [default: the first MSA layer].")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=None, help="Write to this file instead of stdout.")
+@click.option("--block-size", default=128, show_default=True, help="For an unconverted model: MSA block size to apply.")
+@click.option("--topk", default=16, show_default=True, help="For an unconverted model: top-k blocks to apply.")
+@click.option("--dense-layers", default=None, help="For an unconverted model: layers kept dense [default: 0; m3: 0,1,2].")
+def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layers):
+    """Show what conversion changes in SRC (a checkpoint directory) or a preset, without loading weights.
+
+    Works from config.json and the safetensors headers on the meta device, so any size takes seconds: every
+    tensor's name and shape is checked against config.json, the graph is traced before and after the passes,
+    and the report gives per-layer attention (dense or MSA, with settings), what each pass changed, an op
+    histogram before and after, and attention cost per token at --context (FLOPs against dense, KV-cache and
+    index-K-cache bytes, index-branch parameters). An already converted model is shown as it is.
+    """
+    from m3compile import MSAConfig
+    from m3compile.inspect import inspect as run_inspect
+    from m3compile.inspect import to_dot, to_mermaid
+
+    if src is not None and preset is not None:
+        raise click.UsageError("give SRC or --preset, not both")
+    config = None
+    if dense_layers is not None or block_size != 128 or topk != 16:
+        default_dense = "0,1,2" if src is None and (preset or "m3") == "m3" else "0"
+        config = _run(MSAConfig, block_size=block_size, topk=topk,
+                      dense_layers=_parse_layers(dense_layers if dense_layers is not None else default_dense))
+    report = _run(run_inspect, src, preset=preset, config=config, context=context)
+    text = None
+    if fmt == "json":
+        text = json.dumps(report.to_dict(), indent=2) + "\n"
+    elif fmt == "dot":
+        text = _run(to_dot, report, layer)
+    elif fmt == "mermaid":
+        text = _run(to_mermaid, report, layer)
+    elif fmt == "svg":
+        import shutil
+        import subprocess
+
+        dot = shutil.which("dot")
+        if dot is None:
+            _fail("--format svg needs Graphviz's dot program, which is not installed (apt-get install graphviz, "
+                  "brew install graphviz or conda install graphviz); --format dot writes the source")
+        text = subprocess.run([dot, "-Tsvg"], input=_run(to_dot, report, layer), capture_output=True, text=True,
+                              check=True).stdout
+    if text is not None:
+        if out is None:
+            click.echo(text, nl=False)
+        else:
+            tmp = out.with_name(f".{out.name}.partial")
+            tmp.write_text(text)
+            tmp.replace(out)
+        return
+    _print_inspect(report)
+
+
+def _print_inspect(report) -> None:
+    from rich.table import Table
+    from rich.tree import Tree
+
+    console = _console()
+    c = report.cost
+    tree = Tree(f"[bold]{report.source}[/] ({report.model_type}), {report.params:,} parameters")
+    checked = f"{report.tensors_checked} tensors checked against config.json" if report.tensors_checked else "preset (no tensors)"
+    tree.add(f"{checked}; graph {report.nodes_before} -> {report.nodes_after} nodes; {report.seconds:.1f} s")
+    passes = tree.add("passes")
+    for p in report.passes:
+        passes.add(f"{p['name']}: replaced {p['replaced']}, +{p['added']} / -{p['removed']} nodes")
+    if not report.passes:
+        passes.add("none run: the model already has MSA layers")
+    console.print(tree)
+    layers = Table(title="layers")
+    for col in ("layer", "attention", "this run", "nodes", "depth", "index", "block", "top-k", "local"):
+        layers.add_column(col, justify="right")
+    for r in report.layers:
+        msa = r["attention"] == "msa"
+        layers.add_row(str(r["layer"]), r["attention"].upper(), "converted" if r["converted_now"] else "",
+                       str(r["nodes"]), str(r.get("attention_depth", "")),
+                       f"{r['index_heads']}x{r['index_dim']}" if msa else "", str(r["block_size"]) if msa else "",
+                       str(r["topk"]) if msa else "", str(r["local_blocks"]) if msa else "")
+    console.print(layers)
+    ops = Table(title="ops before -> after (most frequent)")
+    ops.add_column("op")
+    ops.add_column("before", justify="right")
+    ops.add_column("after", justify="right")
+    names = sorted(set(report.ops_before) | set(report.ops_after),
+                   key=lambda k: (-report.ops_after.get(k, 0), k))
+    for name in names[:16]:
+        ops.add_row(name, str(report.ops_before.get(name, 0)), str(report.ops_after.get(name, 0)))
+    console.print(ops)
+    cost = Table(title=f"attention cost per token at context {c['context']:,} ({c['msa_layers']} MSA of {c['layers']} layers)")
+    cost.add_column("figure")
+    cost.add_column("dense", justify="right")
+    cost.add_column("MSA", justify="right")
+    cost.add_column("dense / MSA", justify="right")
+    cost.add_row("prefill FLOPs per token (mean over the context)", f"{c['dense_prefill_flops_per_token']:.3e}",
+                 f"{c['msa_prefill_flops_per_token']:.3e}", f"{c['prefill_ratio']:.1f}x")
+    if c["prefill_ratio_per_msa_layer"]:
+        cost.add_row("  one MSA layer", "", "", f"{c['prefill_ratio_per_msa_layer']:.1f}x")
+    cost.add_row("decode FLOPs for one token at the context", f"{c['dense_decode_flops']:.3e}",
+                 f"{c['msa_decode_flops']:.3e}", f"{c['decode_ratio']:.1f}x")
+    cost.add_row("KV cache bytes per token (bf16)", f"{c['kv_cache_bytes_per_token']:,}",
+                 f"{c['kv_cache_bytes_per_token'] + c['index_k_cache_bytes_per_token']:,}", "")
+    cost.add_row("index-branch parameters", "", f"{c['index_params']:,}", "")
+    console.print(cost)
 
 
 @main.command()

@@ -1,0 +1,256 @@
+"""Inspect a checkpoint (or preset) without loading its weights: config.json and safetensors headers on the meta
+device, the graph before and after the passes, and the cost of attention at a given context.
+
+Graph analysis uses networkx: the fx graph as a DiGraph, nodes grouped by decoder layer (module path), the
+shortest path from the input to every attention op, and each MSA layer's index branch as the subgraph between
+its input and its block selection.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import networkx as nx
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from m3compile.api import PRESETS, convert
+from m3compile.checkpoint import _internal_names, args_from_config, check_state, read_config
+from m3compile.config import MSAConfig
+from m3compile.errors import M3CompileError
+from m3compile.matching import msa_layer, msa_nodes
+from m3compile.tracing import trace
+from models.decoder import Decoder, ModelArgs, msa_attention, msa_select
+
+__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_mermaid", "layer_subgraph"]
+
+
+def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> dict:
+    """Attention FLOPs and cache bytes per token at `context`, MSA layers against the same layers dense.
+
+    MSA_SPEC's FLOP model for a prefill of N tokens: dense 2*Hq*d*N^2, MSA H_kv*d_idx*N^2 + 4*Hq*d*N*topk*block;
+    per token = divided by N. Decode of one token at context N: dense 4*Hq*d*N, MSA 2*H_kv*d_idx*N +
+    4*Hq*d*min(topk*block, N). Dense layers cost the same in both columns.
+    """
+    N, hq, hkv, d = context, args.n_heads, args.n_kv_heads, args.head_dim
+    dense_prefill, dense_decode = 2 * hq * d * N, 4 * hq * d * N
+    out = {"context": N, "layers": args.n_layers, "msa_layers": 0, "dense_prefill_flops_per_token": 0,
+           "msa_prefill_flops_per_token": 0, "dense_decode_flops": 0, "msa_decode_flops": 0,
+           "kv_cache_bytes_per_token": 0, "index_k_cache_bytes_per_token": 0, "index_params": 0}
+    per_layer = None
+    for i in range(args.n_layers):
+        out["dense_prefill_flops_per_token"] += dense_prefill
+        out["dense_decode_flops"] += dense_decode
+        out["kv_cache_bytes_per_token"] += 2 * hkv * d * bytes_per_value
+        if args.is_sparse(i):
+            m = args.msa
+            kept = min(m.topk * m.block_size, N)
+            prefill = m.index_heads * m.index_dim * N + 4 * hq * d * m.topk * m.block_size
+            out["msa_prefill_flops_per_token"] += prefill
+            out["msa_decode_flops"] += 2 * m.index_heads * m.index_dim * N + 4 * hq * d * kept
+            out["index_k_cache_bytes_per_token"] += m.index_dim * bytes_per_value
+            out["index_params"] += (m.index_heads + 1) * m.index_dim * args.hidden_size + 2 * m.index_dim
+            out["msa_layers"] += 1
+            per_layer = dense_prefill / prefill
+        else:
+            out["msa_prefill_flops_per_token"] += dense_prefill
+            out["msa_decode_flops"] += dense_decode
+    out["prefill_ratio"] = out["dense_prefill_flops_per_token"] / out["msa_prefill_flops_per_token"]
+    out["decode_ratio"] = out["dense_decode_flops"] / out["msa_decode_flops"]
+    out["prefill_ratio_per_msa_layer"] = per_layer
+    return out
+
+
+@dataclass
+class InspectReport:
+    source: str
+    model_type: str
+    params: int
+    tensors_checked: int  # tensors whose names and shapes were checked against config.json (0 for presets)
+    layers: list[dict]
+    passes: list[dict]
+    ops_before: dict[str, int]
+    ops_after: dict[str, int]
+    nodes_before: int
+    nodes_after: int
+    cost: dict
+    seconds: float = 0.0
+    graph: torch.fx.GraphModule | None = field(default=None, repr=False)  # after the passes, meta device
+    added_nodes: set = field(default_factory=set, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("graph"), d.pop("added_nodes")
+        return d
+
+
+def _op_name(gm: torch.fx.GraphModule, n: torch.fx.Node) -> str | None:
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    if n.op == "call_method":
+        return f".{n.target}"
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    return None
+
+
+def _histogram(gm: torch.fx.GraphModule) -> dict[str, int]:
+    c = collections.Counter(name for n in gm.graph.nodes if (name := _op_name(gm, n)))
+    return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _digraph(gm: torch.fx.GraphModule) -> nx.DiGraph:
+    """The fx graph as a DiGraph; each node knows its op label, its decoder layer and its depth (longest path from
+    an input, i.e. how far down the residual stream it sits)."""
+    g = nx.DiGraph()
+    layers: dict[str, int] = {}
+    for n in gm.graph.nodes:  # topological order
+        layer = _node_layer(n)
+        if layer < 0 and n.op in ("call_function", "call_method") and "nn_module_stack" not in n.meta:
+            # a node a pass added: it belongs to the layer of its inputs
+            layer = max((layers[a.name] for a in n.all_input_nodes), default=-1)
+        layers[n.name] = layer
+        g.add_node(n.name, op=n.op, label=_op_name(gm, n) or n.op, layer=layer)
+        for a in n.all_input_nodes:
+            g.add_edge(a.name, n.name)
+    for name in nx.topological_sort(g):
+        g.nodes[name]["depth"] = max((g.nodes[p]["depth"] + 1 for p in g.predecessors(name)), default=0)
+    return g
+
+
+def _node_layer(n: torch.fx.Node) -> int:
+    """Decoder layer of a node from the module path it was traced in (nn_module_stack), -1 outside the layers."""
+    if n.op == "call_module":
+        m = re.search(r"layers\.(\d+)\.", str(n.target))
+        return int(m[1]) if m else -1
+    for path in (n.meta.get("nn_module_stack") or {}).values():
+        m = re.search(r"layers\.(\d+)", str(path[0]) if isinstance(path, tuple) else str(path))
+        if m:
+            return int(m[1])
+    return -1
+
+
+def layer_subgraph(gm: torch.fx.GraphModule, layer: int) -> nx.DiGraph:
+    """The nodes of one decoder layer (by module path and by name) as a networkx subgraph."""
+    g = _digraph(gm)
+    keep = [n.name for n in gm.graph.nodes if g.nodes[n.name]["layer"] == layer]  # in graph order
+    if not keep:
+        raise M3CompileError(f"layer {layer} has no nodes in the graph")
+    sub = nx.DiGraph()
+    sub.add_nodes_from((n, g.nodes[n]) for n in keep)
+    sub.add_edges_from((a, b) for a, b in g.edges(keep) if b in sub)
+    return sub
+
+
+def _layer_rows(gm: torch.fx.GraphModule, args: ModelArgs, converted: set[int]) -> list[dict]:
+    g = _digraph(gm)
+    by_layer = collections.Counter(d["layer"] for _, d in g.nodes(data=True))
+    attn: dict[int, torch.fx.Node] = {msa_layer(n): n for n in msa_nodes(gm)}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+            attn.setdefault(_node_layer(n), n)
+    rows = []
+    for i in range(args.n_layers):
+        row = {"layer": i, "attention": "msa" if args.is_sparse(i) else "dense", "converted_now": i in converted,
+               "nodes": by_layer.get(i, 0)}
+        n = attn.get(i)
+        if n is not None:
+            row["attention_depth"] = g.nodes[n.name]["depth"]
+        if args.is_sparse(i):
+            row.update(asdict(args.msa))
+            if n is not None:  # the index branch: what feeds msa_select but not the layer's own input
+                select = n.args[3]
+                x = select.args[0]
+                while x.op != "call_module" or "index_q_proj" not in str(x.target):
+                    x = x.args[0]
+                branch = nx.ancestors(g, select.name) - nx.ancestors(g, x.args[0].name) - {x.args[0].name}
+                row["index_branch_nodes"] = len(branch) + 1
+        rows.append(row)
+    return rows
+
+
+def inspect(source: str | os.PathLike | None = None, *, preset: str | None = None, config: MSAConfig | None = None,
+            context: int = 131072) -> InspectReport:
+    """Inspect a checkpoint directory (from config.json and tensor headers only) or a preset, on the meta device.
+
+    An unconverted model is shown before and after `convert` with `config`; a converted one (or the m3 preset,
+    natively MSA) as it is.
+    """
+    from m3compile.streaming import _Source
+
+    start = time.perf_counter()
+    if context < 1:
+        raise M3CompileError(f"--context must be >= 1, got {context}")
+    checked = 0
+    if source is not None:
+        path = Path(source)
+        cfg = read_config(path)
+        args, _ = args_from_config(cfg)
+        src = _Source(path)
+        internal, _ = _internal_names({n: src.meta(n) for n in src.where}, args)
+        with torch.device("meta"):
+            check_state(Decoder(args).state_dict(), internal, path, args.tie_embeddings)
+        checked, name, model_type = len(internal), str(path), cfg.get("model_type", "?")
+    else:
+        preset = preset or "m3"
+        if preset not in PRESETS:
+            raise M3CompileError(f"unknown preset {preset!r} (presets: {', '.join(PRESETS)})")
+        args, name, model_type = PRESETS[preset], f"preset {preset}", "minimax_m3_vl_text"
+        if preset == "m3" and config is None:
+            config = MSAConfig(dense_layers=(0, 1, 2))  # M3's own layout: layers 0-2 dense, MSA from layer 3
+    with torch.device("meta"):
+        model = Decoder(args)
+    before = trace(model)
+    if args.msa is None:
+        gm, report = convert(model, config or MSAConfig())
+        passes = [p.to_dict() for p in report.passes]
+        out_args = gm.meta["model_args"]
+        params = report.params_after
+    else:
+        gm, passes, out_args = before, [], args
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    names_before = {n.name for n in before.graph.nodes}
+    converted = {i for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
+    return InspectReport(
+        source=name, model_type=model_type, params=params, tensors_checked=checked,
+        layers=_layer_rows(gm, out_args, converted), passes=passes, ops_before=_histogram(before),
+        ops_after=_histogram(gm), nodes_before=len(before.graph.nodes), nodes_after=len(gm.graph.nodes),
+        cost=attention_cost(out_args, context), seconds=time.perf_counter() - start, graph=gm,
+        added_nodes={n.name for n in gm.graph.nodes} - names_before,
+    )
+
+
+def _pick_layer(report: InspectReport, layer: int | None) -> int:
+    if layer is not None:
+        if not 0 <= layer < len(report.layers):
+            raise M3CompileError(f"layer {layer} does not exist (the model has {len(report.layers)} layers)")
+        return layer
+    return next((r["layer"] for r in report.layers if r["attention"] == "msa"), 0)
+
+
+def to_dot(report: InspectReport, layer: int | None = None) -> str:
+    """Graphviz DOT of one layer's graph after the passes; nodes the passes added are filled."""
+    layer = _pick_layer(report, layer)
+    g = layer_subgraph(report.graph, layer)
+    lines = [f'digraph "layer_{layer}" {{', "  rankdir=TB;", '  node [shape=box, fontname="Helvetica", fontsize=10];']
+    for n, d in g.nodes(data=True):
+        style = ', style=filled, fillcolor="#ffd7a8"' if n in report.added_nodes else ""
+        lines.append(f'  "{n}" [label="{d["label"]}\\n{n}"{style}];')
+    lines += [f'  "{a}" -> "{b}";' for a, b in g.edges()]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def to_mermaid(report: InspectReport, layer: int | None = None) -> str:
+    """Mermaid flowchart of one layer's graph after the passes; nodes the passes added use the class `added`."""
+    layer = _pick_layer(report, layer)
+    g = layer_subgraph(report.graph, layer)
+    lines = ["flowchart TD", "  classDef added fill:#ffd7a8,stroke:#c46b00"]
+    for n, d in g.nodes(data=True):
+        lines.append(f'  {n}["{d["label"]}<br/>{n}"]' + (":::added" if n in report.added_nodes else ""))
+    lines += [f"  {a} --> {b}" for a, b in g.edges()]
+    return "\n".join(lines) + "\n"
