@@ -385,7 +385,7 @@ def index_kl(
     blocks [B, Hi, T, K] or None -> (kl [B, Hi, T] fp32, recall [B, Hi, T] fp32).
     """
     k_idx = _check_index_inputs(q_idx, k_idx)
-    G = _check_attention_inputs(q, k, k)
+    _check_attention_inputs(q, k, k)
     B, Hq, T, D = q.shape
     if q_idx.shape[:3] != (B, k.shape[1], T):
         raise ValueError(f"q_idx {tuple(q_idx.shape)} needs one index head per KV head of k {tuple(k.shape)}")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels import reference as ref
 from m3compile.checkpoint import (
-    args_from_config, atomic_output_dir, load_state_dict, read_checkpoint, read_config, to_release_names,
+    atomic_output_dir, load_state_dict, read_checkpoint, to_release_names,
     write_checkpoint,
 )
 from m3compile.config import MSAConfig

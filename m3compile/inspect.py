@@ -20,12 +20,13 @@ import torch.fx
 import torch.nn.functional as F
 
 from m3compile.api import PRESETS, convert
-from m3compile.checkpoint import _internal_names, args_from_config, check_state, read_config
+from m3compile.checkpoint import args_from_config, read_config
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
 from m3compile.matching import msa_layer, msa_nodes
+from m3compile.streaming import _Source
 from m3compile.tracing import trace
-from models.decoder import Decoder, ModelArgs, msa_attention, msa_select
+from models.decoder import Decoder, ModelArgs
 
 __all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_mermaid", "layer_subgraph"]
 
@@ -181,8 +182,6 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
     An unconverted model is shown before and after `convert` with `config`; a converted one (or the m3 preset,
     natively MSA) as it is.
     """
-    from m3compile.streaming import _Source
-
     start = time.perf_counter()
     if context < 1:
         raise M3CompileError(f"--context must be >= 1, got {context}")
@@ -191,11 +190,7 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         path = Path(source)
         cfg = read_config(path)
         args, _ = args_from_config(cfg)
-        src = _Source(path)
-        internal, _ = _internal_names({n: src.meta(n) for n in src.where}, args)
-        with torch.device("meta"):
-            check_state(Decoder(args).state_dict(), internal, path, args.tie_embeddings)
-        checked, name, model_type = len(internal), str(path), cfg.get("model_type", "?")
+        checked, name, model_type = _Source(path).check(args), str(path), cfg.get("model_type", "?")
     else:
         preset = preset or "m3"
         if preset not in PRESETS:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from m3compile.api import ConversionReport, convert, parse_dtype
+from m3compile.api import ConversionReport, _output_config, _write_extras, convert, parse_dtype
 from m3compile.checkpoint import (
     _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state, read_config,
     to_release_names,
@@ -107,6 +107,13 @@ class _Source:
             return safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own types for truncated or corrupt files
             raise M3CompileError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]})") from None
+
+    def check(self, args: ModelArgs) -> int:
+        """Every tensor's name and shape against config.json (from headers alone); returns the count checked."""
+        internal, _ = _internal_names({n: self.meta(n) for n in self.where}, args)
+        with torch.device("meta"):
+            check_state(Decoder(args).state_dict(), internal, self.path, args.tie_embeddings)
+        return len(internal)
 
     def meta(self, name: str) -> torch.Tensor:
         shape, code = self.headers[name]
@@ -200,8 +207,6 @@ def convert_streaming(
 
     progress(bytes_written, total_bytes, what) is called after every tensor.
     """
-    from m3compile.api import _output_config, _write_extras
-
     start = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
     if out_dir.exists() and not force:
@@ -219,14 +224,10 @@ def convert_streaming(
     conv = _Converter(src, args, settings, parse_dtype(dtype))
 
     # Plan from headers alone: validates names and shapes, fixes every output tensor's place before any write.
-    internal_meta: dict[str, torch.Tensor] = {}
+    conv.source.check(args)
     plan: list[_Planned] = []
     for g in sorted(conv.groups):
-        raw = {n: conv.source.meta(n) for n in conv.groups[g]}
-        internal_meta.update(_internal_names(raw, args)[0])
         plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
-    with torch.device("meta"):
-        check_state(Decoder(args).state_dict(), internal_meta, src, args.tie_embeddings)
     shards: list[list[_Planned]] = [[]]
     size = 0
     for p in plan:

@@ -151,7 +151,7 @@ def strip_kl_distill(gm: torch.fx.GraphModule) -> bool:
         return False
     g = gm.graph
     out = g.output_node()
-    stacks = [a for a in out.args[0][1:]]
+    stacks = list(out.args[0][1:])
     out.args = state.output_before
     for s in stacks:
         g.erase_node(s)
