@@ -10,9 +10,11 @@ from m3compile.api import (
 from m3compile.config import MSAConfig
 from m3compile.distill import DistillConfig, DistillInterrupted, DistillReport, distill
 from m3compile.errors import M3CompileError
+from m3compile.module_io import load_module
 
 __all__ = [
     "MSAConfig", "M3CompileError", "convert", "convert_checkpoint", "save", "load", "from_preset", "evaluate",
     "ConversionReport", "EvalReport", "distill", "DistillConfig", "DistillReport", "DistillInterrupted",
+    "load_module",
 ]
 __version__ = "0.1.0"
