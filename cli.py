@@ -69,6 +69,7 @@ def main():
     m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
+    m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
     m3c passes             the graph passes and what each does
     """
 
@@ -400,6 +401,29 @@ def _print_inspect(report) -> None:
                  f"{c['kv_cache_bytes_per_token'] + c['index_k_cache_bytes_per_token']:,}", "")
     cost.add_row("index-branch parameters", "", f"{c['index_params']:,}", "")
     console.print(cost)
+
+
+@main.command(name="export-onnx")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+def export_onnx(model_dir, out_dir, force):
+    """Export the converted model in MODEL_DIR to OUT_DIR/model.onnx (input_ids -> logits, fp32).
+
+    Batch and sequence length are dynamic. Each MSA layer is one node of the custom domain m3compile (op MSA,
+    version 1) whose ONNX function body uses only standard operators, so onnxruntime runs the file as is and a
+    runtime with a native MSA kernel can replace the node; a model without MSA layers uses no custom domain.
+    The file passes onnx.checker's full check before it is written. Needs onnx, onnxscript and onnxruntime.
+    """
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError:
+        _fail("export-onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime")
+    from m3compile.onnx_export import export_onnx as run_export
+
+    path = _run(run_export, model_dir, out_dir, force=force)
+    _console().print(f"wrote {path}")
 
 
 @main.command()

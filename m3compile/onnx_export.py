@@ -1,0 +1,105 @@
+"""ONNX export of a converted model: input_ids -> logits, dynamic batch and sequence length.
+
+Each MSA layer is one node `m3compile::MSA` (opset domain "m3compile", version 1) whose ONNX function body is made
+of standard operators (index scores, causal block max, forced blocks, TopK, block mask, masked softmax
+attention), so onnxruntime runs it as is and a runtime with a native MSA kernel can replace the node. The body is
+the plain formulation (it materialises [T, T] scores, like the reference it mirrors), not a fast one.
+
+    converted checkpoint -> load -> trace -> fuse msa_select + msa_attention into torch.ops.m3compile.msa
+    -> torch.onnx.export (dynamo) with a translation that emits the custom node -> add the FunctionProto -> check
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.fx
+
+from kernels import reference as ref
+from m3compile.errors import M3CompileError
+
+__all__ = ["export_onnx", "fuse_msa", "MSA_DOMAIN"]
+
+MSA_DOMAIN = "m3compile"
+OPSET = 20
+
+
+@torch.library.custom_op("m3compile::msa", mutates_args=())
+def _msa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+            block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
+    """One MSA layer: selection (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then sparse attention (q, k, v head-major)."""
+    blocks = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk,
+                               init_blocks=init_blocks, local_blocks=local_blocks)
+    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+@_msa_op.register_fake
+def _(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale):
+    return torch.empty_like(q)
+
+
+def fuse_msa(gm: torch.fx.GraphModule) -> int:
+    """Replace each msa_select + msa_attention pair by one torch.ops.m3compile.msa node; returns the count."""
+    from m3compile.matching import msa_nodes
+
+    count = 0
+    for n in msa_nodes(gm):
+        select = n.args[3]
+        q, k, v, _, block_size, scale, _ = n.args
+        q_idx, k_idx, _, topk, init_blocks, local_blocks = select.args
+        with gm.graph.inserting_before(n):
+            fused = gm.graph.call_function(torch.ops.m3compile.msa.default,
+                                           (q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale))
+        n.replace_all_uses_with(fused)
+        gm.graph.erase_node(n)
+        if not select.users:
+            gm.graph.erase_node(select)
+        count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, force: bool = False,
+                check: bool = True) -> Path:
+    """Write OUT_DIR/model.onnx for the converted checkpoint in `model_dir` (fp32). Nothing is written on failure."""
+    import onnx
+
+    from m3compile.api import load
+    from m3compile.checkpoint import atomic_output_dir
+    from m3compile.tracing import trace
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not force:
+        raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
+    if not (model_dir / "conversion_report.json").is_file() and not (model_dir / "config.json").is_file():
+        raise M3CompileError(f"{model_dir}: not a checkpoint directory (no config.json)")
+    model = load(model_dir, dtype="float32")
+    if model.args.msa is None and not (model_dir / "conversion_report.json").is_file():
+        raise M3CompileError(f"{model_dir} was never converted: run m3c convert first (it has no MSA layers)")
+    gm = trace(model)
+    n_msa = fuse_msa(gm)
+    from m3compile.onnx_msa import MSA as function
+    from m3compile.onnx_msa import translate
+    block = model.args.msa.block_size if model.args.msa else 16
+    example = torch.zeros(2, 2 * block + 3, dtype=torch.long)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=2)
+    try:
+        program = torch.onnx.export(
+            gm, (example,), dynamo=True, opset_version=OPSET, input_names=["input_ids"], output_names=["logits"],
+            dynamic_shapes=({0: batch, 1: seq},),
+            custom_translation_table={torch.ops.m3compile.msa.default: translate}, verbose=False,
+        )
+    except Exception as e:
+        raise M3CompileError(f"ONNX export failed: {str(e).splitlines()[0]}") from None
+    proto = program.model_proto
+    if n_msa:
+        proto.functions.append(function.to_function_proto())
+        if not any(o.domain == MSA_DOMAIN for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid(MSA_DOMAIN, 1))
+    with atomic_output_dir(out_dir, force) as tmp:
+        onnx.save(proto, str(tmp / "model.onnx"))
+        if check:
+            onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
+    return out_dir / "model.onnx"
