@@ -73,9 +73,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists() and not force:
         raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
-    if not (model_dir / "conversion_report.json").is_file() and not (model_dir / "config.json").is_file():
-        raise M3CompileError(f"{model_dir}: not a checkpoint directory (no config.json)")
-    model = load(model_dir, dtype="float32")
+    model = load(model_dir, dtype="float32")  # raises a one-line error for anything that is not a checkpoint
     if model.args.msa is None and not (model_dir / "conversion_report.json").is_file():
         raise M3CompileError(f"{model_dir} was never converted: run m3c convert first (it has no MSA layers)")
     gm = trace(model)
