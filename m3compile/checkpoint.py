@@ -34,6 +34,8 @@ __all__ = [
     "check_state",
     "to_release_names",
     "write_checkpoint",
+    "plan_shards",
+    "write_shard_index",
     "atomic_output_dir",
 ]
 
@@ -345,31 +347,38 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False):
         raise
 
 
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[tuple[str, list[str]]]:
+    """Split (tensor name, bytes) pairs, in order, into shards of at most `max_shard_bytes` (a larger tensor gets a
+    shard of its own); returns (file name, tensor names) per shard, named as Hugging Face does."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def write_shard_index(out_dir: Path, shards: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """model.safetensors.index.json for more than one shard."""
+    if len(shards) > 1:
+        weight_map = {n: fname for fname, names in shards for n in names}
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2, sort_keys=True)
+        )
+
+
 def write_checkpoint(
-    out_dir: Path, config: dict, state: dict[str, torch.Tensor], max_shard_bytes: int = 5 * 1024**3
+    out_dir: Path, config: dict, state: dict[str, torch.Tensor], max_shard_bytes: int = 5 * 10**9
 ) -> list[str]:
     """Write config.json and safetensors shards (with an index when more than one) into `out_dir`."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        t = state[name]
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    names = (
-        ["model.safetensors"] if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-    if len(shards) > 1:
-        weight_map = {n: fname for fname, shard in zip(names, shards) for n in shard}
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
-        )
+    shards = plan_shards([(n, state[n].numel() * state[n].element_size()) for n in sorted(state)], max_shard_bytes)
+    for fname, names in shards:
+        save_file({n: state[n] for n in names}, str(out_dir / fname), metadata={"format": "pt"})
+    write_shard_index(out_dir, shards, sum(t.numel() * t.element_size() for t in state.values()))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return names
+    return [fname for fname, _ in shards]

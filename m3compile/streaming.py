@@ -25,8 +25,8 @@ from safetensors import safe_open
 
 from m3compile.api import ConversionReport, _output_config, _write_extras, convert, parse_dtype
 from m3compile.checkpoint import (
-    _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state, read_config,
-    to_release_names,
+    _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state, plan_shards,
+    read_config, to_release_names, write_shard_index,
 )
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
@@ -228,23 +228,15 @@ def convert_streaming(
     plan: list[_Planned] = []
     for g in sorted(conv.groups):
         plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
-    shards: list[list[_Planned]] = [[]]
-    size = 0
-    for p in plan:
-        nbytes = _nbytes(p.shape, p.dtype)
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(p)
-        size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1
-             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    by_name = {p.name: p for p in plan}
+    shards = plan_shards([(p.name, _nbytes(p.shape, p.dtype)) for p in plan], max_shard_size)
     total = sum(_nbytes(p.shape, p.dtype) for p in plan)
 
     written = 0
     with atomic_output_dir(out_dir, force) as tmp:
         current, tensors = None, {}
-        for fname, shard in zip(names, shards):
+        for fname, names in shards:
+            shard = [by_name[n] for n in names]
             writer = SafetensorsWriter(tmp / fname, [(p.name, p.shape, p.dtype) for p in shard])
             try:
                 for p in shard:
@@ -258,10 +250,7 @@ def convert_streaming(
                 writer.file.close()
                 raise
             writer.close()
-        if len(shards) > 1:
-            weight_map = {p.name: fname for fname, shard in zip(names, shards) for p in shard}
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+        write_shard_index(tmp, shards, total)
         (tmp / "config.json").write_text(json.dumps(_output_config(cfg, out_args, report.config), indent=2,
                                                     sort_keys=True) + "\n")
         report.seconds = time.perf_counter() - start

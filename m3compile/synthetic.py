@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from m3compile.checkpoint import atomic_output_dir
+from m3compile.checkpoint import atomic_output_dir, plan_shards, write_shard_index
 
 __all__ = ["SHAPES", "write_synthetic_checkpoint"]
 
@@ -49,31 +49,21 @@ def write_synthetic_checkpoint(out: str | os.PathLike, shape: str | dict = "300m
     cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[-1])
     entries = _tensors(cfg)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, s in entries:
-        n = _nbytes(s, dtype)
-        if shards[-1] and size + n > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, s))
-        size += n
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shapes = dict(entries)
+    shards = plan_shards([(n, _nbytes(s, dtype)) for n, s in entries], max_shard_size)
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
     with atomic_output_dir(out, force) as tmp:
-        for fname, shard in zip(names, shards):
-            writer = SafetensorsWriter(tmp / fname, [(n, s, dtype) for n, s in shard])
-            for name, s in shard:
+        for fname, names in shards:
+            writer = SafetensorsWriter(tmp / fname, [(n, shapes[n], dtype) for n in names])
+            for name in names:
+                s = shapes[name]
                 if name.endswith("norm.weight"):
                     t = 1.0 + 0.1 * torch.randn(s, generator=gen)
                 else:
                     t = torch.randn(s, generator=gen) * (1.0 / s[-1] ** 0.5)
                 writer.write(name, t.to(dtype))
             writer.close()
-        weight_map = {n: fname for fname, shard in zip(names, shards) for n, _ in shard}
-        total = sum(_nbytes(s, dtype) for _, s in entries)
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_shard_index(tmp, shards, sum(_nbytes(s, dtype) for _, s in entries))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
