@@ -26,6 +26,7 @@ __all__ = [
     "dense_attention",
     "block_recall",
     "oracle_recall",
+    "selected_blocks_mask",
     "index_kl",
     "query_chunk",
 ]
@@ -283,6 +284,13 @@ def oracle_recall(
 # Index-branch distillation (MSA_SPEC section 4)
 
 
+def selected_blocks_mask(blocks: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[..., K] block ids (-1 = empty) -> [..., n_blocks] bool: which blocks each row selected."""
+    hit = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=blocks.device)
+    hit.scatter_(-1, torch.where((blocks >= 0) & (blocks < n_blocks), blocks, n_blocks), True)  # -1: the spare slot
+    return hit[..., :n_blocks]
+
+
 def _support(blocks: torch.Tensor | None, start: int, end: int, block_size: int, device) -> torch.Tensor:
     """[B | 1, H | 1, C, end] bool: the keys each query of `start:end` may see (causal, and in its blocks if given)."""
     t_pos = torch.arange(start, end, device=device)[:, None]
@@ -292,9 +300,7 @@ def _support(blocks: torch.Tensor | None, start: int, end: int, block_size: int,
         return causal
     idx = blocks[:, :, start:end]  # [B, H, C, K]
     n_blocks = -(-end // block_size)
-    hit = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=torch.bool, device=device)
-    hit.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)  # -1 slots land in the spare
-    return causal & hit[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :end]
+    return causal & selected_blocks_mask(idx, n_blocks).repeat_interleave(block_size, dim=-1)[..., :end]
 
 
 def _kl_chunk(q, k, q_idx, k_idx, blocks, sparse, start, end, block_size, scale, index_scale):

@@ -79,11 +79,8 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
     s = s * captured["scale"]
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     attention = torch.softmax(s, -1).mean(0).cpu()
-    n_blocks = -(-T // bs)
-    blocks = captured["blocks"].cpu()
-    selected = torch.zeros(T, n_blocks + 1, dtype=torch.bool)
-    selected.scatter_(1, torch.where(blocks >= 0, blocks, n_blocks), True)
-    return AttentionMap(layer, group, offset, bs, attention, selected[:, :n_blocks], sums)
+    selected = ref.selected_blocks_mask(captured["blocks"].cpu(), -(-T // bs))
+    return AttentionMap(layer, group, offset, bs, attention, selected, sums)
 
 
 def draw_attention_map(amap: AttentionMap, out: str | os.PathLike) -> Path:

@@ -43,13 +43,15 @@ inf, nan, NoneType, _torch_Tensor_ = float("inf"), float("nan"), type(None), tor
 
 # (module path, kind, constructor arguments) of every leaf module the graph calls
 SUBMODULES = {table}
+# (path, shape, dtype) of the buffers the graph reads outside its modules; values in buffers.safetensors
+BUFFERS = {buffers}
 
 
 class ConvertedModule(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        build_submodules(self, SUBMODULES)
-{buffers}
+        build_submodules(self, SUBMODULES, BUFFERS)
+
 {forward}
 '''
 
@@ -68,8 +70,19 @@ def _leaf_spec(name: str, m: nn.Module, args) -> tuple[str, str, dict]:
     raise M3CompileError(f"{name}: cannot write a {type(m).__name__} into a standalone module")
 
 
-def build_submodules(root: nn.Module, table: list) -> None:
-    """Create the leaf modules of `table` (path, kind, kwargs) under `root`, with plain containers in between."""
+def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module that holds `path`'s last component, creating plain containers on the way."""
+    *parents, leaf = path.split(".")
+    for p in parents:
+        if not hasattr(root, p):
+            root.add_module(p, nn.Module())
+        root = getattr(root, p)
+    return root, leaf
+
+
+def build_submodules(root: nn.Module, table: list, buffers: list = ()) -> None:
+    """Create the leaf modules of `table` (path, kind, kwargs) and the non-persistent buffers of `buffers`
+    (path, shape, dtype name) under `root`, with plain containers in between."""
     from models.decoder import ModelArgs
 
     for path, kind, kw in table:
@@ -84,13 +97,11 @@ def build_submodules(root: nn.Module, table: list) -> None:
             m = MoE(ModelArgs(**fields))
         else:
             raise M3CompileError(f"unknown module kind {kind!r} in module.py")
-        parent = root
-        *parents, leaf = path.split(".")
-        for p in parents:
-            if not hasattr(parent, p):
-                parent.add_module(p, nn.Module())
-            parent = getattr(parent, p)
-        parent.add_module(leaf, m)
+        owner, leaf = _owner(root, path)
+        owner.add_module(leaf, m)
+    for path, shape, dtype in buffers:
+        owner, leaf = _owner(root, path)
+        owner.register_buffer(leaf, torch.empty(shape, dtype=getattr(torch, dtype)), persistent=False)
 
 
 def write_module(gm: torch.fx.GraphModule, folder: Path, model_name: str) -> None:
@@ -122,22 +133,11 @@ def write_module(gm: torch.fx.GraphModule, folder: Path, model_name: str) -> Non
             imports.append(f"from {obj.__module__} import {obj.__qualname__} as {name}")
     src = "\n".join(line for line in code.src.splitlines() if not line.startswith("torch.fx._symbolic_trace.wrap"))
     forward = "\n".join("    " + line if line else line for line in src.strip("\n").splitlines())
-    buffer_lines = "".join(
-        f"        self._buffer({p!r}, {list(t.shape)}, torch.{str(t.dtype).split('.')[-1]})\n" for p, t in buffers.items()
-    )
-    buffer_lines += (
-        "\n    def _buffer(self, path, shape, dtype):\n"
-        "        *parents, leaf = path.split('.')\n"
-        "        owner = self\n"
-        "        for p in parents:\n"
-        "            if not hasattr(owner, p):\n"
-        "                owner.add_module(p, torch.nn.Module())\n"
-        "            owner = getattr(owner, p)\n"
-        "        owner.register_buffer(leaf, torch.empty(shape, dtype=dtype), persistent=False)\n"
-    )
+    buffer_table = "[\n" + "".join(f"    {[p, list(t.shape), str(t.dtype).split('.')[-1]]!r},\n"
+                                     for p, t in buffers.items()) + "]"
     text = _HEADER.format(model=model_name, imports="\n".join(sorted(set(imports))),
                           table="[\n" + "".join(f"    {list(x)!r},\n" for x in leaves) + "]",
-                          buffers=buffer_lines, forward=forward)
+                          buffers=buffer_table, forward=forward)
     (folder / "graph").mkdir(exist_ok=True)
     (folder / "graph" / "module.py").write_text(text)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in buffers.items()}, str(folder / "graph" / "buffers.safetensors"))

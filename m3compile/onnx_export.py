@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from kernels import reference as ref
 from m3compile.errors import M3CompileError
+from models.decoder import msa_attention, msa_select
 
 __all__ = ["export_onnx", "fuse_msa", "MSA_DOMAIN"]
 
@@ -28,10 +28,9 @@ OPSET = 20
 @torch.library.custom_op("m3compile::msa", mutates_args=())
 def _msa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
             block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
-    """One MSA layer: selection (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then sparse attention (q, k, v head-major)."""
-    blocks = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk,
-                               init_blocks=init_blocks, local_blocks=local_blocks)
-    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+    """One MSA layer: msa_select (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then msa_attention (q, k, v head-major)."""
+    blocks = msa_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks)
+    return msa_attention(q, k, v, blocks, block_size, scale)
 
 
 @_msa_op.register_fake
