@@ -1,0 +1,52 @@
+"""What every Triton kernel wrapper shares: when to run Triton, autotune config lists, small integer helpers.
+
+Nothing here imports Triton at module level: `import kernels` must stay cheap and GPU-free.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["interpreting", "use_triton", "next_pow2", "configs"]
+
+
+def interpreting() -> bool:
+    """True under `TRITON_INTERPRET=1`: kernels run on the CPU through Triton's interpreter (how CI tests them)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether a wrapper should launch its Triton kernel.
+
+    backend "torch" forces the reference, "triton" forces the kernel (an error on CPU unless interpreting),
+    "auto" runs Triton on CUDA tensors, and on CPU tensors only under the interpreter.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if on_cuda or interpreting():
+        return True
+    if backend == "triton":
+        raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    return False
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def configs(full: list[dict], interpret: dict) -> list:
+    """triton.Config list: the H200 search space on a GPU, one small config under the interpreter (autotuning
+    there would only multiply the CPU time of every test)."""
+    import triton
+
+    chosen = [interpret] if interpreting() else full
+    out = []
+    for c in chosen:
+        c = dict(c)
+        warps, stages = c.pop("num_warps", 4), c.pop("num_stages", 2)
+        out.append(triton.Config(c, num_warps=warps, num_stages=stages))
+    return out

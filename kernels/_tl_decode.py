@@ -1,0 +1,150 @@
+"""Triton kernels of kernels/decode.py (imported only when a kernel is launched). See that module."""
+import triton
+import triton.language as tl
+
+from kernels._common import configs
+
+
+@triton.autotune(
+    configs=configs(
+        [dict(PPP=p, num_warps=w, num_stages=s) for p in (1, 2, 4, 8) for w in (2, 4) for s in (2, 3, 4)],
+        interpret=dict(PPP=2, num_warps=4, num_stages=1),
+    ),
+    key=["HP", "DP", "BN", "HAS_SCALE", "IEEE"],
+)
+@triton.jit(do_not_specialize=["max_pages"])
+def paged_index_scores_kernel(
+    q_idx, idx_cache, idx_scale, block_table, seq_lens, scores,
+    stride_qb, stride_qh, stride_cp, stride_ct, stride_sp, stride_tb, stride_ob, stride_oh,
+    max_pages,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, PPP: tl.constexpr,
+):
+    # one program: PPP consecutive pages of one sequence; block score = max over the page's cached keys
+    i_b = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * PPP
+    seq_len = tl.load(seq_lens + i_b)
+    n_pages = tl.cdiv(seq_len, BS)
+    o_h = tl.arange(0, HP)
+    o_d = tl.arange(0, DP)
+    o_n = tl.arange(0, BN)
+    m_d = o_d < D
+    b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
+                  mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
+    for p in range(first, tl.minimum(first + PPP, n_pages)):
+        phys = tl.load(block_table + i_b * stride_tb + p).to(tl.int64)
+        m_key = (o_n < BS) & (p * BS + o_n < seq_len)
+        b_k = tl.load(idx_cache + phys * stride_cp + o_n[:, None] * stride_ct + o_d[None, :],
+                      mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
+        if IEEE:
+            s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+        else:
+            s = tl.dot(b_q, tl.trans(b_k))
+        if HAS_SCALE:
+            s = s * tl.load(idx_scale + phys * stride_sp + o_n, mask=m_key, other=0.0)[None, :]
+        s = tl.max(tl.where(m_key[None, :], s, float("-inf")), 1)
+        tl.store(scores + i_b * stride_ob + o_h * stride_oh + p, s, mask=o_h < H)
+
+
+@triton.jit
+def topk_rows_kernel(
+    scores, seq_lens, out, stride_sb, stride_sh, stride_ob, stride_oh,
+    BS: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+):
+    # one program: one (sequence, index head) row of block scores; forced blocks first, then the best TOPK - forced
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + i_b)
+    q_block = (seq_len - 1) // BS
+    o_p = tl.arange(0, NBP)
+    visible = o_p <= q_block
+    x = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_p, mask=visible, other=float("-inf"))
+    forced = visible & ((o_p > q_block - LOCAL) | (o_p < INIT))
+    x = tl.where(forced, float("inf"), x)
+    for i in range(TOPK):
+        best = tl.max(x, 0)
+        arg = tl.argmax(x, 0)
+        tl.store(out + i_b * stride_ob + i_h * stride_oh + i, tl.where(best == float("-inf"), -1, arg))
+        x = tl.where(o_p == arg, float("-inf"), x)
+
+
+@triton.jit
+def paged_attention_split_kernel(
+    q, k_cache, v_cache, blocks, block_table, seq_lens, part_o, part_lse,
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    scale_log2,
+    K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, PPS: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
+    seq_len = tl.load(seq_lens + i_b)
+    o_g = tl.arange(0, GP)
+    o_d = tl.arange(0, DP)
+    o_n = tl.arange(0, BN)
+    m_d = o_d < D
+    m_g = o_g < G
+    b_q = tl.load(q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :],
+                  mask=m_g[:, None] & m_d[None, :], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for s in range(i_s * PPS, tl.minimum(i_s * PPS + PPS, K)):
+        blk = tl.load(blocks + i_b * stride_bb + i_h * stride_bh + s)
+        if blk >= 0:
+            phys = tl.load(block_table + i_b * stride_tb + blk).to(tl.int64)
+            m_key = (o_n < BS) & (blk * BS + o_n < seq_len)
+            m_kd = m_key[:, None] & m_d[None, :]
+            b_k = tl.load(k_cache + phys * stride_kp + o_n[:, None] * stride_kt + i_h * stride_kh + o_d[None, :],
+                          mask=m_kd, other=0.0)
+            b_v = tl.load(v_cache + phys * stride_vp + o_n[:, None] * stride_vt + i_h * stride_vh + o_d[None, :],
+                          mask=m_kd, other=0.0)
+            if IEEE:
+                sc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+            else:
+                sc = tl.dot(b_q, tl.trans(b_k))
+            sc = tl.where(m_key[None, :], sc * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(sc - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+            m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(part_o + i_b * stride_pb + i_h * stride_ph + i_s * stride_ps + o_g[:, None] * DP + o_d[None, :],
+             acc / l_safe[:, None])
+    tl.store(part_lse + i_b * stride_lb + i_h * stride_lh + i_s * GP + o_g, m_i + tl.math.log2(l_safe))
+
+
+@triton.jit
+def paged_merge_kernel(
+    part_o, part_lse, out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_g = tl.arange(0, GP)
+    o_d = tl.arange(0, DP)
+    m_acc = tl.full([GP], float("-inf"), tl.float32)
+    l_acc = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for s in range(SPLITS):
+        lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + s * GP + o_g)
+        o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :])
+        m_new = tl.maximum(m_acc, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_acc - m_use)
+        w = tl.math.exp2(lse - m_use)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l_acc = l_acc * alpha + w
+        m_acc = m_new
+    l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
+    tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
+             (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])

@@ -1,0 +1,89 @@
+"""Triton kernel of kernels/indexer.py (imported only when a kernel is launched). See that module for the design."""
+import triton
+import triton.language as tl
+
+from kernels._common import configs
+
+@triton.jit
+def _insert(vals, ids, score, j, o_kp):
+    # replace each row's current minimum by `score` where it is larger; -inf never enters
+    cur = tl.min(vals, 1)
+    arg = tl.argmin(vals, 1)
+    hit = (score > cur)[:, None] & (o_kp[None, :] == arg[:, None])
+    return tl.where(hit, score[:, None], vals), tl.where(hit, j, ids)
+
+@triton.jit
+def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  IEEE: tl.constexpr):
+    b_k = tl.load(p_k, mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
+    if IEEE:
+        s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+    else:
+        s = tl.dot(b_q, tl.trans(b_k))
+    if HAS_SCALE:
+        s = s * tl.load(p_ks, mask=m_key, other=0.0)[None, :]
+    m = m_key[None, :]
+    if CAUSAL:
+        m = m & (o_key[None, :] <= o_tok[:, None])
+    return tl.max(tl.where(m, s, float("-inf")), 1)
+
+def _prune(cfgs, named_args, **kw):
+    hp = named_args["HP"] if "HP" in named_args else kw["HP"]
+    return [c for c in cfgs if c.kwargs["BLOCK_T"] * hp >= 16] or cfgs[-1:]
+
+@triton.autotune(
+    configs=configs(
+        [dict(BLOCK_T=bt, num_warps=w, num_stages=s) for bt in (16, 32, 64) for w in (4, 8) for s in (2, 3)],
+        interpret=dict(BLOCK_T=16, num_warps=4, num_stages=1),
+    ),
+    key=["HP", "DP", "BS", "KP", "HAS_SCALE"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["T"])
+def index_topk_kernel(
+    q, k, k_scale, out,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
+    T,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
+    i_b = tl.program_id(1).to(tl.int64)
+    ROWS: tl.constexpr = BLOCK_T * HP
+    o_r = tl.arange(0, ROWS)
+    o_tok = i_t * BLOCK_T + o_r // HP
+    o_h = o_r % HP
+    m_row = (o_tok < T) & (o_h < H)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    p_q = q + i_b * stride_qb + o_tok[:, None].to(tl.int64) * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    q_block = o_tok // BS
+    o_kp = tl.arange(0, KP)
+    # padding slots (>= TOPK) hold +inf so they are never the minimum that gets replaced
+    vals = tl.where(o_kp[None, :] < TOPK, tl.full([ROWS, KP], float("-inf"), tl.float32), float("inf"))
+    ids = tl.full([ROWS, KP], -1, tl.int32)
+    t_first = i_t * BLOCK_T
+    t_last = tl.minimum(t_first + BLOCK_T, T) - 1
+    n_full = (t_first + 1) // BS  # key blocks every row of the tile sees whole
+    n_all = t_last // BS + 1
+    o_n = tl.arange(0, BN)
+    p_k0 = k + i_b * stride_kb + o_d[None, :]
+    p_s0 = k_scale + i_b * stride_sb
+    for j in range(0, n_full):
+        o_key = j * BS + o_n
+        m_key = o_n < BS
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
+                              o_tok, m_d, False, HAS_SCALE, IEEE)
+        forced = (j > q_block - LOCAL) | (j < INIT)
+        vals, ids = _insert(vals, ids, tl.where(forced, float("inf"), score), j, o_kp)
+    for j in range(n_full, n_all):
+        o_key = j * BS + o_n
+        m_key = (o_n < BS) & (o_key < T)
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
+                              o_tok, m_d, True, HAS_SCALE, IEEE)
+        forced = (j <= q_block) & ((j > q_block - LOCAL) | (j < INIT))
+        vals, ids = _insert(vals, ids, tl.where(forced, float("inf"), score), j, o_kp)
+    p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
+    tl.store(p_o, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))

@@ -1,0 +1,126 @@
+"""Triton kernels of kernels/sparse_attention.py (imported only when a kernel is launched). See that module."""
+import triton
+import triton.language as tl
+
+from kernels._common import configs
+
+
+def _prune(cfgs, named_args, **kw):
+    gp = named_args["GP"] if "GP" in named_args else kw["GP"]
+    chunk = named_args["CHUNK"] if "CHUNK" in named_args else kw["CHUNK"]
+    ok = [c for c in cfgs if c.kwargs["TOK"] * gp >= 16 and c.kwargs["TOK"] * gp <= 128 and c.kwargs["TOK"] <= chunk]
+    return ok or cfgs[-1:]
+
+
+@triton.autotune(
+    configs=configs(
+        [dict(TOK=t, num_warps=w, num_stages=s) for t in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8) for s in (2, 3)],
+        interpret=dict(TOK=16, num_warps=4, num_stages=1),
+    ),
+    key=["GP", "DP", "BN", "CHUNK", "IEEE"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["T", "t0", "n_seg"])
+def gather_q_fwd_kernel(
+    q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
+    T, t0, n_seg, scale_log2,
+    HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, TOK: tl.constexpr,
+):
+    # one program: one (batch, KV head, key block) segment of the CSR, up to CHUNK of the queries that chose it;
+    # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them
+    pid = tl.program_id(0)
+    seg = tl.load(tile_seg + pid)
+    if seg < n_seg:
+        start = tl.load(tile_start + pid)
+        end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
+        j = seg % NB
+        bh = seg // NB
+        i_b = (bh // HKV).to(tl.int64)
+        i_h = bh % HKV
+        o_n = tl.arange(0, BN)
+        o_d = tl.arange(0, DP)
+        m_d = o_d < D
+        o_key = j * BS + o_n
+        m_key = (o_n < BS) & (o_key < T)
+        m_kd = m_key[:, None] & m_d[None, :]
+        b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
+                      mask=m_kd, other=0.0)
+        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
+                      mask=m_kd, other=0.0)
+        ROWS: tl.constexpr = TOK * GP
+        o_r = tl.arange(0, ROWS)
+        o_g = o_r % GP
+        o_hq = i_h * G + o_g
+        for e0 in range(start, end, TOK):
+            o_e = e0 + o_r // GP
+            m_row = (o_e < end) & (o_g < G)
+            pl = tl.load(payload + o_e, mask=m_row, other=0)
+            o_tl = pl // K  # token index inside the query chunk
+            o_slot = pl % K
+            o_t = t0 + o_tl
+            b_q = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_t[:, None].to(tl.int64) * stride_qt
+                          + o_d[None, :], mask=m_row[:, None] & m_d[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+            else:
+                s = tl.dot(b_q, tl.trans(b_k))
+            s = tl.where(m_key[None, :] & (o_key[None, :] <= o_t[:, None]), s * scale_log2, float("-inf"))
+            m = tl.max(s, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.math.exp2(s - m[:, None])
+            l = tl.sum(p, 1)
+            l = tl.where(l == 0.0, 1.0, l)
+            if IEEE:
+                o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+            else:
+                o = tl.dot(p.to(b_v.dtype), b_v)
+            o = o / l[:, None]
+            lse = m + tl.math.log2(l)
+            p_o = (part_o + i_b * stride_pb + o_tl[:, None].to(tl.int64) * stride_pt + o_slot[:, None] * stride_ps
+                   + o_hq[:, None] * stride_ph + o_d[None, :])
+            tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+            p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
+            tl.store(p_l, lse, mask=m_row)
+
+
+@triton.jit(do_not_specialize=["C", "t0"])
+def combine_kernel(
+    part_o, part_lse, blocks, out,
+    stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
+    stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh,
+    C, t0,
+    K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials
+    pid = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = (pid // C).to(tl.int64)
+    i_tl = (pid % C).to(tl.int64)
+    o_g = tl.arange(0, GP)
+    o_d = tl.arange(0, DP)
+    m_g = o_g < G
+    m_gd = m_g[:, None] & (o_d < D)[None, :]
+    o_hq = i_h * G + o_g
+    m_acc = tl.full([GP], float("-inf"), tl.float32)
+    l_acc = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
+    for s in range(K):
+        blk = tl.load(p_blk + s)
+        if blk >= 0:
+            lse = tl.load(part_lse + i_b * stride_lb + i_tl * stride_lt + s * stride_ls + o_hq, mask=m_g, other=0.0)
+            o = tl.load(part_o + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
+                        + o_d[None, :], mask=m_gd, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_acc, lse)
+            alpha = tl.math.exp2(m_acc - m_new)
+            w = tl.math.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            l_acc = l_acc * alpha + w
+            m_acc = m_new
+    l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
+    p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)

@@ -1,0 +1,167 @@
+"""MSA decode over paged caches: index scores + top-k, then split-K sparse attention with a log-sum-exp merge.
+
+Caches are paged with page = MSA key block (MSA_SPEC section 5: a block size that differs from the page size
+silently selects tokens instead of blocks, so the page size *is* the block size here):
+    k_cache, v_cache  [P, BS, Hkv, D]   main KV cache
+    idx_cache         [P, BS, Di]       index-key cache (one shared index key per token), bf16/fp16/fp32 or fp8 e4m3
+    idx_scale         [P, BS] fp32      per-token scale of fp8 index keys (None otherwise)
+    block_table       [B, max_pages]    int32 physical page of each logical block of each sequence
+    seq_lens          [B]               int32 tokens in each sequence, the token being decoded included
+
+Each sequence decodes one token. `paged_select` scores every cached page of each sequence (split over pages, one
+block score per page and index head), then takes the top-k per (sequence, index head) with the local block (the
+page holding the newest token) and the first `init_blocks` blocks forced; -1 fills slots short sequences cannot.
+`paged_attention` runs one program per (sequence, KV group, split of the selected slots), each an online softmax over
+its pages, and merges the partials by log-sum-exp. Sequences of different lengths share one launch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as ref
+from kernels._common import next_pow2, use_triton
+
+__all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference"]
+
+
+def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    if block_table.dim() != 2 or seq_lens.dim() != 1 or block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table must be [B, max_pages] and seq_lens [B]; got {tuple(block_table.shape)}, "
+                         f"{tuple(seq_lens.shape)}")
+    if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_table and seq_lens must be integer tensors")
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of sequence b, contiguous: [length, ...]."""
+    bs = cache.shape[1]
+    pages = block_table[b, : -(-length // bs)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
+                           idx_scale=None):
+    """Plain-torch `paged_select`: gathers each sequence's keys and reuses reference.select's scoring and top-k."""
+    B, H, D = q_idx.shape
+    bs = idx_cache.shape[1]
+    out = torch.full((B, H, topk), -1, dtype=torch.int32, device=q_idx.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        keys = _gather(idx_cache, block_table, b, L).float()
+        if idx_scale is not None:
+            keys = keys * _gather(idx_scale, block_table, b, L).float()[:, None]
+        s = q_idx[b].float() @ keys.T / math.sqrt(D)  # [H, L]
+        n_blocks = -(-L // bs)
+        s = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
+        t_pos = torch.tensor([L - 1], device=q_idx.device)
+        out[b] = ref._select_from_scores(s[None, :, None], t_pos, bs, topk, init_blocks, local_blocks)[0, :, 0]
+    return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None):
+    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks."""
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        k = _gather(k_cache, block_table, b, L).float()  # [L, Hkv, D]
+        v = _gather(v_cache, block_table, b, L).float()
+        chosen = torch.zeros(Hkv, -(-L // bs) + 1, dtype=torch.bool, device=q.device)
+        blk = blocks[b].long()
+        chosen.scatter_(1, torch.where(blk >= 0, blk, chosen.shape[1] - 1), True)
+        visible = chosen[:, :-1].repeat_interleave(bs, dim=1)[:, :L]  # [Hkv, L]
+        s = torch.einsum("hgd,lhd->hgl", q[b].float().view(Hkv, G, D), k) * scale
+        p = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), -1)
+        out[b] = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D).to(q.dtype)
+    return out
+
+
+def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 topk: int, init_blocks: int = 0, local_blocks: int = 1, idx_scale: torch.Tensor | None = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """q_idx [B, Hi, Di] of the newest token of each sequence -> selected blocks [B, Hi, topk] int32 (-1 = empty)."""
+    _check_cache(block_table, seq_lens, idx_cache.shape[1])
+    if q_idx.dim() != 3 or idx_cache.dim() != 3 or q_idx.shape[-1] != idx_cache.shape[-1]:
+        raise ValueError(f"q_idx must be [B, Hi, Di] and idx_cache [P, BS, Di]; got {tuple(q_idx.shape)}, "
+                         f"{tuple(idx_cache.shape)}")
+    fp8 = idx_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (idx_scale is None or idx_scale.shape != idx_cache.shape[:2]):
+        raise ValueError("an fp8 index cache needs idx_scale [P, BS]")
+    if not use_triton(q_idx, idx_cache, backend=backend):
+        return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
+                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
+    from kernels._tl_decode import paged_index_scores_kernel, topk_rows_kernel
+
+    B, H, D = q_idx.shape
+    bs = idx_cache.shape[1]
+    max_pages = block_table.shape[1]
+    q = (q_idx.float() / math.sqrt(D)).to(q_idx.dtype)  # the 1/sqrt(Di) is folded into the query
+    scores = torch.empty(B, H, max_pages, dtype=torch.float32, device=q_idx.device)
+    scale = idx_scale.float().contiguous() if fp8 else scores.new_empty(1, 1)
+    grid = lambda meta: (B, -(-max_pages // meta["PPP"]))  # noqa: E731
+    paged_index_scores_kernel[grid](
+        q, idx_cache, scale, block_table, seq_lens, scores,
+        q.stride(0), q.stride(1), idx_cache.stride(0), idx_cache.stride(1), scale.stride(0), block_table.stride(0),
+        scores.stride(0), scores.stride(1),
+        max_pages,
+        H=H, HP=max(16, next_pow2(H)), D=D, DP=max(16, next_pow2(D)), BS=bs, BN=max(16, next_pow2(bs)),
+        HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32,
+    )
+    out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
+    topk_rows_kernel[(B, H)](
+        scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        BS=bs, NBP=next_pow2(max_pages), TOPK=topk, INIT=init_blocks, LOCAL=local_blocks,
+        num_warps=8 if max_pages >= 2048 else 4,
+    )
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
+                    backend: str = "auto") -> torch.Tensor:
+    """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
+    dense attention over the whole cache."""
+    _check_cache(block_table, seq_lens, k_cache.shape[1])
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1] \
+            or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q must be [B, Hq, D] and k/v caches [P, BS, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}")
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if blocks.dim() != 3 or blocks.shape[:2] != (B, Hkv):
+        raise ValueError(f"blocks must be [B, Hkv, K] = [{B}, {Hkv}, K], got {tuple(blocks.shape)}")
+    scale = D**-0.5 if scale is None else scale
+    if not use_triton(q, k_cache, v_cache, backend=backend):
+        return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale)
+    from kernels._tl_decode import paged_attention_split_kernel, paged_merge_kernel
+
+    G, K = Hq // Hkv, blocks.shape[-1]
+    GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))
+    pps = 1 if K <= 64 else -(-K // 64)  # slots per split: one page each for top-k, ~64 splits for dense
+    splits = -(-K // pps)
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hkv, splits, GP, dtype=torch.float32, device=q.device)
+    paged_attention_split_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, blocks, block_table, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), blocks.stride(0), blocks.stride(1),
+        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        scale * math.log2(math.e),
+        K=K, G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), PPS=pps, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    paged_merge_kernel[(B, Hkv)](
+        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        SPLITS=splits, G=G, GP=GP, D=D, DP=DP,
+    )
+    return out

@@ -1,0 +1,88 @@
+"""MSA index branch for prefill: fused token scores, causal mask, block max and running top-k (MSA_SPEC section 2).
+
+One program owns BLOCK_T query tokens x all index heads (the rows of one matmul: the single index key head is
+shared, so every row reads the same keys) and walks the key blocks it can see. Per key block it computes
+[rows, block] token scores, masks keys after each row's token, max-pools them to one block score per row and
+inserts that score into a per-row top-k kept in registers. No [T, T] tensor and no [T, n_blocks] score tensor is
+ever written: the only output is the block ids.
+
+Forced blocks (the query's own `local_blocks` most recent blocks, the first `init_blocks` blocks) enter with score
++inf; slots that no visible block fills stay -1. Slot order carries no meaning.
+
+Index keys may be fp8 (e4m3) with one fp32 scale per token (`quantize_index_keys`); they are widened to the
+query's dtype in registers and the scale is applied to the token scores.
+
+Layout: q_idx [B, T, Hi, Di] (as the graph produces it), k_idx [B, T, Di] -> blocks [B, Hi, T, topk] int32.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference as ref
+from kernels._common import next_pow2, use_triton
+
+__all__ = ["select_blocks", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_index_keys(k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_idx [..., Di] -> (fp8 e4m3 keys [..., Di], fp32 scale [...]) with k ~= fp8 * scale, one scale per token."""
+    amax = k_idx.float().abs().amax(-1).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (k_idx.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_index_keys(k_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return k_fp8.float() * scale[..., None]
+
+
+def select_blocks(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    k_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Top-k key blocks per (index head, query token).
+
+    q_idx [B, T, Hi, Di]; k_idx [B, T, Di] (bf16/fp16/fp32, or fp8 e4m3 with k_scale [B, T] fp32)
+    -> [B, Hi, T, topk] int32 (-1 = empty slot). Runs the fused Triton kernel on CUDA (or under
+    TRITON_INTERPRET=1), otherwise `reference.select_blocks`.
+    """
+    if q_idx.dim() != 4 or k_idx.dim() != 3 or q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[1] != k_idx.shape[1] \
+            or q_idx.shape[3] != k_idx.shape[2]:
+        raise ValueError(f"q_idx must be [B, T, Hi, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    fp8 = k_idx.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or k_scale.shape != k_idx.shape[:2]):
+        raise ValueError("fp8 index keys need k_scale [B, T] (see quantize_index_keys)")
+    B, T, H, D = q_idx.shape
+    if not use_triton(q_idx, k_idx, backend=backend):
+        k = dequantize_index_keys(k_idx, k_scale) if fp8 else k_idx
+        return ref.select_blocks(q_idx.transpose(1, 2), k, block_size=block_size, topk=topk,
+                                 init_blocks=init_blocks, local_blocks=local_blocks).to(torch.int32)
+    if k_idx.stride(-1) != 1 or q_idx.stride(-1) != 1:
+        raise ValueError("q_idx and k_idx must be contiguous in their last dimension")
+    out = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_idx.device)
+    if T == 0:
+        return out
+    scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
+    from kernels._tl_indexer import index_topk_kernel as kernel
+
+    grid = lambda meta: (-(-T // meta["BLOCK_T"]), B)  # noqa: E731
+    kernel[grid](
+        q_idx, k_idx, scale, out,
+        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+        scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
+        T,
+        H=H, HP=next_pow2(H), D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
+        TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
+        HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,121 @@
+"""MSA sparse prefill attention, KV-outer "gather Q" design (MSA_SPEC section 5).
+
+The selection [B, Hkv, T, K] is inverted into a CSR: for every (batch, KV head, key block) segment, the list of
+(query token, slot) entries that chose it, sorted by token. One program takes one segment (at most CHUNK entries of
+it), loads that key block's K and V once, and sweeps tiles of TOK gathered query tokens x G heads over them: the
+matmul rows are TOK * G, not G as in the query-major design, so Hopper tensor cores get full tiles. Each tile writes
+a normalised partial output and its log-sum-exp (base 2) per (token, slot, head); a second kernel merges a token's
+partials with a log-sum-exp combine, skipping -1 slots. Slot order carries no meaning and block ids need not be
+sorted. The query axis is processed in chunks so that the partial buffers stay bounded at any length.
+
+Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (any strides with unit last stride), blocks [B, Hkv, T, K]
+-> [B, Hq, T, D] (a head-major view of a token-major [B, T, Hq, D] buffer, so `transpose(1, 2).reshape` is free).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import reference as ref
+from kernels._common import next_pow2, use_triton
+
+__all__ = ["sparse_attention", "build_csr"]
+
+# bytes of partial outputs one query chunk may hold (per call); 8 GiB keeps 1M-token prefill within an H200
+_PARTIAL_BYTES = 8 << 30
+
+
+def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
+    """CSR of the queries [t0, t1) per (batch, KV head, block) segment and a static-size tile schedule.
+
+    Returns (payload [n_entries] int32 = token_in_chunk * K + slot sorted by segment then token,
+    seg_off [n_seg + 1] int32, tile_seg [n_tiles] int32 (n_seg = idle program), tile_start [n_tiles] int32).
+    The tile count is an upper bound known without reading the data back, so no host synchronisation happens.
+    """
+    B, Hkv, _, K = blocks.shape
+    C = t1 - t0
+    sel = blocks[:, :, t0:t1].long()
+    n_seg = B * Hkv * n_blocks
+    seg = (torch.arange(B * Hkv, device=blocks.device).view(B, Hkv, 1, 1) * n_blocks + sel)
+    payload = torch.arange(C * K, device=blocks.device).view(1, 1, C, K)
+    key = torch.where(sel >= 0, seg * (C * K) + payload, n_seg * (C * K)).flatten()
+    key = key.sort().values
+    seg_sorted = key // (C * K)
+    seg_off = torch.searchsorted(seg_sorted, torch.arange(n_seg + 1, device=blocks.device)).to(torch.int32)
+    counts = (seg_off[1:] - seg_off[:-1]).long()
+    tiles = (counts + chunk - 1) // chunk
+    tile_end = tiles.cumsum(0)
+    n_tiles = key.numel() // chunk + n_seg  # >= sum(tiles): each segment wastes less than one tile
+    pid = torch.arange(n_tiles, device=blocks.device)
+    tile_seg = torch.searchsorted(tile_end, pid, right=True)
+    seg_c = tile_seg.clamp(max=n_seg - 1)
+    first = tile_end[seg_c] - tiles[seg_c]
+    tile_start = seg_off[seg_c].long() + (pid - first) * chunk
+    return (key % (C * K)).to(torch.int32), seg_off, tile_seg.to(torch.int32), tile_start.to(torch.int32)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    backend: str = "auto",
+    max_partial_bytes: int = _PARTIAL_BYTES,
+) -> torch.Tensor:
+    """Exact causal attention of every query head over its group's selected key blocks.
+
+    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] (any int dtype, -1 = empty) -> [B, Hq, T, D].
+    """
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] \
+            or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q must be [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
+        raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
+    scale = D**-0.5 if scale is None else scale
+    if not use_triton(q, k, v, blocks, backend=backend):
+        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v must be contiguous in their last dimension")
+    from kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
+
+    G, K = Hq // Hkv, blocks.shape[-1]
+    GP, DP = next_pow2(G), max(16, next_pow2(D))
+    n_blocks = -(-T // block_size)
+    n_seg = B * Hkv * n_blocks
+    chunk_entries = max(8, 1024 // GP)  # queries one program may sweep over one K/V block
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+    row_bytes = K * Hq * (D * part_dtype.itemsize + 4)
+    C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes)))
+    part_o = torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
+    part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
+    ieee = q.dtype == torch.float32
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, chunk_entries)
+        gather_q_fwd_kernel[(tile_seg.numel(),)](
+            q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            T, t0, n_seg, scale * math.log2(math.e),
+            HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
+            CHUNK=chunk_entries, IEEE=ieee,
+        )
+        combine_kernel[(B * (t1 - t0), Hkv)](
+            part_o, part_lse, blocks, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            t1 - t0, t0,
+            K=K, G=G, GP=GP, D=D, DP=DP,
+        )
+    return out.transpose(1, 2)
