@@ -59,8 +59,9 @@ def topk_rows_kernel(
     o_p = tl.arange(0, NBP)
     visible = o_p <= q_block
     x = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_p, mask=visible, other=float("-inf"))
-    forced = visible & ((o_p > q_block - LOCAL) | (o_p < INIT))
-    x = tl.where(forced, float("inf"), x)
+    # forced blocks win; when they outnumber the slots, local blocks win over init blocks
+    x = tl.where(visible & (o_p < INIT), 3.4028234663852886e38, x)
+    x = tl.where(visible & (o_p > q_block - LOCAL), float("inf"), x)
     for i in range(TOPK):
         best = tl.max(x, 0)
         arg = tl.argmax(x, 0)

@@ -76,14 +76,16 @@ def index_topk_kernel(
         m_key = o_n < BS
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
                               o_tok, m_d, False, HAS_SCALE, IEEE)
-        forced = (j > q_block - LOCAL) | (j < INIT)
-        vals, ids = _insert(vals, ids, tl.where(forced, float("inf"), score), j, o_kp)
+        score = tl.where(j < INIT, 3.4028234663852886e38, score)
+        score = tl.where(j > q_block - LOCAL, float("inf"), score)
+        vals, ids = _insert(vals, ids, score, j, o_kp)
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
                               o_tok, m_d, True, HAS_SCALE, IEEE)
-        forced = (j <= q_block) & ((j > q_block - LOCAL) | (j < INIT))
-        vals, ids = _insert(vals, ids, tl.where(forced, float("inf"), score), j, o_kp)
+        score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
+        score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
+        vals, ids = _insert(vals, ids, score, j, o_kp)
     p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
     tl.store(p_o, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))

@@ -83,10 +83,11 @@ def _select_from_scores(
     b_pos = torch.arange(n_blocks, device=scores.device)
     q_block = (t_pos // block_size)[:, None]  # [C, 1]
     visible = b_pos[None, :] <= q_block
-    forced = visible & (b_pos[None, :] > q_block - local_blocks)
-    if init_blocks > 0:
-        forced = forced | (visible & (b_pos[None, :] < init_blocks))
-    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+    local = visible & (b_pos[None, :] > q_block - local_blocks)
+    init = visible & (b_pos[None, :] < init_blocks)
+    # forced blocks win; when they outnumber the slots, local blocks win over init blocks
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(init, torch.finfo(torch.float32).max)
+    scores = scores.masked_fill(local, float("inf"))
     k = min(topk, n_blocks)
     top_scores, top_idx = scores.topk(k, dim=-1)
     top_idx = top_idx.masked_fill(top_scores == float("-inf"), -1)

@@ -27,7 +27,7 @@ from models.decoder import PRESETS, Attention, Decoder, ModelArgs, MSALayerArgs,
 
 __all__ = [
     "load", "from_preset", "convert", "save", "convert_checkpoint", "evaluate",
-    "ConversionReport", "EvalReport",
+    "ConversionReport", "EvalReport", "lower",
 ]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -131,6 +131,21 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None) -
     report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm))
     report.seconds = time.perf_counter() - start
     return gm, report
+
+
+def lower(model: torch.nn.Module) -> torch.fx.GraphModule:
+    """The model (a converted GraphModule, or a Decoder loaded from a converted checkpoint) with its MSA ops lowered
+    to the Triton kernels (passes/lower_triton.py). The result runs Triton on CUDA and the torch reference on CPU."""
+    from passes.lower_triton import LowerTriton
+
+    gm = model if isinstance(model, torch.fx.GraphModule) else trace(model)
+    if isinstance(model, Decoder):
+        gm.meta["model_args"] = model.args
+    report = PassManager([LowerTriton()]).run(gm)[0]
+    if not report.replaced:
+        raise M3CompileError("the model has no MSA layer to lower (convert it first)")
+    gm.meta["lowering"] = report
+    return gm
 
 
 def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs]) -> ModelArgs:

@@ -240,7 +240,8 @@ class Attention(nn.Module):
             self.index_q_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
             self.index_k_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D]: projections, QK norm and RoPE (also used by the decode path)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
@@ -249,7 +250,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
         k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.transpose(1, 2)
+        return q, k, v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if self.msa is not None:
             o = self._msa(x, q, k, v, cos, sin)
         elif self.attn_impl == "sdpa_gqa":

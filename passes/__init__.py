@@ -1,5 +1,6 @@
 """Graph passes, one file each. See passes/README.md for the pipeline."""
 from passes.gqa_to_msa import GQAToMSA
 from passes.kl_distill import KLDistill
+from passes.lower_triton import LowerTriton
 
-__all__ = ["GQAToMSA", "KLDistill"]
+__all__ = ["GQAToMSA", "KLDistill", "LowerTriton"]

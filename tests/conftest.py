@@ -1,7 +1,12 @@
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (must be set before any kernel module is imported)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 LLAMA_BYTE = SHARED / "checkpoints" / "dense-llama-byte"

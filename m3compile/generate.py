@@ -1,0 +1,195 @@
+"""Generation with paged caches: prefill each prompt, then decode all sequences token by token.
+
+Every layer keeps a paged KV cache; every MSA layer also keeps a paged index-key cache (one shared index key per
+token, bf16 or fp8 e4m3 with a per-token scale). Pages hold `block_size` tokens: the MSA key block is the page, so a
+selected block id is a logical page of the block table. Prefill runs the fused indexer and the gather-Q sparse kernel
+(SDPA for dense layers and for prompts whose blocks all fit in the top-k); decode runs `kernels.decode`'s paged
+selection and split-K attention for every layer (a dense layer selects every page). On CPU the same code runs the
+torch references.
+
+    result = m3compile.generate(m3compile.load("out", device="cuda", dtype="bf16"), [[1, 2, 3], [4, 5]], 32)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import decode as paged
+from kernels.indexer import quantize_index_keys, select_blocks
+from kernels.sparse_attention import sparse_attention
+from m3compile.errors import M3CompileError
+from models.decoder import Attention, Decoder
+
+__all__ = ["generate", "GenerationResult", "PagedCache"]
+
+
+class PagedCache:
+    """Paged KV + index-key caches of one batch: pages [P, page, ...] per layer, one block table for all layers."""
+
+    def __init__(self, model: Decoder, batch: int, max_len: int, page: int, device, dtype, index_dtype):
+        a = model.args
+        self.page = page
+        per_seq = -(-max_len // page)
+        self.block_table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, per_seq)
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        P = batch * per_seq
+        self.k, self.v, self.idx, self.idx_scale = {}, {}, {}, {}
+        for i in range(a.n_layers):
+            self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
+            self.v[i] = torch.zeros_like(self.k[i])
+            if a.is_sparse(i):
+                self.idx[i] = torch.zeros(P, page, a.msa.index_dim, dtype=index_dtype, device=device)
+                self.idx_scale[i] = (torch.ones(P, page, dtype=torch.float32, device=device)
+                                     if index_dtype == torch.float8_e4m3fn else None)
+
+    def _slots(self, b: torch.Tensor, pos: torch.Tensor):
+        return self.block_table[b, pos // self.page].long(), pos % self.page
+
+    def write(self, layer: int, b: torch.Tensor, pos: torch.Tensor, k, v, k_idx=None) -> None:
+        """Store tokens at positions `pos` of sequences `b`: k/v [N, Hkv, D], k_idx [N, Di]."""
+        page, off = self._slots(b, pos)
+        self.k[layer][page, off] = k.to(self.k[layer].dtype)
+        self.v[layer][page, off] = v.to(self.v[layer].dtype)
+        if k_idx is not None:
+            if self.idx_scale[layer] is not None:
+                k_idx, scale = quantize_index_keys(k_idx)
+                self.idx_scale[layer][page, off] = scale
+            self.idx[layer][page, off] = k_idx.to(self.idx[layer].dtype)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per sequence (prompt excluded)
+    prefill_logits: list[torch.Tensor]  # [vocab] logits after each prompt
+    step_logits: torch.Tensor  # [steps, B, vocab] logits of each decode step (fp32)
+
+
+def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
+    n = cache.block_table.shape[1]
+    ids = torch.arange(n, dtype=torch.int32, device=cache.seq_lens.device)
+    n_pages = (cache.seq_lens + cache.page - 1) // cache.page
+    blocks = torch.where(ids[None, :] < n_pages[:, None], ids[None, :], -1)
+    return blocks[:, None, :].expand(-1, n_kv, -1).contiguous()
+
+
+@torch.no_grad()
+def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, backend: str) -> torch.Tensor:
+    """Run one prompt [T] through the model, filling sequence b of the caches; returns the last logits [vocab]."""
+    bb = model.model
+    T = prompt.shape[0]
+    x = bb.embed_tokens(prompt[None])
+    cos, sin = bb.rotary_emb(x, torch.arange(T, device=x.device)[None])
+    b_ids = torch.full((T,), b, device=x.device)
+    pos = torch.arange(T, device=x.device)
+    for i, layer in enumerate(bb.layers):
+        attn: Attention = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = attn.project(h, cos, sin)
+        k_idx = None
+        m = attn.msa
+        if m is not None and attn.sparse and -(-T // m.block_size) > m.topk:
+            q_idx, k_idx = attn.index_branch(h, cos, sin)
+            blocks = select_blocks(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                   local_blocks=m.local_blocks, backend=backend)
+            o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
+        else:  # dense layer, or an MSA layer whose prompt fits in the top-k: dense causal is exact
+            if m is not None:
+                k_idx = attn.index_branch(h, cos, sin)[1]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale, enable_gqa=True)
+        cache.write(i, b_ids, pos, k[0].transpose(0, 1), v[0].transpose(0, 1),
+                    None if k_idx is None else k_idx[0])
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(bb.norm(x[:, -1])).float()[0]
+
+
+@torch.no_grad()
+def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend: str) -> torch.Tensor:
+    """One token per sequence [B] at position seq_lens[b]; returns logits [B, vocab]."""
+    bb = model.model
+    B = tokens.shape[0]
+    pos = cache.seq_lens.long()
+    x = bb.embed_tokens(tokens[:, None])  # [B, 1, hidden]
+    cos, sin = bb.rotary_emb(x, pos[:, None])
+    b_ids = torch.arange(B, device=x.device)
+    cache.seq_lens += 1
+    for i, layer in enumerate(bb.layers):
+        attn: Attention = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = attn.project(h, cos, sin)  # [B, H, 1, D]
+        m = attn.msa
+        if m is not None:
+            q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0])
+            blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens, topk=m.topk,
+                                        init_blocks=m.init_blocks, local_blocks=m.local_blocks,
+                                        idx_scale=cache.idx_scale[i], backend=backend)
+            if not attn.sparse:
+                blocks = _dense_blocks(cache, attn.n_kv_heads)
+        else:
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0])
+            blocks = _dense_blocks(cache, attn.n_kv_heads)
+        o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table, cache.seq_lens,
+                                  scale=attn.scale, backend=backend)  # [B, Hq, D]
+        x = x + attn.o_proj(o.reshape(B, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(bb.norm(x[:, 0])).float()
+
+
+def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
+             index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
+             eos_token_id: int | None = None) -> GenerationResult:
+    """Greedy generation with paged caches: prompts of any lengths, one batched decode per new token.
+
+    index_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3 index keys, per-token fp32 scale).
+    page_size: tokens per cache page; MSA models use their block size (required to be equal).
+    """
+    if not isinstance(model, Decoder):
+        raise M3CompileError("generate needs a Decoder (m3compile.load or m3compile.from_preset)")
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise M3CompileError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise M3CompileError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    a = model.args
+    vocab = a.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise M3CompileError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+    block = a.msa.block_size if a.msa is not None and any(a.is_sparse(i) for i in range(a.n_layers)) else None
+    if block is not None and page_size not in (None, block):
+        raise M3CompileError(f"page_size ({page_size}) must equal the MSA block size ({block}): a page is a block")
+    page = block or page_size or 128
+    if index_cache_dtype not in ("auto", "fp8"):
+        raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
+    index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" else dtype
+    B = len(prompts)
+    cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
+    prefill_logits = []
+    for b, p in enumerate(prompts):
+        prefill_logits.append(_prefill(model, cache, b, torch.tensor(p, device=device), backend))
+        cache.seq_lens[b] = len(p)
+    out = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    step_logits = []
+    next_tok = torch.stack(prefill_logits).argmax(-1)
+    for step in range(max_new_tokens):
+        for b in range(B):
+            if not done[b]:
+                out[b].append(int(next_tok[b]))
+        if eos_token_id is not None:
+            done |= next_tok == eos_token_id
+            if bool(done.all()):
+                break
+        if step == max_new_tokens - 1:
+            break
+        logits = _decode_step(model, cache, next_tok, backend)
+        step_logits.append(logits)
+        next_tok = logits.argmax(-1)
+    steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
+    return GenerationResult(out, prefill_logits, steps)

@@ -1,0 +1,43 @@
+"""Lowering: swap a converted graph's reference MSA ops for the Triton-backed ones (kernels/msa.py).
+
+    msa_select(q_idx, k_idx, ...)      -> msa_select_triton     fused scores + causal block max + top-k
+    msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine
+
+The lowered ops take the same arguments and dispatch on the device: Triton kernels on CUDA tensors, the torch
+reference on CPU, so a lowered graph still runs anywhere. Lowering is the last graph pass: distillation hooks
+(kl_distill) and ONNX export work on the reference ops and refuse a lowered graph.
+"""
+from __future__ import annotations
+
+import torch.fx
+
+from kernels.msa import msa_attention_triton, msa_select_triton
+from m3compile.pass_manager import Pass, PassReport, register_pass
+from models.decoder import msa_attention, msa_select
+
+__all__ = ["LowerTriton"]
+
+_LOWERING = {msa_select: msa_select_triton, msa_attention: msa_attention_triton}
+
+
+@register_pass
+class LowerTriton(Pass):
+    """Swap the reference msa_select / msa_attention ops for Triton kernels (fused indexer, gather-Q prefill)."""
+
+    name = "lower_triton"
+
+    def call(self, gm: torch.fx.GraphModule) -> PassReport:
+        report = PassReport(self.name)
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in _LOWERING:
+                n.target = _LOWERING[n.target]
+                report.replaced += 1
+                layer = n.meta.get("m3_msa_layer")
+                if layer is not None:
+                    report.details.append(f"layer {layer}: msa_attention -> {msa_attention_triton.__name__}")
+        report.modified = bool(report.replaced)
+        return report
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        left = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in _LOWERING]
+        assert not left, f"reference MSA ops left after lowering: {left}"

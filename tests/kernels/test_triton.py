@@ -1,0 +1,231 @@
+"""Triton kernels against the torch reference (TRITON_INTERPRET=1 on CPU; full sizes: benchmarks/check_kernels.py).
+
+Shape families: lengths that are not a multiple of the block, T smaller than one block, T = 1, group sizes
+1, 3, 4, 8, 16, index-head counts and head dims that are not powers of two, top-k 1, 4, 16, 32 (more slots than
+visible blocks, hence -1 slots), shuffled slot order, batches of mixed lengths for decode, fp8 index keys.
+"""
+import pytest
+import torch
+
+from kernels import decode as dk
+from kernels import indexer
+from kernels import reference as ref
+from kernels import sparse_attention as sa
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in kernel output"
+    return ((out.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12)).item()
+
+
+def assert_same_selection(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor | None = None, tol=1e-4):
+    """Equal as sets per row (slot order carries no meaning). Where rounding may flip a near-tie, `scores` (the
+    reference block scores, same layout + [NB]) must show the swapped blocks within `tol`."""
+    g, w = got.long().sort(-1).values, want.long().sort(-1).values
+    if torch.equal(g, w):
+        return
+    assert scores is not None, f"selections differ in {(g != w).any(-1).sum().item()} rows"
+    diff = (g != w).any(-1)
+    for row in diff.nonzero():
+        s = scores[tuple(row)]
+        a, b = set(g[tuple(row)].tolist()), set(w[tuple(row)].tolist())
+        only_g, only_w = a - b, b - a
+        assert -1 not in only_g and -1 not in only_w, f"row {row.tolist()}: {sorted(a)} vs {sorted(b)}"
+        assert min(s[j] for j in only_g) >= max(s[j] for j in only_w) - tol, f"row {row.tolist()}: {a} vs {b}"
+
+
+def _scores(q_idx, k_idx, bs):
+    s = ref.block_scores(q_idx.transpose(1, 2), k_idx, bs)
+    return s.transpose(1, 2)  # [B, Hi, T, NB] -> as selected rows [B, Hi, T, NB]
+
+
+INDEX_CASES = [  # B, T, Hi, Di, block, topk, init, local
+    (1, 1, 4, 16, 16, 4, 0, 1),
+    (2, 5, 3, 16, 16, 4, 0, 1),  # T < one block
+    (2, 37, 3, 24, 8, 4, 1, 1),
+    (1, 100, 4, 32, 16, 1, 0, 1),
+    (1, 100, 1, 16, 8, 16, 0, 2),
+    (2, 53, 5, 16, 8, 32, 1, 1),  # more slots than blocks: -1 slots
+]
+
+
+@pytest.mark.parametrize("case", INDEX_CASES, ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}".format(*c))
+def test_indexer_matches_reference(case):
+    B, T, H, D, bs, k, init, local = case
+    q_idx, k_idx = torch.randn(B, T, H, D), torch.randn(B, T, D)
+    got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
+                                backend="triton")
+    want = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local)
+    assert got.shape == (B, H, T, k) and got.dtype == torch.int32
+    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), k_idx, bs))
+    n_visible = torch.arange(T) // bs + 1
+    assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
+
+
+def test_indexer_fp8_keys_match_dequantized_reference():
+    B, T, H, D, bs, k = 2, 70, 4, 32, 8, 4
+    q_idx, k_idx = torch.randn(B, T, H, D), torch.randn(B, T, D)
+    k8, scale = indexer.quantize_index_keys(k_idx)
+    assert k8.dtype == torch.float8_e4m3fn and scale.shape == (B, T)
+    deq = indexer.dequantize_index_keys(k8, scale)
+    assert rel_err(deq, k_idx) < 0.05  # e4m3 keeps ~3 significant bits
+    got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, k_scale=scale, backend="triton")
+    want = ref.select_blocks(q_idx.transpose(1, 2), deq, block_size=bs, topk=k)
+    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), deq, bs))
+
+
+def test_indexer_half_precision():
+    B, T, H, D, bs, k = 1, 90, 4, 32, 16, 3
+    q_idx, k_idx = torch.randn(B, T, H, D).half(), torch.randn(B, T, D).half()
+    got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, backend="triton")
+    want = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k)
+    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), k_idx, bs), tol=2e-2)
+
+
+SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
+    (1, 1, 1, 1, 16, 16, 4),  # one token
+    (2, 2, 3, 5, 16, 16, 1),  # T < one block, topk 1
+    (1, 2, 4, 37, 24, 8, 4),  # D not a power of two, ragged tail
+    (2, 1, 8, 45, 16, 8, 16),  # more slots than blocks
+    (1, 1, 16, 100, 32, 16, 32),
+    (1, 4, 1, 64, 16, 16, 2),  # T a multiple of the block
+]
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: "B{}-Hkv{}-G{}-T{}-D{}-bs{}-k{}".format(*c))
+def test_sparse_prefill_matches_reference(case):
+    B, Hkv, G, T, D, bs, k = case
+    q = torch.randn(B, T, Hkv * G, D).transpose(1, 2)  # head-major view of token-major memory, as in the graph
+    kk, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k)
+    blocks = blocks[..., torch.randperm(k)].int()  # no slot order may be assumed
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    want = ref.sparse_attention(q, kk, v, blocks, block_size=bs)
+    assert got.shape == want.shape
+    assert rel_err(got, want) < 1e-5
+
+
+def test_sparse_prefill_ignores_minus_one_slots_and_unsorted_ids():
+    B, Hkv, G, T, D, bs = 1, 2, 3, 50, 16, 8
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    full = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=4)
+    holes = full.clone()
+    holes[..., 1:][torch.rand(holes[..., 1:].shape) < 0.4] = -1  # keep slot 0 (some block) in every row
+    holes = holes.flip(-1).contiguous()
+    got = sa.sparse_attention(q, kk, v, holes, block_size=bs, backend="triton")
+    want = ref.sparse_attention(q, kk, v, holes, block_size=bs)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_sparse_prefill_query_chunks_agree():
+    """A tiny partial-buffer budget forces many query chunks; the result must not change."""
+    B, Hkv, G, T, D, bs = 1, 2, 4, 70, 16, 8
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    one = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    many = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton", max_partial_bytes=1)
+    assert rel_err(many, one) < 1e-6
+
+
+def test_sparse_prefill_half_precision():
+    B, Hkv, G, T, D, bs = 1, 2, 4, 60, 32, 16
+    q, kk, v = (torch.randn(B, h, T, D).half() for h in (Hkv * G, Hkv, Hkv))
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert got.dtype == torch.float16
+    assert rel_err(got, ref.sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)) < 2e-2
+
+
+def test_csr_lists_every_valid_entry_once():
+    B, Hkv, T, K, bs = 2, 3, 40, 4, 8
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K)
+    n_blocks = -(-T // bs)
+    payload, seg_off, tile_seg, tile_start = sa.build_csr(blocks, n_blocks, 0, T, chunk=8)
+    assert seg_off[-1].item() == (blocks >= 0).sum().item()
+    for seg in range(B * Hkv * n_blocks):
+        b, h, j = seg // (Hkv * n_blocks), (seg // n_blocks) % Hkv, seg % n_blocks
+        got = sorted(payload[seg_off[seg]:seg_off[seg + 1]].tolist())
+        want = sorted((blocks[b, h] == j).nonzero().mul(torch.tensor([K, 1])).sum(-1).tolist())
+        assert got == want
+    busy = tile_seg < B * Hkv * n_blocks  # tiles cover each segment's entries exactly once
+    covered = torch.zeros(seg_off[-1].item(), dtype=torch.int32)
+    for s, st in zip(tile_seg[busy].tolist(), tile_start[busy].tolist()):
+        covered[st:min(st + 8, seg_off[s + 1].item())] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+
+
+def _paged(lens, bs, Hkv, D, Di, dtype=torch.float32):
+    """Caches with pages in shuffled physical order and a few unused pages."""
+    B = len(lens)
+    per_seq = max(-(-L // bs) for L in lens) + 1
+    P = B * per_seq + 3
+    table = torch.randperm(P)[: B * per_seq].view(B, per_seq).int()
+    k_cache, v_cache = torch.randn(P, bs, Hkv, D, dtype=dtype), torch.randn(P, bs, Hkv, D, dtype=dtype)
+    idx_cache = torch.randn(P, bs, Di, dtype=dtype)
+    return k_cache, v_cache, idx_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+DECODE_CASES = [  # lens, block, Hkv, G, D, Di, topk
+    ([1], 16, 1, 1, 16, 16, 4),
+    ([37, 5, 64], 8, 2, 3, 16, 24, 4),  # mixed lengths, D and Di not powers of two
+    ([100, 17], 16, 1, 16, 32, 16, 16),
+    ([64, 9, 33, 1], 16, 2, 4, 16, 16, 1),
+    ([120], 8, 1, 8, 16, 16, 32),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "lens{}-bs{}-Hkv{}-G{}-D{}-Di{}-k{}".format(
+    "_".join(map(str, c[0])), *c[1:]))
+def test_paged_decode_matches_reference(case):
+    lens, bs, Hkv, G, D, Di, k = case
+    k_cache, v_cache, idx_cache, table, seq_lens = _paged(lens, bs, Hkv, D, Di)
+    B = len(lens)
+    q_idx, q = torch.randn(B, Hkv, Di), torch.randn(B, Hkv * G, D)
+    got = dk.paged_select(q_idx, idx_cache, table, seq_lens, topk=k, init_blocks=1, backend="triton")
+    want = dk.paged_select_reference(q_idx, idx_cache, table, seq_lens, topk=k, init_blocks=1)
+    assert_same_selection(got, want)
+    out = dk.paged_attention(q, k_cache, v_cache, want, table, seq_lens, backend="triton")
+    assert rel_err(out, dk.paged_attention_reference(q, k_cache, v_cache, want, table, seq_lens)) < 1e-5
+
+
+def test_paged_decode_fp8_index_cache():
+    lens, bs, Di = [70, 33], 8, 32
+    _, _, idx_cache, table, seq_lens = _paged(lens, bs, 1, 16, Di)
+    idx8, scale = indexer.quantize_index_keys(idx_cache)
+    q_idx = torch.randn(2, 4, Di)
+    got = dk.paged_select(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale, backend="triton")
+    want = dk.paged_select_reference(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale)
+    assert_same_selection(got, want)
+
+
+def test_paged_decode_equals_prefill_last_token():
+    """The decode path and the prefill path agree on the newest token: same blocks, same output."""
+    B, T, Hkv, G, D, bs, k = 1, 77, 2, 4, 16, 8, 3
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    q_idx, k_idx = torch.randn(B, T, Hkv, 16), torch.randn(B, T, 16)
+    blocks = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, backend="triton")
+    full = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    pages = -(-T // bs)
+    pad = pages * bs - T
+    as_pages = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(pages, bs, *x.shape[1:])  # noqa: E731
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([T], dtype=torch.int32)
+    sel = dk.paged_select(q_idx[:, -1], as_pages(k_idx[0][:, None])[:, :, 0], table, seq_lens, topk=k, backend="triton")
+    assert_same_selection(sel, blocks[:, :, -1])
+    out = dk.paged_attention(q[:, :, -1], as_pages(kk[0].transpose(0, 1)), as_pages(v[0].transpose(0, 1)), sel, table,
+                             seq_lens, backend="triton")
+    assert rel_err(out, full[:, :, -1]) < 1e-5
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="q_idx must be"):
+        indexer.select_blocks(torch.randn(1, 4, 16), torch.randn(1, 4, 16), block_size=8, topk=2)
+    with pytest.raises(ValueError, match="k_scale"):
+        indexer.select_blocks(torch.randn(1, 4, 2, 16), torch.randn(1, 4, 16).to(torch.float8_e4m3fn), block_size=8,
+                              topk=2)
+    with pytest.raises(ValueError, match="blocks must be"):
+        sa.sparse_attention(torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+                            torch.zeros(1, 2, 8, 2, dtype=torch.int32), block_size=8)
+    with pytest.raises(ValueError, match="idx_scale"):
+        dk.paged_select(torch.randn(1, 2, 16), torch.randn(3, 8, 16).to(torch.float8_e4m3fn),
+                        torch.zeros(1, 3, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), topk=2)
