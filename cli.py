@@ -70,6 +70,7 @@ def main():
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
+    m3c bench              Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
     m3c passes             the graph passes and what each does
     """
 
@@ -424,6 +425,96 @@ def export_onnx(model_dir, out_dir, force):
 
     path = _run(run_export, model_dir, out_dir, force=force)
     _console().print(f"wrote {path}")
+
+
+def _parse_lengths(text: str) -> tuple[int, ...]:
+    out = []
+    for t in text.split(","):
+        t = t.strip().upper()
+        if not t:
+            continue
+        mult = {"K": 1024, "M": 1024 * 1024}.get(t[-1], 1)
+        try:
+            out.append(int(float(t[:-1] if mult > 1 else t) * mult))
+        except ValueError:
+            raise click.BadParameter(f"expected lengths such as 8K,32K,1M, got {text!r}") from None
+    if any(n < 1 for n in out):
+        raise click.BadParameter(f"lengths must be >= 1, got {text!r}")
+    return tuple(out)
+
+
+@main.command()
+@click.option("--prefill-lengths", default="8K,32K,128K,512K,1M", show_default=True, help="Prefill context lengths ('' to skip prefill).")
+@click.option("--decode-lengths", default="32K,128K,512K,1M", show_default=True, help="Decode context lengths ('' to skip decode).")
+@click.option("--batch", default=8, show_default=True, help="Decode batch.")
+@click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
+@click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--index-dim", default=128, show_default=True)
+@click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
+@click.option("--topk", default=16, show_default=True)
+@click.option("--selection", "selections", multiple=True, default=("independent", "shared"), show_default=True,
+              help="Selection regimes for prefill: independent (indexer on random inputs) and/or shared (one selection per 128-query block).")
+@click.option("--dense-max", default="128K", show_default=True, help="Longest prefill timed densely; longer ones are extrapolated as T^2 and marked.")
+@click.option("--flex-max", default="128K", show_default=True, help="Longest prefill timed with FlexAttention.")
+@click.option("--no-flex", is_flag=True, help="Skip FlexAttention.")
+@click.option("--rep-ms", default=500, show_default=True, help="Milliseconds of timed repeats per figure (median reported).")
+@click.option("--device", default="cuda", show_default=True, help="cuda; cpu runs a smoke test of the command (timings meaningless).")
+@click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path), help="Writes bench.json and bench.png here.")
+def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
+          dense_max, flex_max, no_flex, rep_ms, device, out_dir):
+    """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
+
+    \b
+    Prefill (one sequence, bf16): dense SDPA causal (enable_gqa); FlexAttention with a BlockMask built from the
+    same selection; the gather-Q sparse attention alone; the fused indexer (scores + block max + top-k); and both
+    together (the whole MSA prefill, index projections excluded). "ideal" = dense causal FLOPs / FLOPs on the keys
+    the selection makes visible.
+    Decode (batch of equal lengths): dense SDPA over a contiguous cache vs paged selection + split-K attention with
+    bf16 and fp8 index keys, timed as CUDA-graph replays; "byte limit" = dense bytes / bytes MSA must read.
+    Each figure is the median of repeated runs after warm-up (CUDA events). Prints a table, writes
+    OUT/bench.json and OUT/bench.png.
+    """
+    from m3compile.bench import BenchConfig, run_bench, speedups, write_outputs
+
+    cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
+               topk=topk, prefill_lengths=_parse_lengths(prefill_lengths), decode_lengths=_parse_lengths(decode_lengths),
+               batch=batch, dense_max=_parse_lengths(dense_max)[0], flex_max=_parse_lengths(flex_max)[0],
+               selections=tuple(selections), flex=not no_flex, device=device, rep_ms=rep_ms,
+               warmup_ms=max(25, rep_ms // 5))
+    console = _console()
+    result = _run(run_bench, cfg, prefill=bool(cfg.prefill_lengths), decode=bool(cfg.decode_lengths),
+                  log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    write_outputs(result, out_dir)
+    pre, dec = speedups(result)
+    from rich.table import Table
+
+    def ms(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    if result.prefill:
+        t = Table(title=f"prefill ({heads} q heads, {kv_heads} kv heads, d {head_dim}, block {block}, top-{topk})")
+        for c in ("T", "selection", "dense ms", "flex ms", "attention ms", "indexer ms", "msa ms", "attention x",
+                  "ideal x", "share of ideal", "flex x", "msa x"):
+            t.add_column(c, justify="right")
+        for r, s in zip(result.prefill, pre):
+            dense = ms(r["dense_ms"]) + ("*" if r["dense"] == "extrapolated" else "")
+            t.add_row(f"{r['T']:,}", r["selection"], dense, ms(r["flex_ms"]), ms(r["attention_ms"]),
+                      ms(r["indexer_ms"]), ms(r["msa_ms"]), f"{s['attention_x']:.1f}", f"{s['ideal']:.1f}",
+                      f"{s['share_of_ideal']:.2f}", "-" if s["flex_x"] is None else f"{s['flex_x']:.1f}",
+                      f"{s['msa_x']:.1f}")
+        console.print(t)
+        if any(r["dense"] == "extrapolated" for r in result.prefill):
+            console.print("* dense time extrapolated from the longest measured length as causal FLOPs (T^2)")
+    if result.decode:
+        t = Table(title=f"decode (batch {batch})")
+        for c in ("T", "dense ms", "msa bf16 ms", "msa fp8 ms", "bf16 x", "fp8 x", "byte limit bf16", "byte limit fp8"):
+            t.add_column(c, justify="right")
+        for r, s in zip(result.decode, dec):
+            t.add_row(f"{r['T']:,}", ms(r["dense_ms"]), f"{r['msa_bf16_ms']:.4f}", f"{r['msa_fp8_ms']:.4f}",
+                      f"{s['bf16_x']:.2f}", f"{s['fp8_x']:.2f}", f"{s['ideal_bf16']:.2f}", f"{s['ideal_fp8']:.2f}")
+        console.print(t)
+    console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 
 @main.command()

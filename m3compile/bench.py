@@ -1,0 +1,409 @@
+"""`m3c bench`: MSA kernels against dense SDPA and FlexAttention at M3 shapes, on one GPU.
+
+Prefill, per length T (one sequence, bf16, 64 query heads / 4 KV heads / head dim 128, index 4 x 128 with one key
+head, block 128, top-16 by default):
+    dense      SDPA causal with enable_gqa (measured up to --dense-max, extrapolated as T^2 beyond and marked so)
+    flex       FlexAttention, BlockMask built from the same selection (per 128-query block, the union of the
+               blocks its tokens chose; a mask_mod keeps each token to its own blocks)
+    attention  this project's gather-Q sparse attention alone
+    indexer    fused scores + block max + top-k
+    msa        indexer + attention (the whole MSA prefill, index projections excluded)
+Selections: "independent" = what the indexer picks on random index queries/keys (per-token selections barely
+overlap: FlexAttention's worst case); "shared" = every token of a 128-token query block uses its last token's
+selection (FlexAttention's best case). The gather-Q kernel does the same work for both.
+
+Decode, per context length, batch B: dense SDPA over a contiguous cache vs paged select + split-K attention
+with bf16 and with fp8 index keys. Timed as CUDA-graph replays (launch overhead excluded from both sides).
+
+Every figure is the median of repeated timed runs after warm-up (triton.testing.do_bench / do_bench_cudagraph,
+CUDA events). Writes bench.json and bench.png (speedup vs context length) to --out.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from m3compile.errors import M3CompileError
+
+__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    heads: int = 64
+    kv_heads: int = 4
+    head_dim: int = 128
+    index_dim: int = 128
+    block: int = 128
+    topk: int = 16
+    prefill_lengths: tuple[int, ...] = (8192, 32768, 131072, 524288, 1048576)
+    decode_lengths: tuple[int, ...] = (32768, 131072, 524288, 1048576)
+    batch: int = 8
+    dense_max: int = 131072  # dense prefill is measured up to here and extrapolated (T^2) beyond
+    selections: tuple[str, ...] = ("independent", "shared")
+    flex: bool = True
+    flex_max: int = 131072  # beyond, Flex's per-query-head kv_indices ([Hq, T/128, T/128] int32) outgrow memory
+    device: str = "cuda"
+    warmup_ms: int = 100
+    rep_ms: int = 500
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise M3CompileError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        for name in ("heads", "kv_heads", "head_dim", "index_dim", "block", "topk", "batch"):
+            if getattr(self, name) < 1:
+                raise M3CompileError(f"{name} must be >= 1")
+        bad = [s for s in self.selections if s not in ("independent", "shared")]
+        if bad:
+            raise M3CompileError(f"unknown selection {bad[0]!r} (use independent or shared)")
+
+
+@dataclass
+class BenchResult:
+    config: dict
+    env: dict
+    prefill: list[dict] = field(default_factory=list)
+    decode: list[dict] = field(default_factory=list)
+    autotune: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLOP and byte models
+
+
+def visible_keys(blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Keys each (group, token) attends to: per valid slot, the causally visible part of its block. [B, Hkv, T]."""
+    T = blocks.shape[2]
+    t = torch.arange(T, device=blocks.device).view(1, 1, T, 1)
+    start = blocks.long() * block
+    n = (t - start + 1).clamp(min=0, max=block)
+    return torch.where(blocks >= 0, n, 0).sum(-1)
+
+
+def prefill_flops(T: int, heads: int, head_dim: int, keys_per_group_token: torch.Tensor | None = None) -> float:
+    """Attention FLOPs (QK^T and PV): dense causal when `keys_per_group_token` is None, else over those keys."""
+    if keys_per_group_token is None:
+        return 4.0 * heads * head_dim * T * (T + 1) / 2
+    G = heads // keys_per_group_token.shape[1]
+    return 4.0 * G * head_dim * float(keys_per_group_token.sum())
+
+
+def index_flops(T: int, index_heads: int, index_dim: int) -> float:
+    return 2.0 * index_heads * index_dim * T * (T + 1) / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlexAttention
+
+
+def flex_block_mask(blocks: torch.Tensor, heads: int, block: int):
+    """A FlexAttention BlockMask for the selection [B, Hkv, T, K]: per (query head, 128-query block) the union of
+    its tokens' blocks, and a mask_mod that keeps each token to its own causally visible blocks (a bit set)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Hkv, T, K = blocks.shape
+    G = heads // Hkv
+    nb = -(-T // block)
+    valid = blocks >= 0
+    safe = blocks.long().clamp(min=0)
+    # per token: bit set of chosen blocks, packed in bytes [B, Hkv, T, ceil(nb / 8)]
+    bits = torch.zeros(B, Hkv, T, -(-nb // 8), dtype=torch.uint8, device=blocks.device)
+    one = torch.ones_like(safe, dtype=torch.uint8) << (safe % 8).to(torch.uint8)
+    for s in range(K):  # scatter_add would sum duplicate bytes; slots are distinct blocks, so OR by slot
+        byte = safe[..., s:s + 1] // 8
+        cur = bits.gather(-1, byte)
+        bits.scatter_(-1, byte, torch.where(valid[..., s:s + 1], cur | one[..., s:s + 1], cur))
+    # per query block: union of its tokens' blocks
+    nq = nb
+    union = torch.zeros(B, Hkv, nq, nb + 1, dtype=torch.bool, device=blocks.device)
+    qb = (torch.arange(T, device=blocks.device) // block).view(1, 1, T, 1).expand(B, Hkv, T, K)
+    flat = qb * (nb + 1) + torch.where(valid, safe, nb)
+    union.view(B, Hkv, -1).scatter_(-1, flat.reshape(B, Hkv, -1), True)
+    union = union[..., :nb]
+    num = union.sum(-1).int()
+    order = torch.argsort((~union).to(torch.int8), dim=-1, stable=True).int()
+    num = num.repeat_interleave(G, dim=1)
+    order = order.repeat_interleave(G, dim=1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kvb = kv_idx // block
+        byte = bits[b, h // G, q_idx, kvb // 8]
+        return ((byte >> (kvb % 8).to(torch.uint8)) & 1).bool() & (kv_idx <= q_idx)
+
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def _time(fn, cfg: BenchConfig, graph: bool = False) -> float:
+    """Median ms of repeated runs after warm-up (CUDA events); `graph` times CUDA-graph replays."""
+    if cfg.device != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing as tt
+
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            return float(tt.do_bench_cudagraph(fn, rep=cfg.rep_ms, return_mode="median"))
+        except Exception:  # a path that cannot be captured is timed plainly
+            torch.cuda.synchronize()
+    return float(tt.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+
+
+def _shared_selection(blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Every token of a query block takes the selection of the block's last token (causally still valid: that
+    selection holds the query block itself and earlier blocks only)."""
+    T = blocks.shape[2]
+    last = ((torch.arange(T, device=blocks.device) // block + 1) * block - 1).clamp(max=T - 1)
+    return blocks[:, :, last]
+
+
+def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
+    from kernels.indexer import select_blocks
+    from kernels.sparse_attention import sparse_attention
+
+    dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    q = torch.randn(1, T, H, D, device=dev, dtype=dt, generator=g).transpose(1, 2)
+    k = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g)
+    v = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g)
+    q_idx = torch.randn(1, T, Hkv, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    k_idx = torch.randn(1, T, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    scale = D**-0.5
+
+    def indexer():
+        return select_blocks(q_idx, k_idx, block_size=cfg.block, topk=cfg.topk)
+
+    blocks = indexer()
+    t_index = _time(indexer, cfg)
+    dense_flops = prefill_flops(T, H, D)
+    if T <= cfg.dense_max:
+        t_dense = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+                        cfg)
+        dense_note = "measured"
+    else:
+        t_dense = None
+        dense_note = "extrapolated"
+    rows = []
+    for sel_name in cfg.selections:
+        sel = blocks if sel_name == "independent" else _shared_selection(blocks, cfg.block)
+        vis = visible_keys(sel, cfg.block)
+        sparse_fl = prefill_flops(T, H, D, vis)
+        t_attn = _time(lambda: sparse_attention(q, k, v, sel, block_size=cfg.block, scale=scale), cfg)
+        t_flex = None
+        flex_err = None
+        if cfg.flex and T <= cfg.flex_max:
+            try:
+                t_flex = _flex_time(cfg, q, k, v, sel, scale)
+            except Exception as e:  # reported, not fatal: the table says why Flex has no figure
+                flex_err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(dict(T=T, selection=sel_name, dense_ms=t_dense, dense=dense_note, flex_ms=t_flex,
+                         flex_error=flex_err, attention_ms=t_attn, indexer_ms=t_index, msa_ms=t_attn + t_index,
+                         dense_tflops=dense_flops, sparse_tflops=sparse_fl,
+                         ideal=dense_flops / sparse_fl, index_tflops=index_flops(T, Hkv, cfg.index_dim)))
+        log(f"prefill T={T} {sel_name}: attention {t_attn:.3f} ms, indexer {t_index:.3f} ms, "
+            f"flex {t_flex if t_flex is None else round(t_flex, 3)} ms, dense {t_dense} ms")
+    return rows
+
+
+def _flex_time(cfg: BenchConfig, q, k, v, blocks, scale) -> float:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = flex_block_mask(blocks, cfg.heads, cfg.block)
+    fn = torch.compile(flex_attention, dynamic=False) if cfg.device == "cuda" else flex_attention
+    return _time(lambda: fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), cfg)
+
+
+def _decode_one(cfg: BenchConfig, T: int, log) -> dict:
+    from kernels.decode import paged_attention, paged_select
+    from kernels.indexer import quantize_index_keys
+
+    dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    B, H, Hkv, D, bs = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.block
+    pages = -(-T // bs)
+    q = torch.randn(B, H, 1, D, device=dev, dtype=dt, generator=g)
+    k = torch.randn(B, Hkv, T, D, device=dev, dtype=dt, generator=g)
+    v = torch.randn(B, Hkv, T, D, device=dev, dtype=dt, generator=g)
+    t_dense = _time(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), cfg, graph=True)
+    dense_bytes = 2.0 * B * Hkv * T * D * k.element_size()
+    # the same keys and values, paged [B * pages, bs, Hkv, D]; sequence b owns pages b * pages ...
+    pad = pages * bs - T
+    k_cache = F.pad(k.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(B * pages, bs, Hkv, D)
+    del k
+    v_cache = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(B * pages, bs, Hkv, D)
+    del v
+    table = torch.arange(B * pages, device=dev, dtype=torch.int32).view(B, pages)
+    seq_lens = torch.full((B,), T, device=dev, dtype=torch.int32)
+    q_idx = torch.randn(B, Hkv, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    idx_cache = torch.randn(B * pages, bs, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    q1 = q[:, :, 0]
+    row = dict(T=T, batch=B, dense_ms=t_dense, dense_bytes=dense_bytes)
+    for name in ("bf16", "fp8"):
+        if name == "fp8":
+            idx_cache, idx_scale = quantize_index_keys(idx_cache)
+        else:
+            idx_scale = None
+
+        def step(cache=idx_cache, scale=idx_scale):
+            sel = paged_select(q_idx, cache, table, seq_lens, topk=cfg.topk, idx_scale=scale)
+            return paged_attention(q1, k_cache, v_cache, sel, table, seq_lens)
+
+        sel = paged_select(q_idx, idx_cache, table, seq_lens, topk=cfg.topk, idx_scale=idx_scale)
+        row[f"msa_{name}_ms"] = _time(step, cfg, graph=True)
+        row[f"select_{name}_ms"] = _time(
+            lambda: paged_select(q_idx, idx_cache, table, seq_lens, topk=cfg.topk, idx_scale=idx_scale), cfg,
+            graph=True)
+        row[f"attention_{name}_ms"] = _time(lambda: paged_attention(q1, k_cache, v_cache, sel, table, seq_lens), cfg,
+                                            graph=True)
+        idx_bytes = idx_cache.numel() * idx_cache.element_size() + (0 if idx_scale is None else idx_scale.numel() * 4)
+        sparse_kv = 2.0 * B * Hkv * min(cfg.topk, pages) * bs * D * dt.itemsize
+        row[f"msa_{name}_bytes"] = idx_bytes + sparse_kv
+        row[f"ideal_{name}"] = dense_bytes / (idx_bytes + sparse_kv)
+        log(f"decode T={T} B={B} {name}: msa {row[f'msa_{name}_ms']:.4f} ms (select {row[f'select_{name}_ms']:.4f}, "
+            f"attention {row[f'attention_{name}_ms']:.4f}), dense {t_dense:.4f} ms")
+    return row
+
+
+def _autotune_choices() -> dict:
+    """The configs triton.autotune picked, per kernel and key."""
+    out = {}
+    import importlib
+
+    for mod, names in (("kernels._tl_indexer", ["index_topk_kernel"]), ("kernels._tl_sparse", ["gather_q_fwd_kernel"]),
+                       ("kernels._tl_decode", ["paged_index_scores_kernel"])):
+        try:
+            m = importlib.import_module(mod)
+        except Exception:
+            continue
+        for n in names:
+            tuner = getattr(m, n)
+            for key, cfgv in getattr(tuner, "cache", {}).items():
+                out.setdefault(n, []).append({"key": [str(x) for x in key], "config": str(cfgv)})
+    return out
+
+
+def run_bench(cfg: BenchConfig, prefill: bool = True, decode: bool = True, log=print) -> BenchResult:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise M3CompileError("m3c bench needs a CUDA GPU (use --device cpu for a smoke run of tiny shapes)")
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
+           "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if cfg.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    result = BenchResult(asdict(cfg), env)
+    if prefill:
+        for T in cfg.prefill_lengths:
+            result.prefill.extend(_prefill_one(cfg, T, log))
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+        _fill_extrapolated(result.prefill)
+    if decode:
+        for T in cfg.decode_lengths:
+            result.decode.append(_decode_one(cfg, T, log))
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+    result.autotune = _autotune_choices()
+    return result
+
+
+def _fill_extrapolated(rows: list[dict]) -> None:
+    measured = [r for r in rows if r["dense"] == "measured"]
+    if not measured:
+        return
+    ref = max(measured, key=lambda r: r["T"])
+    for r in rows:
+        if r["dense"] == "extrapolated":
+            r["dense_ms"] = ref["dense_ms"] * r["dense_tflops"] / ref["dense_tflops"]
+
+
+def speedups(result: BenchResult) -> tuple[list[dict], list[dict]]:
+    pre = []
+    for r in result.prefill:
+        d = r["dense_ms"]
+        pre.append(dict(
+            T=r["T"], selection=r["selection"], dense=r["dense"], ideal=r["ideal"],
+            attention_x=d / r["attention_ms"], share_of_ideal=d / r["attention_ms"] / r["ideal"],
+            flex_x=None if r["flex_ms"] is None else d / r["flex_ms"],
+            msa_x=d / r["msa_ms"],
+            attention_tflops_s=r["sparse_tflops"] / r["attention_ms"] / 1e9,
+            indexer_tflops_s=r["index_tflops"] / r["indexer_ms"] / 1e9,
+        ))
+    dec = []
+    for r in result.decode:
+        dec.append(dict(T=r["T"], batch=r["batch"], bf16_x=r["dense_ms"] / r["msa_bf16_ms"],
+                        fp8_x=r["dense_ms"] / r["msa_fp8_ms"], ideal_bf16=r["ideal_bf16"], ideal_fp8=r["ideal_fp8"],
+                        dense_tb_s=r["dense_bytes"] / r["dense_ms"] / 1e9,
+                        bf16_tb_s=r["msa_bf16_bytes"] / r["msa_bf16_ms"] / 1e9))
+    return pre, dec
+
+
+def write_outputs(result: BenchResult, out: Path) -> None:
+    """bench.json and bench.png (speedup over dense against context length), written atomically."""
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    pre, dec = speedups(result)
+    payload = asdict(result) | {"speedups": {"prefill": pre, "decode": dec}}
+    tmp = out / ".bench.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, out / "bench.json")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for sel in sorted({r["selection"] for r in pre}):
+        rows = [r for r in pre if r["selection"] == sel]
+        xs = [r["T"] for r in rows]
+        ax.plot(xs, [r["attention_x"] for r in rows], "o-", label=f"sparse attention ({sel})")
+        ax.plot(xs, [r["msa_x"] for r in rows], "s-", label=f"indexer + attention ({sel})")
+        if any(r["flex_x"] for r in rows):
+            ax.plot([r["T"] for r in rows if r["flex_x"]], [r["flex_x"] for r in rows if r["flex_x"]], "^--",
+                    label=f"FlexAttention ({sel})")
+    if pre:
+        xs = sorted({r["T"] for r in pre})
+        ideal = {r["T"]: r["ideal"] for r in pre if r["selection"] == pre[0]["selection"]}
+        ax.plot(xs, [ideal[x] for x in xs], "k:", label="ideal (FLOPs)")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="speedup over dense SDPA",
+           title="prefill")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    if dec:
+        xs = [r["T"] for r in dec]
+        ax.plot(xs, [r["bf16_x"] for r in dec], "o-", label="MSA decode, bf16 index keys")
+        ax.plot(xs, [r["fp8_x"] for r in dec], "s-", label="MSA decode, fp8 index keys")
+        ax.plot(xs, [r["ideal_bf16"] for r in dec], "k:", label="byte limit, bf16")
+        ax.plot(xs, [r["ideal_fp8"] for r in dec], "k--", label="byte limit, fp8")
+        ax.set(xscale="log", xlabel="context length (tokens)", ylabel="speedup over dense SDPA",
+               title=f"decode, batch {dec[0]['batch']}")
+        ax.legend(fontsize=7)
+    gpu = result.env.get("gpu", result.env["device"])
+    fig.suptitle(f"m3c bench: {gpu}, torch {result.env['torch']}, triton {result.env['triton']}", fontsize=9)
+    fig.tight_layout()
+    tmp = out / ".bench.png.tmp"
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out / "bench.png")
