@@ -458,11 +458,12 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--dense-max", default="128K", show_default=True, help="Longest prefill timed densely; longer ones are extrapolated as T^2 and marked.")
 @click.option("--flex-max", default="128K", show_default=True, help="Longest prefill timed with FlexAttention.")
 @click.option("--no-flex", is_flag=True, help="Skip FlexAttention.")
+@click.option("--query-chunk-sweep", default="", help="Also time the sparse attention with these query chunks, e.g. 4K,16K (tuning aid).")
 @click.option("--rep-ms", default=500, show_default=True, help="Milliseconds of timed repeats per figure (median reported).")
 @click.option("--device", default="cuda", show_default=True, help="cuda; cpu runs a smoke test of the command (timings meaningless).")
 @click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path), help="Writes bench.json and bench.png here.")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
-          dense_max, flex_max, no_flex, rep_ms, device, out_dir):
+          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -481,6 +482,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                topk=topk, prefill_lengths=_parse_lengths(prefill_lengths), decode_lengths=_parse_lengths(decode_lengths),
                batch=batch, dense_max=_parse_lengths(dense_max)[0], flex_max=_parse_lengths(flex_max)[0],
                selections=tuple(selections), flex=not no_flex, device=device, rep_ms=rep_ms,
+               query_chunk_sweep=_parse_lengths(query_chunk_sweep),
                warmup_ms=max(25, rep_ms // 5))
     console = _console()
     result = _run(run_bench, cfg, prefill=bool(cfg.prefill_lengths), decode=bool(cfg.decode_lengths),

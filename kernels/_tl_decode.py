@@ -7,10 +7,12 @@ from kernels._common import configs
 
 @triton.autotune(
     configs=configs(
-        [dict(PPP=p, num_warps=w, num_stages=s) for p in (1, 2, 4, 8) for w in (2, 4) for s in (2, 3, 4)],
-        interpret=dict(PPP=2, num_warps=4, num_stages=1),
+        [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
+         for s in (2, 3)],
+        interpret=dict(NPG=2, PPP=2, num_warps=4, num_stages=1),
+        default=dict(NPG=2, PPP=2, num_warps=4, num_stages=2),
     ),
-    key=["HP", "DP", "BN", "HAS_SCALE", "IEEE"],
+    key=["HP", "DP", "BN", "HAS_SCALE", "IEEE", "FP8_DOT"],
 )
 @triton.jit(do_not_specialize=["max_pages"])
 def paged_index_scores_kernel(
@@ -18,32 +20,43 @@ def paged_index_scores_kernel(
     stride_qb, stride_qh, stride_cp, stride_ct, stride_sp, stride_tb, stride_ob, stride_oh,
     max_pages,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, PPP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr, NPG: tl.constexpr, PPP: tl.constexpr,
 ):
-    # one program: PPP consecutive pages of one sequence; block score = max over the page's cached keys
+    # one program: PPP tiles of NPG consecutive pages of one sequence; one matmul per tile over its NPG pages'
+    # keys (gathered through the block table), then one block score per (index head, page) = max over its keys
     i_b = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * PPP
     seq_len = tl.load(seq_lens + i_b)
     n_pages = tl.cdiv(seq_len, BS)
     o_h = tl.arange(0, HP)
     o_d = tl.arange(0, DP)
-    o_n = tl.arange(0, BN)
+    o_n = tl.arange(0, NPG * BN)
+    o_pg = o_n // BN  # page of each key row inside the tile
+    o_in = o_n % BN
+    o_g = tl.arange(0, NPG)
     m_d = o_d < D
     b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
-    for p in range(first, tl.minimum(first + PPP, n_pages)):
-        phys = tl.load(block_table + i_b * stride_tb + p).to(tl.int64)
-        m_key = (o_n < BS) & (p * BS + o_n < seq_len)
-        b_k = tl.load(idx_cache + phys * stride_cp + o_n[:, None] * stride_ct + o_d[None, :],
-                      mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
+    if HAS_SCALE and not FP8_DOT:
+        b_q = b_q.to(tl.float16)
+    first = tl.program_id(1) * PPP * NPG
+    for p0 in range(first, tl.minimum(first + PPP * NPG, n_pages), NPG):
+        page = p0 + o_pg
+        m_key = (o_in < BS) & (page < n_pages) & (page * BS + o_in < seq_len)
+        phys = tl.load(block_table + i_b * stride_tb + page, mask=page < n_pages, other=0).to(tl.int64)
+        b_k = tl.load(idx_cache + phys[:, None] * stride_cp + o_in[:, None] * stride_ct + o_d[None, :],
+                      mask=m_key[:, None] & m_d[None, :], other=0.0)
+        if HAS_SCALE and not FP8_DOT:  # fp8 query and keys widened to fp16 (exact) for the matmul
+            b_k = b_k.to(tl.float16)
         if IEEE:
             s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
         else:
             s = tl.dot(b_q, tl.trans(b_k))
         if HAS_SCALE:
-            s = s * tl.load(idx_scale + phys * stride_sp + o_n, mask=m_key, other=0.0)[None, :]
-        s = tl.max(tl.where(m_key[None, :], s, float("-inf")), 1)
-        tl.store(scores + i_b * stride_ob + o_h * stride_oh + p, s, mask=o_h < H)
+            s = s * tl.load(idx_scale + phys * stride_sp + o_in, mask=m_key, other=0.0)[None, :]
+        s = tl.where(m_key[None, :], s, float("-inf"))
+        s = tl.max(tl.reshape(s, [HP, NPG, BN]), 2)  # [HP, NPG]
+        tl.store(scores + i_b * stride_ob + o_h[:, None] * stride_oh + (p0 + o_g)[None, :], s,
+                 mask=(o_h < H)[:, None] & ((p0 + o_g) < n_pages)[None, :])
 
 
 @triton.jit

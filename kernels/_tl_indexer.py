@@ -29,28 +29,30 @@ def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr
 
 def _prune(cfgs, named_args, **kw):
     hp = named_args["HP"] if "HP" in named_args else kw["HP"]
-    return [c for c in cfgs if c.kwargs["BLOCK_T"] * hp >= 16] or cfgs[-1:]
+    return [c for c in cfgs if c.kwargs["ROWS"] >= hp] or cfgs[-1:]
+
 
 @triton.autotune(
     configs=configs(
-        [dict(BLOCK_T=bt, num_warps=w, num_stages=s) for bt in (16, 32, 64) for w in (4, 8) for s in (2, 3)],
-        interpret=dict(BLOCK_T=16, num_warps=4, num_stages=1),
+        [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
+        interpret=dict(ROWS=64, num_warps=4, num_stages=1),
+        default=dict(ROWS=128, num_warps=8, num_stages=3),
     ),
-    key=["HP", "DP", "BS", "KP", "HAS_SCALE"],
+    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "tune_bucket"])
 def index_topk_kernel(
     q, k, k_scale, out,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
-    T,
+    T, tune_bucket,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
 ):
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
-    ROWS: tl.constexpr = BLOCK_T * HP
+    BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
     o_r = tl.arange(0, ROWS)
     o_tok = i_t * BLOCK_T + o_r // HP
     o_h = o_r % HP

@@ -7,28 +7,27 @@ from kernels._common import configs
 
 def _prune(cfgs, named_args, **kw):
     gp = named_args["GP"] if "GP" in named_args else kw["GP"]
-    chunk = named_args["CHUNK"] if "CHUNK" in named_args else kw["CHUNK"]
-    ok = [c for c in cfgs if c.kwargs["TOK"] * gp >= 16 and c.kwargs["TOK"] * gp <= 128 and c.kwargs["TOK"] <= chunk]
-    return ok or cfgs[-1:]
+    return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
 
 
 @triton.autotune(
     configs=configs(
-        [dict(TOK=t, num_warps=w, num_stages=s) for t in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8) for s in (2, 3)],
-        interpret=dict(TOK=16, num_warps=4, num_stages=1),
+        [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3)],
+        interpret=dict(ROWS=32, num_warps=4, num_stages=1),
+        default=dict(ROWS=64, num_warps=4, num_stages=2),
     ),
-    key=["GP", "DP", "BN", "CHUNK", "IEEE"],
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["T", "t0", "n_seg"])
+@triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket"])
 def gather_q_fwd_kernel(
     q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
-    T, t0, n_seg, scale_log2,
+    T, t0, n_seg, scale_log2, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, TOK: tl.constexpr,
+    IEEE: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: one (batch, KV head, key block) segment of the CSR, up to CHUNK of the queries that chose it;
     # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them
@@ -51,19 +50,29 @@ def gather_q_fwd_kernel(
                       mask=m_kd, other=0.0)
         b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
                       mask=m_kd, other=0.0)
-        ROWS: tl.constexpr = TOK * GP
+        TOK: tl.constexpr = ROWS // GP  # gathered tokens per tile, each with its G heads
         o_r = tl.arange(0, ROWS)
         o_g = o_r % GP
         o_hq = i_h * G + o_g
+        # the first tile's gathered rows; inside the loop the next tile's rows are loaded before this tile's
+        # matmuls, so the indirect loads of one tile overlap the compute of the previous one
+        o_e = start + o_r // GP
+        m_next = (o_e < end) & (o_g < G)
+        pl_next = tl.load(payload + o_e, mask=m_next, other=0)
+        q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
+                         + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
+                         mask=m_next[:, None] & m_d[None, :], other=0.0)
         for e0 in range(start, end, TOK):
-            o_e = e0 + o_r // GP
-            m_row = (o_e < end) & (o_g < G)
-            pl = tl.load(payload + o_e, mask=m_row, other=0)
+            m_row, pl, b_q = m_next, pl_next, q_next
+            o_e = e0 + TOK + o_r // GP
+            m_next = (o_e < end) & (o_g < G)
+            pl_next = tl.load(payload + o_e, mask=m_next, other=0)
+            q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
+                             + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
+                             mask=m_next[:, None] & m_d[None, :], other=0.0)
             o_tl = pl // K  # token index inside the query chunk
             o_slot = pl % K
             o_t = t0 + o_tl
-            b_q = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_t[:, None].to(tl.int64) * stride_qt
-                          + o_d[None, :], mask=m_row[:, None] & m_d[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
             else:
@@ -109,18 +118,19 @@ def combine_kernel(
     l_acc = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
-    for s in range(K):
-        blk = tl.load(p_blk + s)
-        if blk >= 0:
-            lse = tl.load(part_lse + i_b * stride_lb + i_tl * stride_lt + s * stride_ls + o_hq, mask=m_g, other=0.0)
-            o = tl.load(part_o + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
-                        + o_d[None, :], mask=m_gd, other=0.0).to(tl.float32)
-            m_new = tl.maximum(m_acc, lse)
-            alpha = tl.math.exp2(m_acc - m_new)
-            w = tl.math.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            l_acc = l_acc * alpha + w
-            m_acc = m_new
+    for s in tl.static_range(K):  # unrolled: the K partial loads are independent and issue together
+        valid = (tl.zeros([GP], tl.int32) + tl.load(p_blk + s)) >= 0  # the slot's block id, per row
+        lse = tl.load(part_lse + i_b * stride_lb + i_tl * stride_lt + s * stride_ls + o_hq, mask=m_g & valid,
+                      other=float("-inf"))
+        o = tl.load(part_o + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
+                    + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_acc, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_acc - m_use)
+        w = tl.math.exp2(lse - m_use)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l_acc = l_acc * alpha + w
+        m_acc = m_new
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
     tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)

@@ -17,14 +17,19 @@ its pages, and merges the partials by log-sum-exp. Sequences of different length
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from kernels import reference as ref
-from kernels._common import next_pow2, use_triton
+from kernels._common import interpreting, next_pow2, use_triton
+from kernels.indexer import quantize_index_keys
 
-__all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference"]
+_FP8_DOT = True  # set False after the first failed fp8 matmul compile
+
+__all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
+           "paged_block_scores_reference"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -42,12 +47,13 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int)
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
-                           idx_scale=None):
-    """Plain-torch `paged_select`: gathers each sequence's keys and reuses reference.select's scoring and top-k."""
+def paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale=None):
+    """Block scores [B, Hi, max_pages] (-inf past each sequence's last page) of the newest token of each sequence."""
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
-    out = torch.full((B, H, topk), -1, dtype=torch.int32, device=q_idx.device)
+    out = torch.full((B, H, block_table.shape[1]), float("-inf"), device=q_idx.device)
+    if idx_scale is not None:  # fp8 mode: the query is quantized too (its per-head scale cannot change the order)
+        q_idx = quantize_index_keys(q_idx)[0].float()
     for b in range(B):
         L = int(seq_lens[b])
         keys = _gather(idx_cache, block_table, b, L).float()
@@ -55,9 +61,20 @@ def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, ini
             keys = keys * _gather(idx_scale, block_table, b, L).float()[:, None]
         s = q_idx[b].float() @ keys.T / math.sqrt(D)  # [H, L]
         n_blocks = -(-L // bs)
-        s = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
-        t_pos = torch.tensor([L - 1], device=q_idx.device)
-        out[b] = ref._select_from_scores(s[None, :, None], t_pos, bs, topk, init_blocks, local_blocks)[0, :, 0]
+        out[b, :, :n_blocks] = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
+    return out
+
+
+def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
+                           idx_scale=None):
+    """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k."""
+    scores = paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale)
+    out = torch.full((*q_idx.shape[:2], topk), -1, dtype=torch.int32, device=q_idx.device)
+    for b in range(q_idx.shape[0]):
+        n_blocks = -(-int(seq_lens[b]) // idx_cache.shape[1])
+        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=q_idx.device)
+        out[b] = ref._select_from_scores(scores[b, :, None, :n_blocks][None], t_pos, idx_cache.shape[1], topk,
+                                         init_blocks, local_blocks)[0, :, 0]
     return out
 
 
@@ -101,18 +118,34 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
     max_pages = block_table.shape[1]
-    q = (q_idx.float() / math.sqrt(D)).to(q_idx.dtype)  # the 1/sqrt(Di) is folded into the query
+    if fp8:  # fp8 query x fp8 keys: one scale per (sequence, head) query row, which cannot change the ranking
+        q = quantize_index_keys(q_idx)[0]
+    else:
+        q = (q_idx.float() / math.sqrt(D)).to(q_idx.dtype)  # the 1/sqrt(Di) is folded into the query
     scores = torch.empty(B, H, max_pages, dtype=torch.float32, device=q_idx.device)
     scale = idx_scale.float().contiguous() if fp8 else scores.new_empty(1, 1)
-    grid = lambda meta: (B, -(-max_pages // meta["PPP"]))  # noqa: E731
-    paged_index_scores_kernel[grid](
-        q, idx_cache, scale, block_table, seq_lens, scores,
-        q.stride(0), q.stride(1), idx_cache.stride(0), idx_cache.stride(1), scale.stride(0), block_table.stride(0),
-        scores.stride(0), scores.stride(1),
-        max_pages,
-        H=H, HP=max(16, next_pow2(H)), D=D, DP=max(16, next_pow2(D)), BS=bs, BN=max(16, next_pow2(bs)),
-        HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32,
-    )
+    grid = lambda meta: (B, -(-max_pages // (meta["PPP"] * meta["NPG"])))  # noqa: E731
+
+    def launch(fp8_dot):
+        paged_index_scores_kernel[grid](
+            q, idx_cache, scale, block_table, seq_lens, scores,
+            q.stride(0), q.stride(1), idx_cache.stride(0), idx_cache.stride(1), scale.stride(0),
+            block_table.stride(0), scores.stride(0), scores.stride(1),
+            max_pages,
+            H=H, HP=max(16, next_pow2(H)), D=D, DP=max(16, next_pow2(D)), BS=bs, BN=max(16, next_pow2(bs)),
+            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32, FP8_DOT=fp8_dot,
+        )
+
+    global _FP8_DOT
+    if fp8 and _FP8_DOT and not interpreting():
+        try:  # fp8 x fp8 tensor-core matmul (Hopper); keys then stream into shared memory without a conversion
+            launch(True)
+        except Exception as e:  # a Triton build without it: widen to bf16 instead, once and for all
+            _FP8_DOT = False
+            warnings.warn(f"fp8 index matmul unavailable ({type(e).__name__}); widening fp8 keys to bf16")
+            launch(False)
+    else:
+        launch(False)
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
     topk_rows_kernel[(B, H)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference as ref
-from kernels._common import next_pow2, use_triton
+from kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["select_blocks", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
 
@@ -75,13 +75,14 @@ def select_blocks(
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     from kernels._tl_indexer import index_topk_kernel as kernel
 
-    grid = lambda meta: (-(-T // meta["BLOCK_T"]), B)  # noqa: E731
+    HP = next_pow2(H)
+    grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731
     kernel[grid](
         q_idx, k_idx, scale, out,
         q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
         scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
-        T,
-        H=H, HP=next_pow2(H), D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
+        T, tune_bucket(T),
+        H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
         TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
         HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32,
     )

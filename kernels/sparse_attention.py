@@ -18,7 +18,7 @@ import math
 import torch
 
 from kernels import reference as ref
-from kernels._common import next_pow2, use_triton
+from kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention", "build_csr"]
 
@@ -65,10 +65,14 @@ def sparse_attention(
     scale: float | None = None,
     backend: str = "auto",
     max_partial_bytes: int = _PARTIAL_BYTES,
+    query_chunk: int | None = None,
+    _stage: str = "all",
 ) -> torch.Tensor:
     """Exact causal attention of every query head over its group's selected key blocks.
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] (any int dtype, -1 = empty) -> [B, Hq, T, D].
+    query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
+    chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] \
             or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
@@ -93,7 +97,7 @@ def sparse_attention(
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     row_bytes = K * Hq * (D * part_dtype.itemsize + 4)
-    C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes)))
+    C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
     part_o = torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
     part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
@@ -106,10 +110,12 @@ def sparse_attention(
             v.stride(0), v.stride(1), v.stride(2),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            T, t0, n_seg, scale * math.log2(math.e),
+            T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
             CHUNK=chunk_entries, IEEE=ieee,
         )
+        if _stage == "gather":  # benchmarks time the gather pass alone through this
+            continue
         combine_kernel[(B * (t1 - t0), Hkv)](
             part_o, part_lse, blocks, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),

@@ -49,6 +49,7 @@ class BenchConfig:
     dense_max: int = 131072  # dense prefill is measured up to here and extrapolated (T^2) beyond
     selections: tuple[str, ...] = ("independent", "shared")
     flex: bool = True
+    query_chunk_sweep: tuple[int, ...] = ()  # also time the attention with these query chunks (tuning aid)
     flex_max: int = 131072  # beyond, Flex's per-query-head kv_indices ([Hq, T/128, T/128] int32) outgrow memory
     device: str = "cuda"
     warmup_ms: int = 100
@@ -212,7 +213,14 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
                 t_flex = _flex_time(cfg, q, k, v, sel, scale)
             except Exception as e:  # reported, not fatal: the table says why Flex has no figure
                 flex_err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        rows.append(dict(T=T, selection=sel_name, dense_ms=t_dense, dense=dense_note, flex_ms=t_flex,
+        t_gather = _time(lambda: sparse_attention(q, k, v, sel, block_size=cfg.block, scale=scale, _stage="gather"),
+                         cfg)
+        sweep = {}
+        for qc in cfg.query_chunk_sweep:
+            if qc < T:
+                sweep[qc] = _time(lambda: sparse_attention(q, k, v, sel, block_size=cfg.block, scale=scale,
+                                                           query_chunk=qc), cfg)
+        rows.append(dict(T=T, selection=sel_name, gather_ms=t_gather, query_chunk_ms=sweep, dense_ms=t_dense, dense=dense_note, flex_ms=t_flex,
                          flex_error=flex_err, attention_ms=t_attn, indexer_ms=t_index, msa_ms=t_attn + t_index,
                          dense_tflops=dense_flops, sparse_tflops=sparse_fl,
                          ideal=dense_flops / sparse_fl, index_tflops=index_flops(T, Hkv, cfg.index_dim)))
