@@ -10,7 +10,7 @@ from kernels._common import configs
         [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
          for s in (2, 3)],
         interpret=dict(NPG=2, PPP=2, num_warps=4, num_stages=1),
-        default=dict(NPG=2, PPP=2, num_warps=4, num_stages=2),
+        default=dict(NPG=1, PPP=2, num_warps=4, num_stages=2),
     ),
     key=["HP", "DP", "BN", "HAS_SCALE", "IEEE", "FP8_DOT"],
 )

@@ -1,0 +1,66 @@
+"""m3c bench: its FLOP model, the FlexAttention baseline's mask, and a CPU smoke run of the command."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.nn.attention.flex_attention import flex_attention
+
+from cli import main
+from kernels import reference as ref
+from m3compile import M3CompileError
+from m3compile.bench import BenchConfig, flex_block_mask, prefill_flops, visible_keys
+
+
+def test_visible_keys_counts_causal_keys_of_valid_slots():
+    T, bs = 37, 8
+    blocks = ref.select_blocks(torch.randn(1, 2, T, 16), torch.randn(1, T, 16), block_size=bs, topk=3)
+    got = visible_keys(blocks, bs)
+    for h in range(2):
+        for t in range(T):
+            want = sum(min(bs, t - j * bs + 1) for j in blocks[0, h, t].tolist() if j >= 0)
+            assert got[0, h, t].item() == want
+    assert prefill_flops(T, 4, 16) == 4 * 4 * 16 * T * (T + 1) / 2
+    all_blocks = torch.arange(5).expand(1, 2, T, 5)  # every block selected: the sparse FLOPs are the dense ones
+    assert prefill_flops(T, 4, 16, visible_keys(all_blocks.masked_fill(all_blocks * bs > torch.arange(T)[:, None], -1), bs)) \
+        == prefill_flops(T, 4, 16)
+
+
+def test_flex_block_mask_computes_the_same_selection():
+    """The FlexAttention baseline attends exactly to the selected blocks (else the comparison would be unfair)."""
+    B, Hq, Hkv, T, D, bs = 1, 4, 2, 80, 16, 16
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
+    out = flex_attention(q, k, v, block_mask=flex_block_mask(blocks, Hq, bs), enable_gqa=True)
+    want = ref.sparse_attention(q, k, v, blocks, block_size=bs)
+    assert (out - want).abs().max().item() < 1e-5
+
+
+def test_bench_config_rejects_bad_shapes():
+    with pytest.raises(M3CompileError, match="multiple of kv_heads"):
+        BenchConfig(heads=6, kv_heads=4)
+    with pytest.raises(M3CompileError, match="unknown selection"):
+        BenchConfig(selections=("random",))
+
+
+def test_bench_command_smoke_on_cpu(tmp_path):
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, [
+        "bench", "--device", "cpu", "--prefill-lengths", "40", "--decode-lengths", "40", "--batch", "2",
+        "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--index-dim", "16", "--block", "16", "--topk", "2",
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert {r["selection"] for r in data["prefill"]} == {"independent", "shared"}
+    row = data["prefill"][0]
+    assert row["T"] == 40 and row["ideal"] > 1 and row["attention_ms"] > 0 and row["flex_ms"] > 0
+    assert data["decode"][0]["batch"] == 2 and data["decode"][0]["msa_fp8_ms"] > 0
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_needs_a_gpu_unless_told_cpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+    assert not (tmp_path / "b").exists()
