@@ -36,8 +36,13 @@ def paged_index_scores_kernel(
     m_d = o_d < D
     b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
-    if HAS_SCALE and not FP8_DOT:
-        b_q = b_q.to(tl.float16)
+    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as indexer.quantize_index_keys does (its scale,
+        # one per (sequence, head), cannot change that head's ranking, so it is not applied)
+        b_qf = b_q.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(b_qf), 1), 1e-12)
+        b_q = (b_qf / (amax / 448.0)[:, None]).to(tl.float8e4nv)
+        if not FP8_DOT:
+            b_q = b_q.to(tl.float16)
     first = tl.program_id(1) * PPP * NPG
     for p0 in range(first, tl.minimum(first + PPP * NPG, n_pages), NPG):
         page = p0 + o_pg

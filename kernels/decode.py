@@ -118,12 +118,10 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
     max_pages = block_table.shape[1]
-    if fp8:  # fp8 query x fp8 keys: one scale per (sequence, head) query row, which cannot change the ranking
-        q = quantize_index_keys(q_idx)[0]
-    else:
-        q = (q_idx.float() / math.sqrt(D)).to(q_idx.dtype)  # the 1/sqrt(Di) is folded into the query
+    q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()  # no 1/sqrt(Di): the ranking does not need it
     scores = torch.empty(B, H, max_pages, dtype=torch.float32, device=q_idx.device)
-    scale = idx_scale.float().contiguous() if fp8 else scores.new_empty(1, 1)
+    scale = (idx_scale if idx_scale.dtype == torch.float32 and idx_scale.is_contiguous() else idx_scale.float().contiguous()) \
+        if fp8 else scores.new_empty(1, 1)
     grid = lambda meta: (B, -(-max_pages // (meta["PPP"] * meta["NPG"])))  # noqa: E731
 
     def launch(fp8_dot):
