@@ -462,8 +462,15 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--rep-ms", default=500, show_default=True, help="Milliseconds of timed repeats per figure (median reported).")
 @click.option("--device", default="cuda", show_default=True, help="cuda; cpu runs a smoke test of the command (timings meaningless).")
 @click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path), help="Writes bench.json and bench.png here.")
+@click.option("--vision", is_flag=True, help="Instead: the ViT's 3D windowed attention (fused varlen kernel vs SDPA loop vs padded SDPA); writes vision.json.")
+@click.option("--vision-steps", default="8,13,21,34,64", show_default=True, help="--vision: temporal steps of each video in the batch.")
+@click.option("--vision-grid", default=32, show_default=True, help="--vision: patches per side of each frame.")
+@click.option("--vision-window", default=4, show_default=True, help="--vision: temporal steps per 3D window.")
+@click.option("--vision-heads", default=16, show_default=True, help="--vision: ViT heads (M3: 16).")
+@click.option("--vision-head-dim", default=80, show_default=True, help="--vision: ViT head dim (M3: 80).")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
-          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir):
+          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, vision, vision_steps, vision_grid,
+          vision_window, vision_heads, vision_head_dim):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -478,6 +485,9 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     """
     from m3compile.bench import BenchConfig, run_bench, speedups, write_outputs
 
+    if vision:
+        return _bench_vision(vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, device, rep_ms,
+                             out_dir)
     cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
                topk=topk, prefill_lengths=_parse_lengths(prefill_lengths), decode_lengths=_parse_lengths(decode_lengths),
                batch=batch, dense_max=_parse_lengths(dense_max)[0], flex_max=_parse_lengths(flex_max)[0],
@@ -517,6 +527,36 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                       f"{s['bf16_x']:.2f}", f"{s['fp8_x']:.2f}", f"{s['ideal_bf16']:.2f}", f"{s['ideal_fp8']:.2f}")
         console.print(t)
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+
+
+def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir):
+    from m3compile.bench import VisionBenchConfig, run_vision_bench
+
+    try:
+        steps = tuple(int(t) for t in steps.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated step counts, got {steps!r}") from None
+    cfg = _run(VisionBenchConfig, steps=steps, grid=grid, window=window, heads=heads, head_dim=head_dim, device=device,
+               rep_ms=rep_ms, warmup_ms=max(25, rep_ms // 5))
+    console = _console()
+    result = _run(run_vision_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".vision.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out_dir / "vision.json")
+    from rich.table import Table
+
+    t = Table(title=f"3D windowed attention: {result['windows']} windows of <= {window} steps, {result['tokens']:,} "
+                    f"tokens, {heads} heads x {head_dim}")
+    for c in ("method", "ms", "TFLOP/s", "rel. error vs loop"):
+        t.add_column(c, justify="right")
+    for name, label in (("loop", "Python loop of SDPA per window"), ("padded", "SDPA over windows padded to the longest"),
+                        ("fused", "fused varlen kernel (one launch)")):
+        ms = result["ms"][name]
+        t.add_row(label, f"{ms:.3f}", f"{result['flops'] / ms / 1e9:.0f}",
+                  "-" if name == "loop" else f"{result['rel_err_vs_loop'][name]:.1e}")
+    console.print(t)
+    console.print(f"fused vs the faster baseline: {result['speedup_vs_best_baseline']:.2f}x; wrote {out_dir / 'vision.json'}")
 
 
 @main.command()

@@ -64,3 +64,16 @@ def test_bench_needs_a_gpu_unless_told_cpu(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_vision_smoke_on_cpu(tmp_path):
+    result = CliRunner().invoke(main, [
+        "bench", "--vision", "--device", "cpu", "--vision-steps", "3,5,1", "--vision-grid", "4",
+        "--vision-heads", "2", "--vision-head-dim", "16", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "vision.json").read_text())
+    assert data["windows"] == 1 + 2 + 1 and data["tokens"] == (3 + 5 + 1) * 16
+    assert data["rel_err_vs_loop"]["fused"] < 1e-5 and data["rel_err_vs_loop"]["padded"] < 1e-5
+    bad = CliRunner().invoke(main, ["bench", "--vision", "--device", "cpu", "--vision-steps", "0", "--out",
+                                    str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "error:" in bad.output
