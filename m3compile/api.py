@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels import reference as ref
 from m3compile.checkpoint import (
-    atomic_output_dir, load_state_dict, read_checkpoint, to_release_names,
+    atomic_output_dir, check_state, load_state_dict, read_checkpoint, to_release_names,
     write_checkpoint,
 )
 from m3compile.config import MSAConfig
@@ -55,6 +55,24 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
     model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint
     model.source_config = ck.config
     model.source_dtype = ck.dtype
+    if ck.vision_args is not None:  # minimax_m3_vl with its vision tower: the multimodal wrapper
+        from models.vision import MultimodalDecoder, VisionRotary, apply_window
+
+        with torch.device("meta"):
+            mm = MultimodalDecoder(model, ck.vision_args)
+        mm.vision_tower = mm.vision_tower.to_empty(device=device)
+        mm.multi_modal_projector = mm.multi_modal_projector.to_empty(device=device)
+        mm.language = model
+        vis = {k: v for k, v in mm.state_dict().items() if not k.startswith("language.")}
+        check_state(vis, ck.vision_state, ck.path)
+        _, unexpected = mm.load_state_dict(ck.vision_state, strict=False)  # names and shapes checked above
+        assert not unexpected, unexpected
+        mm.vision_tower.rotary_emb.inv_freq = VisionRotary.frequencies(ck.vision_args).to(device)
+        window = (ck.config.get("vision_config") or {}).get("vit_3d_window")
+        if window:
+            apply_window(mm, int(window))
+        mm.source_config, mm.source_dtype = ck.config, ck.dtype
+        model = mm
     return model.to(parse_dtype(dtype) or ck.dtype).eval()
 
 

@@ -46,6 +46,68 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|((^|\.)mtp\.)")
 _VISION = re.compile(r"^(vision_tower|multi_modal_projector|patch_merge_mlp|model\.vision_tower|model\.multi_modal_projector)\.")
 
 
+# release name prefix -> our (and transformers' unprefixed) name prefix, for the vision tower and projector
+_VISION_RENAMES = (
+    ("vision_tower.vision_model.embeddings.patch_embedding.", "vision_tower.embeddings.proj."),
+    ("vision_tower.vision_model.encoder.layers.", "vision_tower.layers."),
+    ("vision_tower.vision_model.pre_layrnorm.", "vision_tower.pre_layrnorm."),
+    ("patch_merge_mlp.linear_1.", "multi_modal_projector.merge_linear_1."),
+    ("patch_merge_mlp.linear_2.", "multi_modal_projector.merge_linear_2."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+_VISION_RELEASE = {new: old for old, new in _VISION_RENAMES[:5]}
+
+
+def vision_names(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The vision tower and projector tensors of a minimax_m3_vl checkpoint (either layout) under our names."""
+    out = {}
+    for name, t in raw.items():
+        if not _VISION.match(name):
+            continue
+        for old, new in _VISION_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = t
+    return out
+
+
+def vision_release_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our vision names -> M3's release naming (`vision_tower.vision_model.`, `patch_merge_mlp.`)."""
+    out = {}
+    for name, t in state.items():
+        for new, old in _VISION_RELEASE.items():
+            if name.startswith(new):
+                name = old + name[len(new):]
+                break
+        out[name] = t
+    return out
+
+
+def vision_args_from_config(cfg: dict):
+    """VisionArgs of a minimax_m3_vl config.json, or None for text-only configs and configs without a vision tower."""
+    from models.vision import VisionArgs
+
+    v = cfg.get("vision_config")
+    if cfg.get("model_type") != "minimax_m3_vl" or not isinstance(v, dict):
+        return None
+    text = cfg.get("text_config") or {}
+    rope = v.get("rope_parameters") or {}
+    try:
+        return VisionArgs(
+            hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], n_layers=v["num_hidden_layers"],
+            n_heads=v["num_attention_heads"], n_channels=v.get("num_channels", 3), patch_size=v.get("patch_size", 14),
+            temporal_patch_size=v.get("temporal_patch_size", 2), spatial_merge_size=v.get("spatial_merge_size", 2),
+            layer_norm_eps=v.get("layer_norm_eps", 1e-5), rope_theta=rope.get("rope_theta", v.get("rope_theta", 1e4)),
+            projector_hidden_size=cfg.get("projector_hidden_size", 6144), text_hidden_size=text["hidden_size"],
+            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 200025)),
+            video_token_id=cfg.get("video_token_index", cfg.get("video_token_id", 200026)),
+        )
+    except KeyError as e:
+        raise M3CompileError(f"config.json vision_config lacks {e.args[0]!r}") from None
+
+
 @dataclass
 class Checkpoint:
     """A parsed checkpoint directory: its raw config, the model args, and tensors under our names."""
@@ -56,6 +118,8 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]
     layout: str  # "hf" (llama family), "m3-release" or "m3-transformers"
     dtype: torch.dtype
+    vision_args: object = None  # models.vision.VisionArgs when the checkpoint has a vision tower
+    vision_state: dict = None  # its tensors under our names (vision_tower.*, multi_modal_projector.*)
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -281,7 +345,9 @@ def read_checkpoint(path: str | os.PathLike, attn_impl: str = "sdpa_gqa") -> Che
     state, layout = _internal_names(raw, args)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     dtype = torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes.pop() if len(dtypes) == 1 else torch.float32)
-    return Checkpoint(path, cfg, args, state, layout, dtype)
+    vision = vision_names(raw)
+    vision_args = vision_args_from_config(cfg) if vision else None
+    return Checkpoint(path, cfg, args, state, layout, dtype, vision_args, vision if vision_args else None)
 
 
 def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: Path | str,

@@ -371,8 +371,11 @@ class Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(args)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.forward_embeds(self.embed_tokens(input_ids))  # [B, T, hidden]
+
+    def forward_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers and final norm from input embeddings [B, T, hidden] (multimodal inputs enter here)."""
+        positions = torch.arange(x.shape[1], device=x.device)[None]
         cos, sin = self.rotary_emb(x, positions)  # [1, T, R]
         for layer in self.layers:
             x = layer(x, cos, sin)

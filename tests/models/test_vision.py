@@ -1,0 +1,116 @@
+"""The M3-style vision tower, projector and multimodal wrapper against transformers' minimax_m3_vl."""
+import pytest
+import torch
+import transformers
+
+import m3compile
+from m3compile.checkpoint import vision_names, vision_release_names
+from models.vision import MultimodalDecoder, apply_window, patchify
+
+IMAGE, VIDEO = 60, 61
+
+
+def _hf_vl():
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, dense_intermediate_size=24, shared_intermediate_size=8,
+        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2,
+        index_local_blocks=1, layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, rope_parameters={"rope_type": "axial", "rope_theta": 1e4})
+    cfg = transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=24,
+                                         image_token_index=IMAGE, video_token_index=VIDEO)
+    model = transformers.MiniMaxM3SparseForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "vision" not in name:
+                p.normal_(0.0, 0.3)
+            elif "layer_norm" in name or "layrnorm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = _hf_vl()
+    path = tmp_path_factory.mktemp("vl") / "m3vl"
+    hf.save_pretrained(path)
+    ours = m3compile.load(path, dtype="float32")
+    return hf, ours
+
+
+def _inputs(args):
+    frames_img = torch.randn(1, 3, 8, 8)  # one image: a 2 x 2 patch grid, one merged token
+    frames_vid = torch.randn(6, 3, 8, 16)  # 6 frames -> 3 temporal steps of 2 x 4 patches, 6 merged tokens
+    pv_i, g_i = patchify(frames_img, args)
+    pv_v, g_v = patchify(frames_vid, args)
+    return pv_i, g_i, pv_v, g_v
+
+
+def test_loads_as_multimodal_with_vision_weights(pair):
+    hf, ours = pair
+    assert isinstance(ours, MultimodalDecoder)
+    assert ours.vision_args.hidden_size == 32 and ours.vision_args.axis_dim == 4
+
+
+def test_vision_tower_matches_transformers(pair):
+    """transformers attends across the whole clip: our tower with windows >= the clip length is the same model."""
+    hf, ours = pair
+    pv_i, g_i, pv_v, g_v = _inputs(ours.vision_args)
+    pv, grid = torch.cat([pv_i, pv_v]), torch.cat([g_i, g_v])
+    with torch.no_grad():
+        want = hf.model.vision_tower(pixel_values=pv, grid_thw=grid).last_hidden_state.squeeze(0)
+        apply_window(ours, 8)
+        got = ours.vision_tower(pv, grid)
+        apply_window(ours, 1)
+        per_frame = ours.vision_tower(pv, grid)
+        apply_window(ours, None)
+        baseline = ours.vision_tower(pv, grid)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(per_frame, baseline)  # W = 1 is the per-frame model exactly
+    assert torch.equal(per_frame[:4], got[:4])  # an image is one temporal step either way
+    assert (per_frame[4:] - got[4:]).abs().max() > 1e-3  # video frames meet only with W > 1
+
+
+def test_merged_embeddings_and_logits_match_transformers(pair):
+    hf, ours = pair
+    pv_i, g_i, pv_v, g_v = _inputs(ours.vision_args)
+    ids = torch.cat([torch.randint(0, 50, (5,)), torch.full((1,), IMAGE), torch.randint(0, 50, (9,)),
+                     torch.full((6,), VIDEO), torch.randint(0, 50, (12,))])[None]
+    apply_window(ours, 8)
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=pv_i, image_grid_thw=g_i, pixel_values_videos=pv_v,
+                  video_grid_thw=g_v).logits
+        got = ours(ids, pv_i, g_i, pv_v, g_v)
+    apply_window(ours, None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_multimodal_input_names_the_mismatch(pair):
+    _, ours = pair
+    pv_i, g_i, pv_v, g_v = _inputs(ours.vision_args)
+    ids = torch.tensor([[1, 2, IMAGE, IMAGE, 3]])
+    with pytest.raises(ValueError, match=r"image placeholders \(2\) do not match .* \(1 "):
+        ours(ids, pv_i, g_i)
+    with pytest.raises(ValueError, match="placeholder tokens but no video input"):
+        ours(torch.tensor([[1, VIDEO]]))
+    with pytest.raises(ValueError, match="not divisible by the temporal patch"):
+        patchify(torch.randn(3, 3, 8, 8), ours.vision_args)
+    with pytest.raises(ValueError, match="empty video"):
+        patchify(torch.randn(0, 3, 8, 8), ours.vision_args)
+    with pytest.raises(ValueError, match="video 0 is empty"):
+        ours.visual_tokens(pv_i[:0], torch.tensor([[0, 2, 2]]))
+    with pytest.raises(ValueError, match="pixel_values must be"):
+        ours.visual_tokens(pv_i[:, :5], g_i)
+
+
+def test_vision_release_names_round_trip(pair):
+    _, ours = pair
+    state = {k: v for k, v in ours.state_dict().items() if not k.startswith("language.")}
+    release = vision_release_names(state)
+    assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in release
+    assert "patch_merge_mlp.linear_1.weight" in release and "multi_modal_projector.linear_1.weight" in release
+    assert vision_names(release).keys() == state.keys()
