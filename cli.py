@@ -87,12 +87,13 @@ def main():
 @click.option("--index-heads", type=int, default=None, help="Index query heads [default: the KV head count, which it must equal].")
 @click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
 @click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")
+@click.option("--vision-window", default=4, show_default=True, help="Multimodal checkpoints: temporal steps per 3D window of ViT attention (1 = per frame).")
 @click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
 def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
-            local_blocks, dtype, max_shard_size, force, as_json):
+            local_blocks, vision_window, dtype, max_shard_size, force, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -102,6 +103,10 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     A checkpoint is converted streaming: the model is traced on the meta device and tensors are read from the
     memory-mapped source shards one layer at a time, so memory stays near one layer whatever the model's size.
     Each tensor keeps its dtype unless --dtype is given.
+
+    A minimax_m3_vl checkpoint keeps its vision tower and projector (written in M3's release names) and its ViT
+    attention is rewritten from per-frame into 3D windows of --vision-window temporal steps
+    (vision_config.vit_3d_window in OUT/config.json).
     """
     from m3compile import MSAConfig, convert_checkpoint
 
@@ -111,7 +116,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     if out is None:
         raise click.UsageError("missing OUT directory")
     config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
-                  init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers))
+                  init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
+                  vision_window=vision_window)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     console = _console()

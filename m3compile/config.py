@@ -21,6 +21,7 @@ class MSAConfig:
     init_blocks   leading blocks always kept                                       M3: 0
     local_blocks  most recent blocks always kept, the query's own first            M3: 1
     dense_layers  layer indices that keep dense attention                          M3: (0, 1, 2)
+    vision_window multimodal models: temporal steps per 3D ViT attention window     M3: 4
     """
 
     block_size: int = 128
@@ -30,10 +31,11 @@ class MSAConfig:
     init_blocks: int = 0
     local_blocks: int = 1
     dense_layers: tuple[int, ...] = (0,)
+    vision_window: int = 4  # multimodal models: ViT attention in 3D windows of <= this many temporal steps
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
-        for name in ("block_size", "topk", "local_blocks"):
+        for name in ("block_size", "topk", "local_blocks", "vision_window"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.init_blocks < 0:

@@ -25,8 +25,9 @@ from safetensors import safe_open
 
 from m3compile.api import ConversionReport, _output_config, _write_extras, convert, parse_dtype
 from m3compile.checkpoint import (
-    _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state, plan_shards,
-    read_config, to_release_names, write_shard_index,
+    _VISION, _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state,
+    plan_shards, read_config, to_release_names, vision_args_from_config, vision_names, vision_release_names,
+    write_shard_index,
 )
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
@@ -108,12 +109,22 @@ class _Source:
         except Exception as e:  # safetensors raises its own types for truncated or corrupt files
             raise M3CompileError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]})") from None
 
-    def check(self, args: ModelArgs) -> int:
+    def check(self, args: ModelArgs, vision=None) -> int:
         """Every tensor's name and shape against config.json (from headers alone); returns the count checked."""
-        internal, _ = _internal_names({n: self.meta(n) for n in self.where}, args)
+        metas = {n: self.meta(n) for n in self.where}
+        internal, _ = _internal_names(metas, args)
         with torch.device("meta"):
             check_state(Decoder(args).state_dict(), internal, self.path, args.tie_embeddings)
-        return len(internal)
+        if vision is None:
+            return len(internal)
+        from models.vision import Projector, VisionTower
+
+        with torch.device("meta"):
+            expected = {f"vision_tower.{k}": v for k, v in VisionTower(vision).state_dict().items()}
+            expected.update({f"multi_modal_projector.{k}": v for k, v in Projector(vision).state_dict().items()})
+        found = vision_names(metas)
+        check_state(expected, found, self.path)
+        return len(internal) + len(found)
 
     def meta(self, name: str) -> torch.Tensor:
         shape, code = self.headers[name]
@@ -155,6 +166,7 @@ class _Converter:
     def __init__(self, src: Path, args: ModelArgs, settings: dict[int, MSALayerArgs], dtype: torch.dtype | None):
         self.source = _Source(src)
         self.args, self.settings, self.dtype = args, settings, dtype
+        self.vision = None  # VisionArgs when the vision tower is kept
         self.groups: dict[tuple[int, str], list[str]] = {}
         for name in self.source.where:
             self.groups.setdefault(_group_of(name), []).append(name)
@@ -165,6 +177,8 @@ class _Converter:
         raw = self.source.load(names) if materialise else {n: self.source.meta(n) for n in names}
         if self.dtype is not None:
             raw = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in raw.items()}
+        if self.vision is not None and all(_VISION.match(n) for n in names):  # vision tower: copied through
+            return vision_release_names(vision_names(raw))
         state, _ = _internal_names(raw, self.args)
         if g[0] in self.settings:
             state.update(self._index_branch(g[0], state))
@@ -191,6 +205,18 @@ class _Converter:
         zeros = torch.zeros(s.index_dim, dtype=wq.dtype, device=wq.device)  # Gemma-style norms start as identity
         return {f"{pre}.index_q_proj.weight": wq_idx, f"{pre}.index_k_proj.weight": wk_idx,
                 f"{pre}.index_q_norm.weight": zeros, f"{pre}.index_k_norm.weight": zeros.clone()}
+
+
+def _window_vision(vision, window: int):
+    """Trace the vision tower on the meta device and run vit_3d_window on it; returns the pass report."""
+    from m3compile.pass_manager import PassManager
+    from m3compile.tracing import trace
+    from models.vision import VisionTower
+    from passes.vit_3d_window import ViT3DWindow
+
+    with torch.device("meta"):
+        tower = VisionTower(vision)
+    return PassManager([ViT3DWindow(window)]).run(trace(tower))[0]
 
 
 def convert_streaming(
@@ -222,9 +248,16 @@ def convert_streaming(
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     conv = _Converter(src, args, settings, parse_dtype(dtype))
+    has_vision = any(_VISION.match(n) for n in conv.source.where)
+    vision = vision_args_from_config(cfg) if has_vision else None
+    if has_vision and vision is None:
+        raise M3CompileError(f"{src}: vision tensors present but config.json has no minimax_m3_vl vision_config")
+    if vision is not None:
+        conv.vision = vision
+        report.passes.append(_window_vision(vision, (config or MSAConfig()).vision_window))
 
     # Plan from headers alone: validates names and shapes, fixes every output tensor's place before any write.
-    conv.source.check(args)
+    conv.source.check(args, vision)
     plan: list[_Planned] = []
     for g in sorted(conv.groups):
         plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
@@ -251,8 +284,10 @@ def convert_streaming(
                 raise
             writer.close()
         write_shard_index(tmp, shards, total)
-        (tmp / "config.json").write_text(json.dumps(_output_config(cfg, out_args, report.config), indent=2,
-                                                    sort_keys=True) + "\n")
+        out_cfg = _output_config(cfg, out_args, report.config)
+        if vision is not None:
+            out_cfg["vision_config"]["vit_3d_window"] = (config or MSAConfig()).vision_window
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         report.seconds = time.perf_counter() - start
         _write_extras(tmp, gm, report)
     return report

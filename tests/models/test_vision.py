@@ -114,3 +114,80 @@ def test_vision_release_names_round_trip(pair):
     assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in release
     assert "patch_merge_mlp.linear_1.weight" in release and "multi_modal_projector.linear_1.weight" in release
     assert vision_names(release).keys() == state.keys()
+
+
+def test_vit_3d_window_pass_on_a_traced_tower(pair):
+    from m3compile.pass_manager import PassManager
+    from m3compile.tracing import trace
+    from models.vision import frame_segments, window_segments
+    from passes.vit_3d_window import ViT3DWindow
+
+    _, ours = pair
+    pv_i, g_i, pv_v, g_v = _inputs(ours.vision_args)
+    pv, grid = torch.cat([pv_i, pv_v]), torch.cat([g_i, g_v])
+    tower = ours.vision_tower
+    gm = trace(tower)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert frame_segments in targets and window_segments not in targets
+    with torch.no_grad():
+        per_frame = gm(pv, grid)
+        report = PassManager([ViT3DWindow(2)]).run(gm)[0]
+        windowed = gm(pv, grid)
+        apply_window(ours, 2)
+        native = tower(pv, grid)
+        apply_window(ours, None)
+    assert report.replaced == ours.vision_args.n_layers
+    assert torch.equal(windowed, native)
+    assert not torch.equal(windowed, per_frame)
+    assert PassManager([ViT3DWindow(2)]).run(gm)[0].replaced == 0  # idempotent
+    gm1 = trace(tower)
+    PassManager([ViT3DWindow(1)]).run(gm1)
+    with torch.no_grad():
+        assert torch.equal(gm1(pv, grid), per_frame)  # W = 1 reproduces the per-frame model exactly
+
+
+def test_windows_isolate_segments(pair):
+    """Changing a frame changes its own window's patch features; every other window stays bit-identical."""
+    _, ours = pair
+    args = ours.vision_args
+    frames = torch.randn(12, 3, 8, 8)  # 6 temporal steps of 2 x 2 patches -> windows of steps [0-3], [4-5]
+    pv, grid = patchify(frames, args)
+    frames2 = frames.clone()
+    frames2[10:12] += 1.0  # temporal step 5: the second window
+    pv2, _ = patchify(frames2, args)
+    apply_window(ours, 4)
+    with torch.no_grad():
+        a, b = ours.vision_tower(pv, grid), ours.vision_tower(pv2, grid)
+    apply_window(ours, None)
+    assert torch.equal(a[:16], b[:16])  # window 1: steps 0-3, 4 patches each
+    assert not torch.equal(a[16:], b[16:])
+
+
+def test_convert_keeps_vision_and_windows_it(pair, tmp_path):
+    hf, ours = pair
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    out = tmp_path / "out"
+    report = m3compile.convert_checkpoint(src, out, m3compile.MSAConfig(block_size=4, topk=2, dense_layers=(0,),
+                                                                         vision_window=2))
+    assert [p.name for p in report.passes] == ["gqa_to_msa", "vit_3d_window"]
+    assert report.passes[1].replaced == 2
+    import json
+    from safetensors import safe_open
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vision_config"]["vit_3d_window"] == 2
+    files = list(out.glob("*.safetensors"))
+    names = set()
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in names
+    assert "patch_merge_mlp.linear_2.bias" in names
+    conv = m3compile.load(out, dtype="float32")
+    assert isinstance(conv, MultimodalDecoder) and conv.vision_tower.window == 2
+    pv_i, g_i, pv_v, g_v = _inputs(conv.vision_args)
+    apply_window(ours, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(conv.vision_tower(pv_v, g_v), ours.vision_tower(pv_v, g_v), rtol=0, atol=0)
+    apply_window(ours, None)
