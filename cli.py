@@ -373,6 +373,12 @@ def _print_inspect(report) -> None:
         passes.add(f"{p['name']}: replaced {p['replaced']}, +{p['added']} / -{p['removed']} nodes")
     if not report.passes:
         passes.add("none run: the model already has MSA layers")
+    if report.vision:
+        v = report.vision
+        steps = lambda w: "per frame (2D)" if w == 1 else f"3D windows of <= {w} temporal steps"  # noqa: E731
+        tree.add(f"vision tower: {v['layers']} layers, {v['heads']} heads x {v['head_dim']}, {v['params']:,} "
+                 f"parameters (with projector); {v['attention_ops']} attention ops: {steps(v['window_before'])} -> "
+                 f"{steps(v['window_after'])}")
     console.print(tree)
     layers = Table(title="layers")
     for col in ("layer", "attention", "this run", "nodes", "depth", "index", "block", "top-k", "local"):

@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from m3compile.api import PRESETS, convert
-from m3compile.checkpoint import args_from_config, read_config
+from m3compile.checkpoint import _VISION, args_from_config, read_config, vision_args_from_config
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
 from m3compile.matching import msa_layer, msa_nodes
@@ -81,6 +81,7 @@ class InspectReport:
     nodes_after: int
     cost: dict
     seconds: float = 0.0
+    vision: dict | None = None  # multimodal checkpoints: the ViT and its attention windows before / after
     graph: torch.fx.GraphModule | None = field(default=None, repr=False)  # after the passes, meta device
     added_nodes: set = field(default_factory=set, repr=False)
 
@@ -175,6 +176,28 @@ def _layer_rows(gm: torch.fx.GraphModule, args: ModelArgs, converted: set[int]) 
     return rows
 
 
+def _vision_section(vargs, window_now: int | None, window_new: int) -> dict:
+    """The ViT on the meta device: its attention ops, and the 3D windows before and after vit_3d_window."""
+    from m3compile.pass_manager import PassManager
+    from models.vision import Projector, VisionTower, segment_attention
+    from passes.vit_3d_window import ViT3DWindow
+
+    with torch.device("meta"):
+        tower = VisionTower(vargs, window=window_now)
+        projector = Projector(vargs)
+    gm = trace(tower)
+    attention = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is segment_attention)
+    report = None
+    if window_now is None:
+        report = PassManager([ViT3DWindow(window_new)]).run(gm)[0].to_dict()
+    return {
+        "layers": vargs.n_layers, "heads": vargs.n_heads, "head_dim": vargs.head_dim, "hidden": vargs.hidden_size,
+        "attention_ops": attention, "window_before": window_now or 1, "window_after": window_now or window_new,
+        "params": sum(p.numel() for p in tower.parameters()) + sum(p.numel() for p in projector.parameters()),
+        "pass": report,
+    }
+
+
 def inspect(source: str | os.PathLike | None = None, *, preset: str | None = None, config: MSAConfig | None = None,
             context: int = 131072) -> InspectReport:
     """Inspect a checkpoint directory (from config.json and tensor headers only) or a preset, on the meta device.
@@ -190,8 +213,12 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         path = Path(source)
         cfg = read_config(path)
         args, _ = args_from_config(cfg)
-        checked, name, model_type = _Source(path).check(args), str(path), cfg.get("model_type", "?")
+        src = _Source(path)
+        has_vision = any(_VISION.match(n) for n in src.where)
+        vision_args = vision_args_from_config(cfg) if has_vision else None
+        checked, name, model_type = src.check(args, vision_args), str(path), cfg.get("model_type", "?")
     else:
+        vision_args = None
         preset = preset or "m3"
         if preset not in PRESETS:
             raise M3CompileError(f"unknown preset {preset!r} (presets: {', '.join(PRESETS)})")
@@ -209,13 +236,19 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
     else:
         gm, passes, out_args = before, [], args
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    vision = None
+    if vision_args is not None:
+        vision = _vision_section(vision_args, (cfg.get("vision_config") or {}).get("vit_3d_window"),
+                                 (config or MSAConfig()).vision_window)
+        if vision["pass"] is not None:
+            passes.append(vision["pass"])
     names_before = {n.name for n in before.graph.nodes}
     converted = {i for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     return InspectReport(
         source=name, model_type=model_type, params=params, tensors_checked=checked,
         layers=_layer_rows(gm, out_args, converted), passes=passes, ops_before=_histogram(before),
         ops_after=_histogram(gm), nodes_before=len(before.graph.nodes), nodes_after=len(gm.graph.nodes),
-        cost=attention_cost(out_args, context), seconds=time.perf_counter() - start, graph=gm,
+        cost=attention_cost(out_args, context), seconds=time.perf_counter() - start, graph=gm, vision=vision,
         added_nodes={n.name for n in gm.graph.nodes} - names_before,
     )
 

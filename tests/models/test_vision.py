@@ -10,7 +10,7 @@ from models.vision import MultimodalDecoder, apply_window, patchify
 IMAGE, VIDEO = 60, 61
 
 
-def _hf_vl():
+def _hf_vl(dense_text: bool = False):
     text = dict(
         vocab_size=64, hidden_size=32, intermediate_size=16, dense_intermediate_size=24, shared_intermediate_size=8,
         num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_local_experts=4,
@@ -21,6 +21,8 @@ def _hf_vl():
     )
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2, rope_parameters={"rope_type": "axial", "rope_theta": 1e4})
+    if dense_text:
+        text["layer_types"] = ["full_attention"] * 3
     cfg = transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=24,
                                          image_token_index=IMAGE, video_token_index=VIDEO)
     model = transformers.MiniMaxM3SparseForConditionalGeneration(cfg).eval()
@@ -171,7 +173,7 @@ def test_convert_keeps_vision_and_windows_it(pair, tmp_path):
     report = m3compile.convert_checkpoint(src, out, m3compile.MSAConfig(block_size=4, topk=2, dense_layers=(0,),
                                                                          vision_window=2))
     assert [p.name for p in report.passes] == ["gqa_to_msa", "vit_3d_window"]
-    assert report.passes[1].replaced == 2
+    assert report.passes[0].replaced == 0 and report.passes[1].replaced == 2  # text: natively MSA already
     import json
     from safetensors import safe_open
 
@@ -191,3 +193,40 @@ def test_convert_keeps_vision_and_windows_it(pair, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(conv.vision_tower(pv_v, g_v), ours.vision_tower(pv_v, g_v), rtol=0, atol=0)
     apply_window(ours, None)
+
+
+def test_inspect_shows_both_rewrites(pair, tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+    from m3compile.inspect import inspect
+
+    hf, _ = pair
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    rep = inspect(src, config=m3compile.MSAConfig(block_size=4, topk=2, dense_layers=(0,), vision_window=3))
+    assert [p["name"] for p in rep.passes] == ["vit_3d_window"]  # the text model is natively MSA already
+    assert rep.vision["attention_ops"] == 2 and rep.vision["window_before"] == 1 and rep.vision["window_after"] == 3
+    out = CliRunner().invoke(main, ["inspect", str(src), "--block-size", "4", "--topk", "2"])
+    assert out.exit_code == 0, out.output
+    assert "vision tower: 2 layers" in out.output and "3D windows of <= 4 temporal steps" in out.output
+
+
+def test_convert_a_dense_multimodal_model_applies_both_rewrites(tmp_path):
+    """Dense text + per-frame ViT in, MSA text + 3D-window ViT out; at a length that fits the top-k (MSA is then
+    exactly dense) and windows that hold the whole clip, the converted model equals transformers' model."""
+    hf = _hf_vl(dense_text=True)
+    hf.save_pretrained(tmp_path / "src")
+    report = m3compile.convert_checkpoint(tmp_path / "src", tmp_path / "out",
+                                          m3compile.MSAConfig(block_size=16, topk=4, dense_layers=(0,), vision_window=3))
+    assert [(p.name, p.replaced) for p in report.passes] == [("gqa_to_msa", 2), ("vit_3d_window", 2)]
+    conv = m3compile.load(tmp_path / "out", dtype="float32")
+    assert conv.args.sparse_layers == (False, True, True) and conv.vision_tower.window == 3
+    pv_i, g_i, pv_v, g_v = _inputs(conv.vision_args)
+    ids = torch.cat([torch.randint(0, 50, (7,)), torch.full((1,), IMAGE), torch.full((6,), VIDEO),
+                     torch.randint(0, 50, (20,))])[None]  # 34 tokens <= 4 blocks of 16
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=pv_i, image_grid_thw=g_i, pixel_values_videos=pv_v,
+                  video_grid_thw=g_v).logits
+        got = conv(ids, pv_i, g_i, pv_v, g_v)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
