@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
+from kernels._tl_common import lse_merge, online_softmax_block
 
 
 @triton.autotune(
@@ -121,21 +122,8 @@ def paged_attention_split_kernel(
                           mask=m_kd, other=0.0)
             b_v = tl.load(v_cache + phys * stride_vp + o_n[:, None] * stride_vt + i_h * stride_vh + o_d[None, :],
                           mask=m_kd, other=0.0)
-            if IEEE:
-                sc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-            else:
-                sc = tl.dot(b_q, tl.trans(b_k))
-            sc = tl.where(m_key[None, :], sc * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(sc - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, m_key[None, :], scale_log2, True,
+                                                 IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(part_o + i_b * stride_pb + i_h * stride_ph + i_s * stride_ps + o_g[:, None] * DP + o_d[None, :],
              acc / l_safe[:, None])
@@ -157,13 +145,7 @@ def paged_merge_kernel(
     for s in range(SPLITS):
         lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + s * GP + o_g)
         o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :])
-        m_new = tl.maximum(m_acc, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_acc - m_use)
-        w = tl.math.exp2(lse - m_use)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        l_acc = l_acc * alpha + w
-        m_acc = m_new
+        m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
              (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])

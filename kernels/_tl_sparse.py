@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
+from kernels._tl_common import lse_merge
 
 
 def _prune(cfgs, named_args, **kw):
@@ -124,13 +125,7 @@ def combine_kernel(
                       other=float("-inf"))
         o = tl.load(part_o + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
                     + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m_acc, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_acc - m_use)
-        w = tl.math.exp2(lse - m_use)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        l_acc = l_acc * alpha + w
-        m_acc = m_new
+        m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
     tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)

@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
+from kernels._tl_common import online_softmax_block
 
 
 @triton.autotune(
@@ -47,19 +48,7 @@ def varlen_fwd_kernel(
                           mask=m_d[None, :], other=0.0)
             b_v = tl.load(v + o_n[:, None].to(tl.int64) * stride_vt + i_h * stride_vh + o_d[None, :],
                           mask=m_d[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale_log2
-            else:
-                s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, None, scale_log2, False, IEEE)
         if n_full < seg_end:
             o_n = n_full + o_n0
             m_n = o_n < seg_end
@@ -67,20 +56,7 @@ def varlen_fwd_kernel(
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
             b_v = tl.load(v + o_n[:, None].to(tl.int64) * stride_vt + i_h * stride_vh + o_d[None, :],
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale_log2
-            else:
-                s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
-            s = tl.where(m_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, m_n[None, :], scale_log2, True, IEEE)
         acc = acc / l_i[:, None]
         tl.store(out + o_m[:, None].to(tl.int64) * stride_ot + i_h * stride_oh + o_d[None, :],
                  acc.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])

@@ -74,9 +74,7 @@ def sparse_attention(
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
     chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
     """
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] \
-            or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q must be [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    ref._check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):

@@ -1,0 +1,37 @@
+"""Triton device functions shared by the kernels (inlined by the compiler)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, s_mask, scale_log2, MASKED: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """One key block of an online softmax (base 2): scores of b_q [M, D] against b_k [N, D], keys outside s_mask
+    [M, N] (when MASKED) dropped; returns the updated running max, sum and un-normalised output."""
+    if IEEE:
+        s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
+    if MASKED:
+        s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet stays empty, not NaN
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def lse_merge(m_acc, l_acc, acc, lse, o):
+    """Fold one normalised partial output o [G, D] with log-sum-exp lse [G] (base 2; -inf = empty) into the
+    running (max, weight sum, weighted output)."""
+    m_new = tl.maximum(m_acc, lse)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_acc - m_use)
+    w = tl.math.exp2(lse - m_use)
+    return m_new, l_acc * alpha + w, acc * alpha[:, None] + o * w[:, None]
