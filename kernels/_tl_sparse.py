@@ -99,11 +99,12 @@ def gather_q_fwd_kernel(
 
 @triton.jit(do_not_specialize=["C", "t0"])
 def combine_kernel(
-    part_o, part_lse, blocks, out,
+    part_o, part_lse, blocks, out, lse_out,
     stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
-    stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh,
+    stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh, stride_xb, stride_xt,
     C, t0,
     K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials
     pid = tl.program_id(0)
@@ -129,3 +130,87 @@ def combine_kernel(
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
     tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)
+    if STORE_LSE:  # the token's log-sum-exp over all its blocks (base 2, scale included), kept for backward
+        tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc), mask=m_g)
+
+
+@triton.jit(do_not_specialize=["T", "t0", "n_seg"])
+def gather_q_bwd_kernel(
+    q, k, v, do, lse, delta, dq, dk, dv, tile_seg, tile_start, seg_off, payload,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_ot, stride_oh, stride_xb, stride_xt, stride_gb, stride_gt, stride_gh,
+    stride_db, stride_dh, stride_dt,
+    T, t0, n_seg, scale, scale_log2,
+    HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, ROWS: tl.constexpr,
+):
+    # one program: the same (batch, KV head, key block) segment chunk as the forward. With the forward's LSE the
+    # probabilities are exact per block, so dK/dV of the block accumulate on chip over the gathered queries and
+    # each query row's dQ share is added to dq (fp32 atomics: a row gets one share per selected block)
+    pid = tl.program_id(0)
+    seg = tl.load(tile_seg + pid)
+    if seg < n_seg:
+        start = tl.load(tile_start + pid)
+        end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
+        j = seg % NB
+        bh = seg // NB
+        i_b = (bh // HKV).to(tl.int64)
+        i_h = bh % HKV
+        o_n = tl.arange(0, BN)
+        o_d = tl.arange(0, DP)
+        m_d = o_d < D
+        o_key = j * BS + o_n
+        m_key = (o_n < BS) & (o_key < T)
+        m_kd = m_key[:, None] & m_d[None, :]
+        b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
+                      mask=m_kd, other=0.0)
+        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
+                      mask=m_kd, other=0.0)
+        if IEEE:
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+        acc_dk = tl.zeros([BN, DP], tl.float32)
+        acc_dv = tl.zeros([BN, DP], tl.float32)
+        TOK: tl.constexpr = ROWS // GP
+        o_r = tl.arange(0, ROWS)
+        o_g = o_r % GP
+        o_hq = i_h * G + o_g
+        for e0 in range(start, end, TOK):
+            o_e = e0 + o_r // GP
+            m_row = (o_e < end) & (o_g < G)
+            o_t = t0 + tl.load(payload + o_e, mask=m_row, other=0) // K
+            m_rd = m_row[:, None] & m_d[None, :]
+            b_q = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_t[:, None].to(tl.int64) * stride_qt
+                          + o_d[None, :], mask=m_rd, other=0.0)
+            b_do = tl.load(do + i_b * stride_ob + o_t[:, None].to(tl.int64) * stride_ot + o_hq[:, None] * stride_oh
+                           + o_d[None, :], mask=m_rd, other=0.0)
+            b_lse = tl.load(lse + i_b * stride_xb + o_t.to(tl.int64) * stride_xt + o_hq, mask=m_row, other=0.0)
+            b_delta = tl.load(delta + i_b * stride_xb + o_t.to(tl.int64) * stride_xt + o_hq, mask=m_row, other=0.0)
+            if IEEE:
+                b_q = b_q.to(tl.float32)
+                b_do = b_do.to(tl.float32)
+                s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+            else:
+                s = tl.dot(b_q, tl.trans(b_k))
+            m_s = m_row[:, None] & m_key[None, :] & (o_key[None, :] <= o_t[:, None])
+            p = tl.where(m_s, tl.math.exp2(s * scale_log2 - b_lse[:, None]), 0.0)  # [ROWS, BN]
+            if IEEE:
+                acc_dv += tl.dot(tl.trans(p), b_do, input_precision="ieee")
+                dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")
+            else:
+                acc_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do)
+                dp = tl.dot(b_do, tl.trans(b_v))
+            ds = p * (dp - b_delta[:, None]) * scale  # d(score) with the softmax scale folded in
+            if IEEE:
+                acc_dk += tl.dot(tl.trans(ds), b_q, input_precision="ieee")
+                dq_part = tl.dot(ds, b_k, input_precision="ieee")
+            else:
+                acc_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q)
+                dq_part = tl.dot(ds.to(b_k.dtype), b_k)
+            tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt + o_hq[:, None] * stride_gh
+                          + o_d[None, :], dq_part, mask=m_rd)
+        p_dk = dk + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
+        tl.atomic_add(p_dk, acc_dk, mask=m_kd)
+        p_dv = dv + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
+        tl.atomic_add(p_dv, acc_dv, mask=m_kd)

@@ -8,7 +8,8 @@ Shapes (head-major, the layout `scaled_dot_product_attention` takes):
     blocks   [B, Hi, T, K]     selected key-block ids per (group, query); -1 marks an empty slot;
                                slot order carries no meaning
 
-Everything is computed in fp32 and cast back to the input dtype. The query axis is processed in chunks sized so
+Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input
+dtype. The query axis is processed in chunks sized so
 that no [T, T] tensor is ever allocated: memory is O(chunk * T) for scoring and O(chunk * K * block) for the
 sparse attention itself.
 """
@@ -33,6 +34,11 @@ __all__ = [
 
 # Elements of fp32 scratch one chunk may allocate (128 MiB): bounds memory at any T.
 _CHUNK_ELEMENTS = 1 << 25
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when the input is fp64 (gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def query_chunk(rows_per_query: int, length: int, budget: int = _CHUNK_ELEMENTS) -> int:
@@ -160,12 +166,13 @@ def sparse_attention(
     if blocks.shape[:3] != (B, Hkv, T):
         raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    ct = _compute_dtype(q)
+    out = torch.empty(B, Hkv, G, T, D, dtype=ct, device=q.device)
     qg = q.view(B, Hkv, G, T, D)
     n_blocks = -(-T // block_size)
     pad = (0, 0, 0, n_blocks * block_size - T)
-    kb = F.pad(k.float(), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
-    vb = F.pad(v.float(), pad).view(B, Hkv, n_blocks, block_size, D)
+    kb = F.pad(k.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
+    vb = F.pad(v.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)
     i_b = torch.arange(B, device=q.device)[:, None, None, None]
     i_h = torch.arange(Hkv, device=q.device)[None, :, None, None]
     offs = torch.arange(block_size, device=q.device)
@@ -180,7 +187,7 @@ def sparse_attention(
         C = end - start
         kg = kb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
         vg = vb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)
-        s = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].float(), kg) * scale
+        s = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].to(ct), kg) * scale
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[:, :, :, start:end] = torch.einsum("bhgcs,bhcsd->bhgcd", p, vg)

@@ -55,6 +55,99 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
     return (key % (C * K)).to(torch.int32), seg_off, tile_seg.to(torch.int32), tile_start.to(torch.int32)
 
 
+def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse):
+    """Gather pass + combine per query chunk. Returns (out [B, T, Hq, D], lse [B, T, Hq] base 2 or None)."""
+    from kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
+
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G, K = Hq // Hkv, blocks.shape[-1]
+    GP, DP = next_pow2(G), max(16, next_pow2(D))
+    n_blocks = -(-T // block_size)
+    n_seg = B * Hkv * n_blocks
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device) if want_lse else out.new_empty(1, 1)
+    part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+    row_bytes = K * Hq * (D * part_dtype.itemsize + 4)
+    C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
+    part_o = torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
+    part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
+    ieee = q.dtype == torch.float32
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+        gather_q_fwd_kernel[(tile_seg.numel(),)](
+            q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
+            HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
+            CHUNK=_chunk(GP), IEEE=ieee,
+        )
+        if stage == "gather":  # benchmarks time the gather pass alone through this
+            continue
+        combine_kernel[(B * (t1 - t0), Hkv)](
+            part_o, part_lse, blocks, out, lse,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            t1 - t0, t0,
+            K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse,
+        )
+    return out, (lse if want_lse else None)
+
+
+def _chunk(gp: int) -> int:
+    return max(8, 1024 // gp)  # queries one program may sweep over one K/V block
+
+
+def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out):
+    """dq, dk, dv of the sparse attention (same CSR and tiles as the forward; fp32 accumulation)."""
+    from kernels._common import interpreting
+    from kernels._tl_sparse import gather_q_bwd_kernel
+
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G, K = Hq // Hkv, blocks.shape[-1]
+    GP, DP = next_pow2(G), max(16, next_pow2(D))
+    n_blocks = -(-T // block_size)
+    do = d_out.transpose(1, 2).contiguous()  # [B, T, Hq, D], the layout of `out`
+    delta = (do.float() * out.float()).sum(-1)  # [B, T, Hq]: rowsum(dO * O)
+    dq = torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, Hkv, T, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, 0, T, _chunk(GP))
+    gather_q_bwd_kernel[(tile_seg.numel(),)](
+        q, k, v, do, lse, delta, dq, dk, dv, tile_seg, tile_start, seg_off, payload,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), dq.stride(0),
+        dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        T, 0, B * Hkv * n_blocks, scale, scale * math.log2(math.e),
+        HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
+        CHUNK=_chunk(GP), IEEE=q.dtype == torch.float32, ROWS=max(16, GP) if interpreting() else max(64, GP),
+        num_warps=4,
+    )
+    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk):
+        out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, "all", True)
+        ctx.save_for_backward(q, k, v, blocks, out, lse)
+        ctx.block_size, ctx.scale = block_size, scale
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, blocks, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, blocks, ctx.block_size, ctx.scale, out, lse, d_out)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,7 +161,8 @@ def sparse_attention(
     query_chunk: int | None = None,
     _stage: str = "all",
 ) -> torch.Tensor:
-    """Exact causal attention of every query head over its group's selected key blocks.
+    """Exact causal attention of every query head over its group's selected key blocks; differentiable in q, k, v
+    (the backward runs on the same CSR: dK/dV per block on chip, dQ shares added atomically).
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] (any int dtype, -1 = empty) -> [B, Hq, T, D].
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
@@ -84,42 +178,7 @@ def sparse_attention(
         return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
-    from kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
-
-    G, K = Hq // Hkv, blocks.shape[-1]
-    GP, DP = next_pow2(G), max(16, next_pow2(D))
-    n_blocks = -(-T // block_size)
-    n_seg = B * Hkv * n_blocks
-    chunk_entries = max(8, 1024 // GP)  # queries one program may sweep over one K/V block
-    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
-    part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    row_bytes = K * Hq * (D * part_dtype.itemsize + 4)
-    C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
-    part_o = torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
-    part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
-    ieee = q.dtype == torch.float32
-    for t0 in range(0, T, C):
-        t1 = min(T, t0 + C)
-        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, chunk_entries)
-        gather_q_fwd_kernel[(tile_seg.numel(),)](
-            q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
-            HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-            CHUNK=chunk_entries, IEEE=ieee,
-        )
-        if _stage == "gather":  # benchmarks time the gather pass alone through this
-            continue
-        combine_kernel[(B * (t1 - t0), Hkv)](
-            part_o, part_lse, blocks, out,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            t1 - t0, t0,
-            K=K, G=G, GP=GP, D=D, DP=DP,
-        )
-    return out.transpose(1, 2)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _SparseAttention.apply(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk)
+    return _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, _stage, False)[0].transpose(1, 2)
