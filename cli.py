@@ -67,6 +67,7 @@ def main():
     m3c convert SRC OUT    dense checkpoint -> MSA checkpoint (M3 tensor names)
     m3c eval MODEL --data  dense vs sparse loss and block recall per layer
     m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
+    m3c train MODEL ...    continued training with sparse attention: LM loss + coeff x KL
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
@@ -255,6 +256,69 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
                   f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
     console.print(f"KL {first['kl']:.4f} -> {last['kl']:.4f}   recall {first['recall']:.3f} -> {last['recall']:.3f}   "
                   f"(step {first['step']} -> {last['step']})")
+    console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Training tokens: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Output directory: the trained checkpoint plus its resumable state.")
+@click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total).")
+@click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence.")
+@click.option("--batch", default=1, show_default=True, help="Sequences per process per step (global batch = batch x processes).")
+@click.option("--lr", default=1e-5, show_default=True, help="AdamW learning rate of every parameter.")
+@click.option("--loss-coeff", default=1.0, show_default=True, help="Weight of the index KL added to the LM loss.")
+@click.option("--checkpoint-every", default=100, show_default=True, help="Write a resumable checkpoint every this many steps.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
+@click.option("--dtype", default="float32", show_default=True, help="Compute and weight dtype.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
+@click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
+          resume, force, as_json):
+    """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
+
+    Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
+    (teacher: the group-mean attention over the selected blocks) keeps the index branch aligned and reaches only
+    the index branch (its input is detached; top-k passes no gradient). On CUDA the MSA ops run as the Triton
+    kernels, forward and backward. Checkpoints, Ctrl-C, --resume and torchrun work as in m3c distill; the state is
+    in OUT/train_state/.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from m3compile import DistillInterrupted, TrainConfig
+    from m3compile import train as run_train
+
+    config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, disable=as_json or not rank0) as bar:
+        task = bar.add_task("train", total=steps, info="loading")
+
+        def show(step, total, m):
+            bar.update(task, completed=step, info=f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
+                                                   f"{m['tokens_per_s']:,.0f} tok/s")
+
+        try:
+            report = _run(run_train, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
+                          progress=show)
+        except DistillInterrupted as e:
+            click.echo(str(e), err=True)
+            sys.exit(130)
+    if not rank0:
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    first, last = report.history[0], report.history[-1]
+    console = _console()
+    console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es), "
+                  f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
+    console.print(f"LM {first['lm']:.4f} -> {last['lm']:.4f}   KL {first['kl']:.4f} -> {last['kl']:.4f}   "
+                  f"recall {first['recall']:.3f} -> {last['recall']:.3f}   (step {first['step']} -> {last['step']})")
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
 

@@ -33,9 +33,11 @@ from m3compile.errors import M3CompileError
 from m3compile.pass_manager import PassManager
 from m3compile.tracing import trace
 
-__all__ = ["DistillConfig", "DistillReport", "DistillInterrupted", "distill", "index_parameters"]
+__all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "distill", "train",
+           "index_parameters"]
 
 STATE_DIR = "distill_state"
+TRAIN_STATE_DIR = "train_state"
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,22 @@ class DistillConfig:
         return {"seq_len": self.seq_len, "global_batch": self.batch * world_size, "lr": self.lr,
                 "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype,
                 "weight_decay": self.weight_decay}
+
+
+@dataclass(frozen=True)
+class TrainConfig(DistillConfig):
+    """Continued training of a converted model (MSA_SPEC section 4): every parameter learns from the LM loss with
+    sparse attention active, plus `loss_coeff` x the index KL (which reaches only the index branch)."""
+
+    loss_coeff: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_coeff < 0:
+            raise M3CompileError(f"loss_coeff must be >= 0, got {self.loss_coeff}")
+
+    def fingerprint(self, world_size: int) -> dict:
+        return {**super().fingerprint(world_size), "loss_coeff": self.loss_coeff}
 
 
 @dataclass
@@ -160,11 +178,42 @@ def distill(
             dist.destroy_process_group()
 
 
+def train(
+    model_dir: str | os.PathLike,
+    data: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: TrainConfig,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    force: bool = False,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> DistillReport:
+    """Continue training the converted model in `model_dir`: LM loss through the sparse attention plus
+    `loss_coeff` x the index KL. Same data order, checkpoints (`train_state/`: fp32 parameters, AdamW state),
+    Ctrl-C, resume and torchrun behaviour as `distill`. On CUDA the MSA ops are lowered to the Triton kernels
+    (forward and backward)."""
+    if not isinstance(config, TrainConfig):
+        raise M3CompileError("train needs a TrainConfig")
+    if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ and ":" not in str(device):
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    rank, world, own_group = _init_distributed(device)
+    try:
+        return _Run(Path(model_dir), Path(data), Path(out_dir), config, device, rank, world).run(resume, force, progress)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 class _Run:
     def __init__(self, model_dir: Path, data: Path, out_dir: Path, config: DistillConfig, device: str, rank: int,
                  world: int):
         self.model_dir, self.data, self.out_dir, self.config = model_dir, data, out_dir, config
         self.device, self.rank, self.world = device, rank, world
+        self.training = isinstance(config, TrainConfig)  # all parameters + LM loss, else the index branch only
+        self.state_dir = TRAIN_STATE_DIR if self.training else STATE_DIR
+        self.weights_file = "params.safetensors" if self.training else "index.safetensors"
+        self.report_file = "train_report.json" if self.training else "distill_report.json"
 
     def run(self, resume: bool, force: bool, progress) -> DistillReport:
         from passes.kl_distill import KLDistill, set_distill_mode
@@ -186,8 +235,13 @@ class _Run:
             start, history = self._check_resume(state, fingerprint)
 
         gm = trace(model)
-        PassManager([KLDistill(cfg.mode(start))]).run(gm)
-        params = index_parameters(gm)
+        passes = [KLDistill(cfg.mode(start))]
+        if self.training and str(self.device).startswith("cuda"):
+            from passes.lower_triton import LowerTriton
+
+            passes.append(LowerTriton())  # Triton forward + backward of the sparse attention
+        PassManager(passes).run(gm)
+        params = dict(gm.named_parameters()) if self.training else index_parameters(gm)
         for p in gm.parameters():
             p.requires_grad_(False)
         for p in params.values():
@@ -209,12 +263,19 @@ class _Run:
                     set_distill_mode(gm, mode)
                 ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                 x = wins[ids, :-1].to(self.device)
-                _, kl, recall = net(x)
+                logits, kl, recall = net(x)
                 opt.zero_grad(set_to_none=True)
-                kl.float().sum().backward()
+                lm = None
+                if self.training:  # next-token loss through the sparse attention + the index KL
+                    y = wins[ids, 1:].to(self.device)
+                    lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    (lm + cfg.loss_coeff * kl.float().sum()).backward()
+                else:
+                    kl.float().sum().backward()
                 opt.step()
                 step += 1
-                metrics = self._metrics(step, mode, kl.detach(), recall.detach(), gm.meta["m3_kl_distill"].layers)
+                metrics = self._metrics(step, mode, kl.detach(), recall.detach(), gm.meta["m3_kl_distill"].layers,
+                                        None if lm is None else lm.detach())
                 report.history.append(metrics)
                 report.tokens += cfg.batch * self.world * cfg.seq_len
                 report.seconds = time.perf_counter() - t0
@@ -230,21 +291,29 @@ class _Run:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _metrics(self, step: int, mode: str, kl: torch.Tensor, recall: torch.Tensor, layers: list[int]) -> dict:
-        both = torch.stack([kl.float(), recall.float()])
+    def _metrics(self, step: int, mode: str, kl: torch.Tensor, recall: torch.Tensor, layers: list[int],
+                 lm: torch.Tensor | None = None) -> dict:
+        rows = [kl.float(), recall.float()]
+        if lm is not None:
+            rows.append(lm.float().expand_as(rows[0]))
+        both = torch.stack(rows)
         if self.world > 1:
             dist.all_reduce(both)
             both /= self.world
-        kl_l, rec_l = both.tolist()
-        return {"step": step, "mode": mode, "kl": sum(kl_l) / len(kl_l), "recall": sum(rec_l) / len(rec_l),
-                "layers": layers, "kl_layers": kl_l, "recall_layers": rec_l}
+        kl_l, rec_l = both[:2].tolist()
+        out = {"step": step, "mode": mode, "kl": sum(kl_l) / len(kl_l), "recall": sum(rec_l) / len(rec_l),
+               "layers": layers, "kl_layers": kl_l, "recall_layers": rec_l}
+        if lm is not None:
+            out["lm"] = both[2, 0].item()
+        return out
 
     # -- state -------------------------------------------------------------------------------------------------
 
     def _read_state(self) -> dict:
-        path = self.out_dir / STATE_DIR / "state.json"
+        path = self.out_dir / self.state_dir / "state.json"
         if not path.is_file():
-            raise M3CompileError(f"{self.out_dir} holds no distillation state to resume ({path} missing)")
+            raise M3CompileError(f"{self.out_dir} holds no {'training' if self.training else 'distillation'} state "
+                                 f"to resume ({path} missing)")
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError:
@@ -260,15 +329,15 @@ class _Run:
         step = int(state["step"])
         if step >= self.config.steps:
             raise M3CompileError(f"--resume: {self.out_dir} already holds {step} steps; ask for more than {step} with --steps")
-        report = self.out_dir / "distill_report.json"
+        report = self.out_dir / self.report_file
         history = json.loads(report.read_text())["history"] if report.is_file() else []
         return step, [h for h in history if h["step"] <= step]
 
     def _load_state(self, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
-        folder = self.out_dir / STATE_DIR
-        weights = load_file(str(folder / "index.safetensors"))
+        folder = self.out_dir / self.state_dir
+        weights = load_file(str(folder / self.weights_file))
         if set(weights) != set(params):
-            raise M3CompileError(f"--resume: {folder} holds other index tensors than this model has")
+            raise M3CompileError(f"--resume: {folder} holds other tensors than this model trains")
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(weights[name])
@@ -291,10 +360,10 @@ class _Run:
                 if model.args.tie_embeddings:
                     state.pop("lm_head.weight", None)
                 write_checkpoint(tmp, model.source_config, to_release_names(state))
-                folder = tmp / STATE_DIR
+                folder = tmp / self.state_dir
                 folder.mkdir()
                 save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()},
-                          str(folder / "index.safetensors"))
+                          str(folder / self.weights_file))
                 sd = opt.state_dict()
                 names = list(params)
                 save_file({f"{i}.{k}": v.detach().to("cpu").contiguous() for i, s in sd["state"].items()
@@ -302,6 +371,6 @@ class _Run:
                 groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in sd["param_groups"]]
                 (folder / "state.json").write_text(json.dumps(
                     {"step": step, "fingerprint": fingerprint, "param_names": names, "param_groups": groups}, indent=2))
-                (tmp / "distill_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+                (tmp / self.report_file).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         if self.world > 1:
             dist.barrier()

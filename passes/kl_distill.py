@@ -124,7 +124,7 @@ class KLDistill(Pass):
 def _hooks(gm: torch.fx.GraphModule):
     """(msa_attention node, its KLHook, its msa_index_kl node) for every hooked layer."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    for n in msa_nodes(gm):
+    for n in list(gm.graph.nodes):  # by the hook's record, so a lowered graph (other op targets) works too
         hook = n.meta.get("m3_kl_hook")
         if hook is not None:
             yield n, hook, by_name[hook.kl_node]
