@@ -168,6 +168,11 @@ def distill(
     token ids outside the vocabulary, an existing `out_dir` without `force`/`resume`, or `resume` from a run with
     other settings. Ctrl-C saves the state after the last finished step and raises DistillInterrupted.
     """
+    return _launch(model_dir, data, out_dir, config, device, resume, force, progress)
+
+
+def _launch(model_dir, data, out_dir, config, device, resume, force, progress) -> DistillReport:
+    """One rank's run (torchrun's environment read here); the process group it created is destroyed after."""
     if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ and ":" not in str(device):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     rank, world, own_group = _init_distributed(device)
@@ -195,14 +200,7 @@ def train(
     (forward and backward)."""
     if not isinstance(config, TrainConfig):
         raise M3CompileError("train needs a TrainConfig")
-    if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ and ":" not in str(device):
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-    rank, world, own_group = _init_distributed(device)
-    try:
-        return _Run(Path(model_dir), Path(data), Path(out_dir), config, device, rank, world).run(resume, force, progress)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    return _launch(model_dir, data, out_dir, config, device, resume, force, progress)
 
 
 class _Run:
