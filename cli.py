@@ -222,25 +222,33 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     keys during --warmup-steps, the selected blocks after). Ctrl-C saves a resumable state in --out. Runs under
     torchrun for data parallelism (gloo on CPU, NCCL on CUDA).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from m3compile import DistillConfig, DistillInterrupted
+    from m3compile import DistillConfig
     from m3compile import distill as run_distill
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+    _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, as_json,
+                  lambda m: f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
+                  lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}")
+
+
+def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, force, as_json, info, summary):
+    """Progress bar, Ctrl-C (exit 130) and the closing summary shared by distill and train (rank 0 prints)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from m3compile import DistillInterrupted
+
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    columns = (TextColumn("[bold]distil"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+    columns = (TextColumn(f"[bold]{verb}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
     with Progress(*columns, disable=as_json or not rank0) as bar:
-        task = bar.add_task("distil", total=steps, info="loading")
+        task = bar.add_task(verb, total=config.steps, info="loading")
 
         def show(step, total, m):
-            bar.update(task, completed=step, info=f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
-                                                   f"{m['tokens_per_s']:,.0f} tok/s")
+            bar.update(task, completed=step, info=f"{info(m)}  {m['tokens_per_s']:,.0f} tok/s")
 
         try:
-            report = _run(run_distill, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
+            report = _run(fn, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
                           progress=show)
         except DistillInterrupted as e:
             click.echo(str(e), err=True)
@@ -254,8 +262,7 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     console = _console()
     console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es), "
                   f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
-    console.print(f"KL {first['kl']:.4f} -> {last['kl']:.4f}   recall {first['recall']:.3f} -> {last['recall']:.3f}   "
-                  f"(step {first['step']} -> {last['step']})")
+    console.print(f"{summary(first, last)}   (step {first['step']} -> {last['step']})")
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
 
@@ -285,41 +292,15 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
     kernels, forward and backward. Checkpoints, Ctrl-C, --resume and torchrun work as in m3c distill; the state is
     in OUT/train_state/.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from m3compile import DistillInterrupted, TrainConfig
+    from m3compile import TrainConfig
     from m3compile import train as run_train
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn())
-    with Progress(*columns, disable=as_json or not rank0) as bar:
-        task = bar.add_task("train", total=steps, info="loading")
-
-        def show(step, total, m):
-            bar.update(task, completed=step, info=f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
-                                                   f"{m['tokens_per_s']:,.0f} tok/s")
-
-        try:
-            report = _run(run_train, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
-                          progress=show)
-        except DistillInterrupted as e:
-            click.echo(str(e), err=True)
-            sys.exit(130)
-    if not rank0:
-        return
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
-        return
-    first, last = report.history[0], report.history[-1]
-    console = _console()
-    console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es), "
-                  f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
-    console.print(f"LM {first['lm']:.4f} -> {last['lm']:.4f}   KL {first['kl']:.4f} -> {last['kl']:.4f}   "
-                  f"recall {first['recall']:.3f} -> {last['recall']:.3f}   (step {first['step']} -> {last['step']})")
-    console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
+    _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, as_json,
+                  lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
+                  lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
+                               f"recall {a['recall']:.3f} -> {b['recall']:.3f}")
 
 
 @main.command(name="attention-map")
