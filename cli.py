@@ -519,6 +519,8 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--rep-ms", default=500, show_default=True, help="Milliseconds of timed repeats per figure (median reported).")
 @click.option("--device", default="cuda", show_default=True, help="cuda; cpu runs a smoke test of the command (timings meaningless).")
 @click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path), help="Writes bench.json and bench.png here.")
+@click.option("--backward", is_flag=True, help="Instead: forward+backward of the sparse attention vs dense SDPA at --backward-lengths, and the fused KL's time and peak memory; writes backward.json.")
+@click.option("--backward-lengths", default="32K,128K", show_default=True, help="--backward: context lengths.")
 @click.option("--vision", is_flag=True, help="Instead: the ViT's 3D windowed attention (fused varlen kernel vs SDPA loop vs padded SDPA); writes vision.json.")
 @click.option("--vision-steps", default="8,13,21,34,64", show_default=True, help="--vision: temporal steps of each video in the batch.")
 @click.option("--vision-grid", default=32, show_default=True, help="--vision: patches per side of each frame.")
@@ -526,8 +528,8 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--vision-heads", default=16, show_default=True, help="--vision: ViT heads (M3: 16).")
 @click.option("--vision-head-dim", default=80, show_default=True, help="--vision: ViT head dim (M3: 80).")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
-          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, vision, vision_steps, vision_grid,
-          vision_window, vision_heads, vision_head_dim):
+          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
+          vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -542,6 +544,9 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     """
     from m3compile.bench import BenchConfig, run_bench, speedups, write_outputs
 
+    if backward:
+        return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
+                               _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
     if vision:
         return _bench_vision(vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, device, rep_ms,
                              out_dir)
@@ -584,6 +589,31 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                       f"{s['bf16_x']:.2f}", f"{s['fp8_x']:.2f}", f"{s['ideal_bf16']:.2f}", f"{s['ideal_fp8']:.2f}")
         console.print(t)
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+
+
+def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, device, rep_ms, out_dir):
+    from m3compile.bench import BenchConfig, run_backward_bench
+
+    cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
+               topk=topk, dense_max=dense_max, device=device, rep_ms=rep_ms, warmup_ms=max(25, rep_ms // 5))
+    console = _console()
+    result = _run(run_backward_bench, cfg, lengths, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".backward.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out_dir / "backward.json")
+    from rich.table import Table
+
+    t = Table(title=f"forward + backward ({heads} q heads, {kv_heads} kv heads, d {head_dim}, block {block}, top-{topk})")
+    for c in ("T", "dense ms", "sparse ms", "speedup", "ideal", "share of ideal", "KL ms", "KL peak MB"):
+        t.add_column(c, justify="right")
+    for r in result["rows"]:
+        f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        t.add_row(f"{r['T']:,}", f(r["dense_fwd_bwd_ms"], 3), f(r["sparse_fwd_bwd_ms"], 3), f(r["speedup"]),
+                  f(r["ideal"]), f(r["share_of_ideal"]), f(r["kl_fwd_bwd_ms"], 3),
+                  "-" if r["kl_peak_bytes"] is None else f"{r['kl_peak_bytes'] / 2**20:.1f}")
+    console.print(t)
+    console.print(f"wrote {out_dir / 'backward.json'}")
 
 
 def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir):

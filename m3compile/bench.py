@@ -493,3 +493,67 @@ def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
     log(f"vision: {S} windows, {N:,} tokens: loop {times['loop']:.3f} ms, padded {times['padded']:.3f} ms, "
         f"fused {times['fused']:.3f} ms")
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training: forward + backward of the sparse attention, and the fused KL's memory
+
+
+def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) -> dict:
+    """Sparse attention forward+backward vs dense SDPA forward+backward at M3 shapes, and the fused sparse KL's
+    peak memory (forward + backward) at each length: it must grow linearly in T."""
+    from kernels.indexer import select_blocks
+    from kernels.sparse_attention import sparse_attention
+    from kernels.sparse_kl import sparse_index_kl
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise M3CompileError("m3c bench --backward needs a CUDA GPU (use --device cpu for a smoke run)")
+    dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
+    H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    rows = []
+    for T in lengths:
+        g = torch.Generator(device=dev).manual_seed(cfg.seed)
+        q = torch.randn(1, T, H, D, device=dev, dtype=dt, generator=g).transpose(1, 2).requires_grad_()
+        k = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g, requires_grad=True)
+        v = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g, requires_grad=True)
+        q_idx = torch.randn(1, T, Hkv, cfg.index_dim, device=dev, dtype=dt, generator=g, requires_grad=True)
+        k_idx = torch.randn(1, T, cfg.index_dim, device=dev, dtype=dt, generator=g, requires_grad=True)
+        d_out = torch.randn(1, H, T, D, device=dev, dtype=dt, generator=g)
+        with torch.no_grad():
+            blocks = select_blocks(q_idx, k_idx, block_size=cfg.block, topk=cfg.topk)
+        scale = D**-0.5
+
+        def dense():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).backward(d_out)
+
+        def sparse():
+            sparse_attention(q, k, v, blocks, block_size=cfg.block, scale=scale).backward(d_out)
+
+        def kl_step():
+            sparse_index_kl(q_idx, k_idx, q.detach(), k.detach(), blocks, block_size=cfg.block, scale=scale).sum() \
+                .backward()
+
+        t_dense = _time(dense, cfg) if T <= cfg.dense_max else None
+        t_sparse = _time(sparse, cfg)
+        t_kl = _time(kl_step, cfg)
+        peak = None
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            kl_step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        vis = visible_keys(blocks, cfg.block)
+        ideal = prefill_flops(T, H, D) / prefill_flops(T, H, D, vis)
+        row = dict(T=T, dense_fwd_bwd_ms=t_dense, sparse_fwd_bwd_ms=t_sparse, ideal=ideal,
+                   speedup=None if t_dense is None else t_dense / t_sparse,
+                   share_of_ideal=None if t_dense is None else t_dense / t_sparse / ideal,
+                   kl_fwd_bwd_ms=t_kl, kl_peak_bytes=peak)
+        rows.append(row)
+        log(f"backward T={T}: dense {t_dense} ms, sparse {t_sparse:.3f} ms, KL {t_kl:.3f} ms, KL peak {peak}")
+        for t in (q, k, v, q_idx, k_idx):
+            t.grad = None
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return {"config": asdict(cfg), "rows": rows}

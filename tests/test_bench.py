@@ -77,3 +77,12 @@ def test_bench_vision_smoke_on_cpu(tmp_path):
     bad = CliRunner().invoke(main, ["bench", "--vision", "--device", "cpu", "--vision-steps", "0", "--out",
                                     str(tmp_path / "x")])
     assert bad.exit_code == 2 and "error:" in bad.output
+
+
+def test_bench_backward_smoke_on_cpu(tmp_path):
+    result = CliRunner().invoke(main, [
+        "bench", "--backward", "--device", "cpu", "--backward-lengths", "24", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--index-dim", "16", "--block", "8", "--topk", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    row = json.loads((tmp_path / "backward.json").read_text())["rows"][0]
+    assert row["T"] == 24 and row["ideal"] > 1 and row["sparse_fwd_bwd_ms"] > 0 and row["kl_fwd_bwd_ms"] > 0
