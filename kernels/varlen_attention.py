@@ -89,11 +89,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     tile_seg = torch.searchsorted(tile_end, pid, right=True)
     seg = tile_seg.clamp(max=n_seg - 1)
     tile_start = cu[seg].long() + (pid - (tile_end[seg] - tiles[seg])) * bm
+    # head dim as a power-of-two part and a small remainder (80 = 64 + 16): no matmul on padding to 128
+    da = max(16, 1 << (D.bit_length() - 1))
+    db = 0 if D <= da else max(16, next_pow2(D - da))
+    if da + db >= next_pow2(D) and db:  # the split would not save work (e.g. 24 -> 16 + 16 vs 32)
+        da, db = max(16, next_pow2(D)), 0
     out = torch.empty_like(q)
     varlen_fwd_kernel[(n_tiles, H)](
         q, k, v, out, cu, tile_seg.to(torch.int32), tile_start.to(torch.int32),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         n_seg, scale * math.log2(math.e),
-        H=H, D=D, DP=max(16, next_pow2(D)), BLOCK_M=bm, IEEE=q.dtype == torch.float32,
+        H=H, D=D, DA=da, DB=db, BLOCK_M=bm, IEEE=q.dtype == torch.float32,
     )
     return out
