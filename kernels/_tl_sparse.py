@@ -6,6 +6,30 @@ from kernels._common import configs
 from kernels._tl_common import lse_merge
 
 
+@triton.jit
+def _segment_block(seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                   stride_vt, T, HKV: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+    """A program's CSR entries [start, end) of segment `seg` = (batch, KV head, key block j), and that block's K/V."""
+    start = tl.load(tile_start + pid)
+    end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
+    j = seg % NB
+    bh = seg // NB
+    i_b = (bh // HKV).to(tl.int64)
+    i_h = bh % HKV
+    o_n = tl.arange(0, BN)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    o_key = j * BS + o_n
+    m_key = (o_n < BS) & (o_key < T)
+    m_kd = m_key[:, None] & m_d[None, :]
+    b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
+                  mask=m_kd, other=0.0)
+    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
+                  mask=m_kd, other=0.0)
+    return start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v
+
+
 def _prune(cfgs, named_args, **kw):
     gp = named_args["GP"] if "GP" in named_args else kw["GP"]
     return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
@@ -35,22 +59,9 @@ def gather_q_fwd_kernel(
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
-        start = tl.load(tile_start + pid)
-        end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
-        j = seg % NB
-        bh = seg // NB
-        i_b = (bh // HKV).to(tl.int64)
-        i_h = bh % HKV
-        o_n = tl.arange(0, BN)
-        o_d = tl.arange(0, DP)
-        m_d = o_d < D
-        o_key = j * BS + o_n
-        m_key = (o_n < BS) & (o_key < T)
-        m_kd = m_key[:, None] & m_d[None, :]
-        b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
-                      mask=m_kd, other=0.0)
-        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
-                      mask=m_kd, other=0.0)
+        start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
+            seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            T, HKV, NB, D, DP, BS, BN, CHUNK)
         TOK: tl.constexpr = ROWS // GP  # gathered tokens per tile, each with its G heads
         o_r = tl.arange(0, ROWS)
         o_g = o_r % GP
@@ -151,22 +162,9 @@ def gather_q_bwd_kernel(
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
-        start = tl.load(tile_start + pid)
-        end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
-        j = seg % NB
-        bh = seg // NB
-        i_b = (bh // HKV).to(tl.int64)
-        i_h = bh % HKV
-        o_n = tl.arange(0, BN)
-        o_d = tl.arange(0, DP)
-        m_d = o_d < D
-        o_key = j * BS + o_n
-        m_key = (o_n < BS) & (o_key < T)
-        m_kd = m_key[:, None] & m_d[None, :]
-        b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
-                      mask=m_kd, other=0.0)
-        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_d[None, :],
-                      mask=m_kd, other=0.0)
+        start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
+            seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            T, HKV, NB, D, DP, BS, BN, CHUNK)
         if IEEE:
             b_k = b_k.to(tl.float32)
             b_v = b_v.to(tl.float32)
