@@ -92,9 +92,9 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
 
 
-def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
-    common = ["distill", str(converted), "--data", str(CALIB_DATA), "--steps", "3", "--seq-len", "128",
-              "--lr", "1e-2", "--warmup-steps", "1", "--json"]
+def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """Run `m3c *common` under torchrun with 2 gloo processes x batch 1, then in one process with batch 2; both must
+    succeed. Returns the two output directories (ddp, single)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli", *common,
@@ -106,8 +106,14 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, 
     one = subprocess.run([sys.executable, "-m", "cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    a = load_file(str(tmp_path / "ddp" / "distill_state" / "index.safetensors"))
-    b = load_file(str(tmp_path / "single" / "distill_state" / "index.safetensors"))
+    return tmp_path / "ddp", tmp_path / "single"
+
+
+def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
+    ddp, single = two_processes_and_one(["distill", str(converted), "--data", str(CALIB_DATA), "--steps", "3",
+                                         "--seq-len", "128", "--lr", "1e-2", "--warmup-steps", "1", "--json"], tmp_path)
+    a = load_file(str(ddp / "distill_state" / "index.safetensors"))
+    b = load_file(str(single / "distill_state" / "index.safetensors"))
     start = load_file(str(converted / "model.safetensors"))
     for key in a:
         assert not torch.equal(a[key], start[key].float())

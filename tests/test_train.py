@@ -1,9 +1,5 @@
 """Continued training (m3c train): every parameter learns with sparse attention active, the KL reaches only the
 index branch, resume is exact, data parallelism matches a doubled batch, bad input leaves the output untouched."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +9,8 @@ from m3compile import DistillInterrupted, MSAConfig, TrainConfig, convert_checkp
 from m3compile.data import load_tokens, windows
 from tests.conftest import CALIB_DATA, LLAMA_BYTE
 from tests.test_cli import run
-from tests.test_distill import digest, tensors
+from tests.test_distill import digest, tensors, two_processes_and_one
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -79,21 +74,10 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
 
 
 def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
-    common = ["train", str(converted), "--data", str(CALIB_DATA), "--steps", "2", "--seq-len", "64",
-              "--lr", "1e-4", "--json"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli", *common,
-         "--batch", "1", "--out", str(tmp_path / "ddp")], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert '"world_size": 2' in two.stdout
-    one = subprocess.run([sys.executable, "-m", "cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    a = load_file(str(tmp_path / "ddp" / "train_state" / "params.safetensors"))
-    b = load_file(str(tmp_path / "single" / "train_state" / "params.safetensors"))
+    ddp, single = two_processes_and_one(["train", str(converted), "--data", str(CALIB_DATA), "--steps", "2",
+                                         "--seq-len", "64", "--lr", "1e-4", "--json"], tmp_path)
+    a = load_file(str(ddp / "train_state" / "params.safetensors"))
+    b = load_file(str(single / "train_state" / "params.safetensors"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=2e-6)
 
