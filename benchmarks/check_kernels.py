@@ -21,6 +21,8 @@ from kernels import decode as dk  # noqa: E402
 from kernels import indexer  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels import sparse_attention as sa  # noqa: E402
+from kernels import sparse_kl  # noqa: E402
+from kernels import varlen_attention as va  # noqa: E402
 
 results = []
 
@@ -31,9 +33,12 @@ def report(name: str, ok: bool, **figures):
 
 
 def rel_err(out, want):
+    """Relative error; the absolute one where the reference is exactly zero (e.g. dq, dk of a single token, whose
+    softmax over one key has no gradient) rather than an infinite ratio."""
     if out.isnan().any():
         return float("nan")
-    return ((out.float() - want.float()).norm() / want.float().norm()).item()
+    diff, norm = (out.float() - want.float()).norm().item(), want.float().norm().item()
+    return diff / norm if norm > 0 else diff
 
 
 def selection_agreement(got, want, scores, tol):
@@ -80,6 +85,58 @@ def check_sparse(B, Hq, Hkv, T, D, bs, k, dtype):
     err = rel_err(got, want)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     report(f"sparse prefill B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}", err < tol,
+           rel_err=f"{err:.2e}")
+
+
+def _selection(B, Hkv, T, bs, k):
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
+                               block_size=bs, topk=k)
+    return blocks[..., torch.randperm(k, device="cuda")].int()
+
+
+def check_backward(B, Hq, Hkv, T, D, bs, k, dtype):
+    """dq, dk, dv of the Triton backward against autograd through the torch reference (fp32 on upcast inputs)."""
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype, requires_grad=True)
+    blocks = _selection(B, Hkv, T, bs, k)
+    d_out = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(sa.sparse_attention(q, kk, v, blocks, block_size=bs), (q, kk, v), d_out)
+    x32 = [t.detach().float().requires_grad_() for t in (q, kk, v)]
+    want = torch.autograd.grad(ref.sparse_attention(*x32, blocks, block_size=bs), x32, d_out.float())
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    report(f"sparse backward B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}",
+           max(errs) < tol, **{f"rel_err_d{n}": f"{e:.2e}" for n, e in zip("qkv", errs)})
+
+
+def check_kl(B, Hq, Hkv, T, D, Di, bs, k, dtype):
+    """Fused sparse KL and its index-branch gradients against the chunked torch reference."""
+    q_idx = torch.randn(B, T, Hkv, Di, device="cuda", dtype=dtype, requires_grad=True)
+    k_idx = torch.randn(B, T, Di, device="cuda", dtype=dtype, requires_grad=True)
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
+    blocks = _selection(B, Hkv, T, bs, k)
+    w = torch.rand(B, Hkv, T, device="cuda")
+    kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, kk, blocks, block_size=bs)
+    got = torch.autograd.grad((kl * w).sum(), (q_idx, k_idx))
+    x32 = [t.detach().float().requires_grad_() for t in (q_idx, k_idx)]
+    want_kl = ref.index_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), blocks, block_size=bs,
+                           sparse=True)[0]
+    want = torch.autograd.grad((want_kl * w).sum(), x32)
+    errs = [rel_err(kl, want_kl)] + [rel_err(g, w_) for g, w_ in zip(got, want)]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    report(f"sparse KL B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} Di={Di} bs={bs} topk={k} {str(dtype)[6:]}",
+           max(errs) < tol, **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(("kl", "dq_idx", "dk_idx"), errs)})
+
+
+def check_varlen(steps, grid, window, H, D, dtype):
+    cu = va.window_segments([[t, grid, grid] for t in steps], window, device="cuda")
+    N = int(cu[-1])
+    q, kk, v = (torch.randn(N, H, D, device="cuda", dtype=dtype) for _ in range(3))
+    err = rel_err(va.varlen_attention(q, kk, v, cu), va.varlen_attention_reference(q.float(), kk.float(), v.float(), cu))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    report(f"varlen steps={steps} grid={grid} window={window} H={H} D={D} {str(dtype)[6:]}", err < tol,
            rel_err=f"{err:.2e}")
 
 
@@ -134,7 +191,7 @@ def check_generate():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--only", choices=["indexer", "sparse", "decode", "generate"], help="run one family of checks")
+    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "varlen", "decode", "generate"], help="run one family of checks")
     args = ap.parse_args()
     run = lambda family: args.only in (None, family)  # noqa: E731
     torch.manual_seed(0)
@@ -152,6 +209,23 @@ def main():
         for G in (1, 3, 4, 8, 16):
             check_sparse(1, 2 * G, 2, 1500, 64, 64, 4 if G % 2 else 32, fp32)
         check_sparse(1, 8, 2, 1, 128, 128, 16, bf16)
+    if run("backward"):
+        check_backward(1, 64, 4, 8192, 128, 128, 16, bf16)
+        check_backward(1, 64, 4, 8000, 128, 128, 16, bf16)
+        for G in (1, 3, 4, 16):
+            check_backward(1, 2 * G, 2, 1500, 64, 64, 4 if G % 2 else 32, fp32)
+        check_backward(1, 8, 2, 1, 128, 128, 16, bf16)
+    if run("kl"):
+        check_kl(1, 64, 4, 8192, 128, 128, 128, 16, bf16)
+        check_kl(1, 64, 4, 8000, 128, 128, 128, 16, bf16)
+        for G in (1, 3, 16):
+            check_kl(1, 2 * G, 2, 1500, 64, 48, 64, 4 if G % 2 else 32, fp32)
+        check_kl(1, 8, 2, 1, 128, 128, 128, 16, bf16)
+    if run("varlen"):
+        check_varlen([8, 13, 21], 32, 4, 16, 80, bf16)
+        check_varlen([1, 3, 5, 2], 9, 4, 16, 80, fp32)
+        check_varlen([2, 1], 7, 4, 3, 72, fp32)
+        check_varlen([4], 16, 4, 16, 64, bf16)
     if run("decode"):
         lens = [32768, 100, 20000, 1, 4097, 128, 129, 30000]
         check_decode(lens, 64, 4, 128, 128, 128, 16, bf16)

@@ -2,122 +2,157 @@
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+from kernels._common import configs
 
 
 @triton.jit
-def _slot_logits(q, k, qi, kidx, blk, i_b, i_h, t, T,
-                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_ib, stride_it,
-                 scale_log2, iscale_log2, o_g, o_d, o_e, o_n, G: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
-                 BS: tl.constexpr, IEEE: tl.constexpr):
-    """Teacher logits [GP, BN] of the group's heads and student logits [BN] (both base 2) over one selected block;
-    keys after the token or past T are -inf."""
-    o_key = blk * BS + o_n
-    m_key = (o_n < BS) & (o_key <= t) & (o_key < T)
-    b_q = tl.load(q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + t * stride_qt + o_d[None, :],
-                  mask=(o_g < G)[:, None] & (o_d < D)[None, :], other=0.0)
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _segment(seg, pid, tile_start, seg_off, k, kidx, stride_kb, stride_kh, stride_kt, stride_ib, stride_it, T,
+             HKV: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DI: tl.constexpr,
+             DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+    """A program's CSR entries [start, end) of segment `seg` = (batch, group, key block j), and that block's teacher
+    keys [BN, DP] and index keys [BN, DIP]."""
+    start = tl.load(tile_start + pid)
+    end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
+    j = seg % NB
+    bh = seg // NB
+    i_b = (bh // HKV).to(tl.int64)
+    i_h = bh % HKV
+    o_n = tl.arange(0, BN)
+    o_key = j * BS + o_n
+    m_key = (o_n < BS) & (o_key < T)
+    o_d = tl.arange(0, DP)
+    o_di = tl.arange(0, DIP)
     b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
                   mask=m_key[:, None] & (o_d < D)[None, :], other=0.0)
-    if IEEE:
-        s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-    else:
-        s = tl.dot(b_q, tl.trans(b_k))
-    s = tl.where(m_key[None, :], s.to(tl.float32) * scale_log2, float("-inf"))
-    b_ki = tl.load(kidx + i_b * stride_ib + o_key[:, None].to(tl.int64) * stride_it + o_e[None, :],
-                   mask=m_key[:, None] & (o_e < DI)[None, :], other=0.0).to(tl.float32)
-    z = tl.where(m_key, tl.sum(b_ki * qi[None, :], 1) * iscale_log2, float("-inf"))
-    return s, z, b_ki, o_key, m_key
+    b_ki = tl.load(kidx + i_b * stride_ib + o_key[:, None].to(tl.int64) * stride_it + o_di[None, :],
+                   mask=m_key[:, None] & (o_di < DI)[None, :], other=0.0)
+    return start, end, i_b, i_h, o_key, m_key, o_d, o_di, b_k, b_ki
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
+def _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
+          stride_qb, stride_qh, stride_qt, stride_xb, stride_xt, stride_xh, stride_lb, stride_lt, scale_log2,
+          iscale_log2, TOK: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
+          IEEE: tl.constexpr):
+    """For TOK gathered tokens x the block's keys: the teacher's probability P (mean over the group's G heads of
+    softmax with the attention's log-sum-exp; 0 outside the support), the student's logits z (base 2, -inf outside)
+    and the tokens' index queries."""
+    b_qi = tl.load(qidx + i_b * stride_xb + o_t[:, None].to(tl.int64) * stride_xt + i_h * stride_xh + o_di[None, :],
+                   mask=m_row[:, None] & (o_di < DI)[None, :], other=0.0)
+    z = tl.where(m_s, _dot(b_qi, tl.trans(b_ki), IEEE) * iscale_log2, float("-inf"))
+    p = tl.zeros([TOK, BN], tl.float32)
+    m_qd = m_row[:, None] & (o_d < D)[None, :]
+    for h in range(G):  # the group's heads one at a time: rows stay tokens, so P needs no cross-row reduction
+        hq = i_h * G + h
+        b_q = tl.load(q + i_b * stride_qb + hq * stride_qh + o_t[:, None].to(tl.int64) * stride_qt + o_d[None, :],
+                      mask=m_qd, other=0.0)
+        b_l = tl.load(tlse + i_b * stride_lb + o_t.to(tl.int64) * stride_lt + hq, mask=m_row, other=0.0)
+        s = _dot(b_q, tl.trans(b_k), IEEE)
+        p += tl.where(m_s, tl.math.exp2(s * scale_log2 - b_l[:, None]), 0.0)
+    return p * (1.0 / G), z, b_qi
+
+
+_CONFIGS = dict(
+    full=[dict(TOK=t, num_warps=w, num_stages=s) for t in (16, 32, 64) for w in (4, 8) for s in (1, 2)],
+    interpret=dict(TOK=16, num_warps=4, num_stages=1),
+    default=dict(TOK=32, num_warps=4, num_stages=2),
+)
+
+
+@triton.autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"])
+@triton.jit(do_not_specialize=["T", "n_seg", "tune_bucket"])
 def sparse_kl_fwd_kernel(
-    q, k, qidx, kidx, blocks, kl, lse_t, lse_s,
+    q, k, qidx, kidx, tlse, part_lse, part_stat, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_xb, stride_xt, stride_xh,
-    stride_ib, stride_it, stride_bb, stride_bh, stride_bt, stride_lb, stride_lh,
-    T, scale_log2, iscale_log2,
-    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    DI: tl.constexpr, DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+    stride_ib, stride_it, stride_lb, stride_lt, stride_pb, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
+    T, n_seg, scale_log2, iscale_log2, tune_bucket,
+    HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    DI: tl.constexpr, DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, TOK: tl.constexpr,
 ):
-    # one program: one (batch, group, token). Pass 1: the teacher's per-head and the student's log-sum-exp over the
-    # selected blocks; pass 2: KL(P || Q) with P = mean over the group's heads. Nothing larger than a block is held.
-    t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    o_g = tl.arange(0, GP)
-    o_d = tl.arange(0, DP)
-    o_e = tl.arange(0, DIP)
-    o_n = tl.arange(0, BN)
-    qi = tl.load(qidx + i_b * stride_xb + t * stride_xt + i_h * stride_xh + o_e, mask=o_e < DI, other=0.0).to(tl.float32)
-    p_blk = blocks + i_b * stride_bb + i_h * stride_bh + t * stride_bt
-    m_t = tl.full([GP], float("-inf"), tl.float32)
-    l_t = tl.zeros([GP], tl.float32)
-    m_s = float("-inf")
-    l_s = 0.0
-    for slot in range(K):
-        blk = tl.load(p_blk + slot)
-        if blk >= 0:
-            s, z, _, _, _ = _slot_logits(q, k, qi, kidx, blk, i_b, i_h, t, T, stride_qb, stride_qh, stride_qt,
-                                         stride_kb, stride_kh, stride_kt, stride_ib, stride_it, scale_log2,
-                                         iscale_log2, o_g, o_d, o_e, o_n, G, D, DI, BS, IEEE)
-            m_new = tl.maximum(m_t, tl.max(s, 1))
-            l_t = l_t * tl.math.exp2(m_t - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
-            m_t = m_new
-            mz = tl.maximum(m_s, tl.max(z, 0))
-            l_s = l_s * tl.math.exp2(m_s - mz) + tl.sum(tl.math.exp2(z - mz), 0)
-            m_s = mz
-    lt = m_t + tl.math.log2(tl.where(l_t == 0.0, 1.0, l_t))
-    ls = m_s + tl.math.log2(l_s)
-    acc = 0.0
-    for slot in range(K):
-        blk = tl.load(p_blk + slot)
-        if blk >= 0:
-            s, z, _, _, m_key = _slot_logits(q, k, qi, kidx, blk, i_b, i_h, t, T, stride_qb, stride_qh, stride_qt,
-                                             stride_kb, stride_kh, stride_kt, stride_ib, stride_it, scale_log2,
-                                             iscale_log2, o_g, o_d, o_e, o_n, G, D, DI, BS, IEEE)
-            p = tl.sum(tl.where((o_g < G)[:, None], tl.math.exp2(s - lt[:, None]), 0.0), 0) / G  # [BN]
-            log_p = tl.log(tl.where(p > 0.0, p, 1.0))
-            log_q = (z - ls) * LN2
-            acc += tl.sum(tl.where(m_key & (p > 0.0), p * (log_p - log_q), 0.0), 0)
-    tl.store(kl + i_b * stride_lb + i_h * stride_lh + t, acc)
-    tl.store(lse_t + (i_b * HKV + i_h) * GP * T + o_g * T + t, lt)
-    tl.store(lse_s + i_b * stride_lb + i_h * stride_lh + t, ls)
+    # one program: one (batch, group, key block) CSR segment chunk, the KV-outer layout of the attention kernels;
+    # per gathered (token, slot): the student's log-sum-exp over the block, sum P ln P, sum P z and sum P
+    pid = tl.program_id(0)
+    seg = tl.load(tile_seg + pid)
+    if seg < n_seg:
+        start, end, i_b, i_h, o_key, m_key, o_d, o_di, b_k, b_ki = _segment(
+            seg, pid, tile_start, seg_off, k, kidx, stride_kb, stride_kh, stride_kt, stride_ib, stride_it, T,
+            HKV, NB, D, DP, DI, DIP, BS, BN, CHUNK)
+        o_r = tl.arange(0, TOK)
+        for e0 in range(start, end, TOK):
+            m_row = e0 + o_r < end
+            pl = tl.load(payload + e0 + o_r, mask=m_row, other=0)
+            o_t = pl // K
+            o_slot = pl % K
+            m_s = m_row[:, None] & m_key[None, :] & (o_key[None, :] <= o_t[:, None])
+            p, z, _ = _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
+                            stride_qb, stride_qh, stride_qt, stride_xb, stride_xt, stride_xh, stride_lb, stride_lt,
+                            scale_log2, iscale_log2, TOK, BN, G, D, DI, IEEE)
+            mz = tl.max(z, 1)
+            mz = tl.where(mz == float("-inf"), 0.0, mz)
+            lz = tl.sum(tl.math.exp2(z - mz[:, None]), 1)
+            lse_blk = tl.where(lz > 0.0, mz + tl.math.log2(tl.where(lz > 0.0, lz, 1.0)), float("-inf"))
+            plogp = tl.sum(tl.where(p > 0.0, p * tl.log(tl.where(p > 0.0, p, 1.0)), 0.0), 1)
+            pz = tl.sum(p * tl.where(m_s, z, 0.0), 1)
+            psum = tl.sum(p, 1)
+            row = i_b * stride_pb + i_h * stride_ph + o_t.to(tl.int64) * stride_pt + o_slot
+            tl.store(part_lse + row, lse_blk, mask=m_row)
+            srow = i_b * stride_sb + i_h * stride_sh + o_t.to(tl.int64) * stride_st + o_slot * 3
+            tl.store(part_stat + srow, plogp, mask=m_row)
+            tl.store(part_stat + srow + 1, pz, mask=m_row)
+            tl.store(part_stat + srow + 2, psum, mask=m_row)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+                 reset_to_zero=["dq", "dk"])
+@triton.jit(do_not_specialize=["T", "n_seg", "tune_bucket"])
 def sparse_kl_bwd_kernel(
-    q, k, qidx, kidx, blocks, lse_t, lse_s, dkl, dqidx, dkidx,
+    q, k, qidx, kidx, tlse, lse_s, psum, d_kl, dq, dk, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_xb, stride_xt, stride_xh,
-    stride_ib, stride_it, stride_bb, stride_bh, stride_bt, stride_lb, stride_lh, stride_gb, stride_gt, stride_gh,
-    stride_db, stride_dt,
-    T, scale_log2, iscale_log2, iscale,
-    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    DI: tl.constexpr, DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+    stride_ib, stride_it, stride_lb, stride_lt, stride_rb, stride_rh, stride_gb, stride_gt, stride_gh,
+    stride_hb, stride_ht,
+    T, n_seg, scale_log2, iscale_log2, iscale, tune_bucket,
+    HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    DI: tl.constexpr, DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, TOK: tl.constexpr,
 ):
-    # one program: one (batch, group, token); dKL/dz = Q - P on the support: dq_idx for the token, dk_idx shares
-    # added to the selected keys (fp32 atomics)
-    t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    o_g = tl.arange(0, GP)
-    o_d = tl.arange(0, DP)
-    o_e = tl.arange(0, DIP)
-    o_n = tl.arange(0, BN)
-    qi = tl.load(qidx + i_b * stride_xb + t * stride_xt + i_h * stride_xh + o_e, mask=o_e < DI, other=0.0).to(tl.float32)
-    lt = tl.load(lse_t + (i_b * HKV + i_h) * GP * T + o_g * T + t)
-    ls = tl.load(lse_s + i_b * stride_lb + i_h * stride_lh + t)
-    g = tl.load(dkl + i_b * stride_lb + i_h * stride_lh + t) * iscale
-    p_blk = blocks + i_b * stride_bb + i_h * stride_bh + t * stride_bt
-    dq = tl.zeros([DIP], tl.float32)
-    for slot in range(K):
-        blk = tl.load(p_blk + slot)
-        if blk >= 0:
-            s, z, b_ki, o_key, m_key = _slot_logits(q, k, qi, kidx, blk, i_b, i_h, t, T, stride_qb, stride_qh,
-                                                    stride_qt, stride_kb, stride_kh, stride_kt, stride_ib,
-                                                    stride_it, scale_log2, iscale_log2, o_g, o_d, o_e, o_n, G, D,
-                                                    DI, BS, IEEE)
-            p = tl.sum(tl.where((o_g < G)[:, None], tl.math.exp2(s - lt[:, None]), 0.0), 0) / G
-            dz = tl.where(m_key, tl.math.exp2(z - ls) - p, 0.0) * g  # [BN]
-            dq += tl.sum(dz[:, None] * b_ki, 0)
-            tl.atomic_add(dkidx + i_b * stride_db + o_key[:, None].to(tl.int64) * stride_dt + o_e[None, :],
-                          dz[:, None] * qi[None, :], mask=m_key[:, None] & (o_e < DI)[None, :])
-    tl.store(dqidx + i_b * stride_gb + t * stride_gt + i_h * stride_gh + o_e, dq, mask=o_e < DI)
+    # same segments and tiles as the forward; d(student logit) = d_kl * (Q * sum P - P) on the support: d(q_idx)
+    # rows get one share per selected block (relaxed fp32 atomics), d(k_idx) of the block accumulates on chip
+    pid = tl.program_id(0)
+    seg = tl.load(tile_seg + pid)
+    if seg < n_seg:
+        start, end, i_b, i_h, o_key, m_key, o_d, o_di, b_k, b_ki = _segment(
+            seg, pid, tile_start, seg_off, k, kidx, stride_kb, stride_kh, stride_kt, stride_ib, stride_it, T,
+            HKV, NB, D, DP, DI, DIP, BS, BN, CHUNK)
+        acc_dk = tl.zeros([BN, DIP], tl.float32)
+        o_r = tl.arange(0, TOK)
+        for e0 in range(start, end, TOK):
+            m_row = e0 + o_r < end
+            o_t = tl.load(payload + e0 + o_r, mask=m_row, other=0) // K
+            m_s = m_row[:, None] & m_key[None, :] & (o_key[None, :] <= o_t[:, None])
+            p, z, b_qi = _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
+                               stride_qb, stride_qh, stride_qt, stride_xb, stride_xt, stride_xh, stride_lb,
+                               stride_lt, scale_log2, iscale_log2, TOK, BN, G, D, DI, IEEE)
+            r = i_b * stride_rb + i_h * stride_rh + o_t.to(tl.int64)
+            b_ls = tl.load(lse_s + r, mask=m_row, other=0.0)
+            b_ps = tl.load(psum + r, mask=m_row, other=0.0)
+            b_g = tl.load(d_kl + r, mask=m_row, other=0.0)
+            qs = tl.math.exp2(z - b_ls[:, None])  # 0 outside the support (z = -inf there)
+            ds = tl.where(m_s, (qs * b_ps[:, None] - p) * (b_g * iscale)[:, None], 0.0)
+            if IEEE:
+                dq_part = _dot(ds, b_ki, True)
+                acc_dk += _dot(tl.trans(ds), b_qi, True)
+            else:
+                dq_part = tl.dot(ds.to(b_ki.dtype), b_ki)
+                acc_dk += tl.dot(tl.trans(ds.to(b_qi.dtype)), b_qi)
+            tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt + i_h * stride_gh
+                          + o_di[None, :], dq_part, mask=m_row[:, None] & (o_di < DI)[None, :], sem="relaxed")
+        tl.atomic_add(dk + i_b * stride_hb + o_key[:, None].to(tl.int64) * stride_ht + o_di[None, :], acc_dk,
+                      mask=m_key[:, None] & (o_di < DI)[None, :], sem="relaxed")

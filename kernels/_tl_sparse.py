@@ -145,20 +145,32 @@ def combine_kernel(
         tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc), mask=m_g)
 
 
-@triton.jit(do_not_specialize=["T", "t0", "n_seg"])
+@triton.autotune(
+    configs=configs(
+        [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)],
+        interpret=dict(ROWS=32, num_warps=4, num_stages=1),
+        default=dict(ROWS=32, num_warps=8, num_stages=2),
+    ),
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+    prune_configs_by={"early_config_prune": _prune},
+    reset_to_zero=["dq", "dk", "dv"],  # the kernel accumulates into them: every timed config starts from zero
+)
+@triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket"])
 def gather_q_bwd_kernel(
     q, k, v, do, lse, delta, dq, dk, dv, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_ot, stride_oh, stride_xb, stride_xt, stride_gb, stride_gt, stride_gh,
     stride_db, stride_dh, stride_dt,
-    T, t0, n_seg, scale, scale_log2,
+    T, t0, n_seg, scale, scale_log2, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     IEEE: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: the same (batch, KV head, key block) segment chunk as the forward. With the forward's LSE the
     # probabilities are exact per block, so dK/dV of the block accumulate on chip over the gathered queries and
-    # each query row's dQ share is added to dq (fp32 atomics: a row gets one share per selected block)
+    # each query row's dQ share is added to dq (relaxed fp32 atomics: a row gets one share per selected block).
+    # Scores are kept transposed, keys x gathered rows ([BN, ROWS]), so the dK/dV accumulators are the natural
+    # result layout of their matmuls and only small [BN, ROWS] tiles live beside them.
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
@@ -185,30 +197,28 @@ def gather_q_bwd_kernel(
                            + o_d[None, :], mask=m_rd, other=0.0)
             b_lse = tl.load(lse + i_b * stride_xb + o_t.to(tl.int64) * stride_xt + o_hq, mask=m_row, other=0.0)
             b_delta = tl.load(delta + i_b * stride_xb + o_t.to(tl.int64) * stride_xt + o_hq, mask=m_row, other=0.0)
+            m_s = m_key[:, None] & m_row[None, :] & (o_key[:, None] <= o_t[None, :])  # [BN, ROWS]
             if IEEE:
                 b_q = b_q.to(tl.float32)
                 b_do = b_do.to(tl.float32)
-                s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+                s_t = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")
+                p_t = tl.where(m_s, tl.math.exp2(s_t * scale_log2 - b_lse[None, :]), 0.0)
+                acc_dv += tl.dot(p_t, b_do, input_precision="ieee")
+                dp_t = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")
+                ds_t = p_t * (dp_t - b_delta[None, :]) * scale  # d(score), softmax scale folded in
+                acc_dk += tl.dot(ds_t, b_q, input_precision="ieee")
+                dq_part = tl.dot(tl.trans(ds_t), b_k, input_precision="ieee")
             else:
-                s = tl.dot(b_q, tl.trans(b_k))
-            m_s = m_row[:, None] & m_key[None, :] & (o_key[None, :] <= o_t[:, None])
-            p = tl.where(m_s, tl.math.exp2(s * scale_log2 - b_lse[:, None]), 0.0)  # [ROWS, BN]
-            if IEEE:
-                acc_dv += tl.dot(tl.trans(p), b_do, input_precision="ieee")
-                dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")
-            else:
-                acc_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do)
-                dp = tl.dot(b_do, tl.trans(b_v))
-            ds = p * (dp - b_delta[:, None]) * scale  # d(score) with the softmax scale folded in
-            if IEEE:
-                acc_dk += tl.dot(tl.trans(ds), b_q, input_precision="ieee")
-                dq_part = tl.dot(ds, b_k, input_precision="ieee")
-            else:
-                acc_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q)
-                dq_part = tl.dot(ds.to(b_k.dtype), b_k)
+                s_t = tl.dot(b_k, tl.trans(b_q))
+                p_t = tl.where(m_s, tl.math.exp2(s_t * scale_log2 - b_lse[None, :]), 0.0)
+                acc_dv += tl.dot(p_t.to(b_do.dtype), b_do)
+                dp_t = tl.dot(b_v, tl.trans(b_do))
+                ds_t = (p_t * (dp_t - b_delta[None, :]) * scale).to(b_q.dtype)
+                acc_dk += tl.dot(ds_t, b_q)
+                dq_part = tl.dot(tl.trans(ds_t), b_k)
             tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt + o_hq[:, None] * stride_gh
-                          + o_d[None, :], dq_part, mask=m_rd)
+                          + o_d[None, :], dq_part, mask=m_rd, sem="relaxed")
         p_dk = dk + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
-        tl.atomic_add(p_dk, acc_dk, mask=m_kd)
+        tl.atomic_add(p_dk, acc_dk, mask=m_kd, sem="relaxed")
         p_dv = dv + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
-        tl.atomic_add(p_dv, acc_dv, mask=m_kd)
+        tl.atomic_add(p_dv, acc_dv, mask=m_kd, sem="relaxed")

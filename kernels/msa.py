@@ -1,5 +1,6 @@
-"""The MSA graph ops after lowering: the same signatures as models.decoder.msa_select / msa_attention, backed by
-the Triton kernels on CUDA (and under TRITON_INTERPRET=1), by the torch reference elsewhere.
+"""The MSA graph ops after lowering: the same signatures as models.decoder.msa_select / msa_attention and
+passes.kl_distill.msa_index_kl, backed by the Triton kernels on CUDA (and under TRITON_INTERPRET=1), by the torch
+reference elsewhere.
 
 `passes/lower_triton.py` swaps a converted graph's reference ops for these.
 """
@@ -9,9 +10,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from kernels import indexer, sparse_attention as _sparse
+from kernels import indexer, reference as ref, sparse_attention as _sparse
+from kernels._common import use_triton
 
-__all__ = ["msa_select_triton", "msa_attention_triton"]
+__all__ = ["msa_select_triton", "msa_attention_triton", "msa_index_kl_triton"]
 
 
 @torch.fx.wrap
@@ -32,3 +34,29 @@ def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse:
     if not sparse or -(-T // block_size) <= blocks.shape[-1]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return _sparse.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+@torch.fx.wrap
+def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool):
+    """Mean KL and mean block recall of one MSA layer, as passes.kl_distill.msa_index_kl.
+
+    Sparse support on CUDA: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's
+    per-head log-sum-exp, and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense
+    teacher's mass inside the selected blocks) with lse_all from a chunked causal log-sum-exp, no T x T tensor and
+    no gradient. Warm-up (dense support) and CPU tensors keep the chunked torch reference.
+    """
+    T = q.shape[2]
+    if not sparse or not use_triton(q, k, q_idx, k_idx) or -(-T // block_size) <= blocks.shape[-1]:
+        kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
+                                  scale=scale)
+        return kl.mean(), recall.mean()
+    from kernels.sparse_kl import sparse_index_kl
+
+    q, k = q.detach(), k.detach()
+    with torch.no_grad():
+        lse_sel = _sparse._forward(q, k, k, blocks, block_size, scale, _sparse._PARTIAL_BYTES, None, "all", True)[1]
+        lse_all = ref.causal_lse(q, k, scale)  # [B, T, Hq], base 2
+        G = q.shape[1] // k.shape[1]
+        recall = torch.exp2(lse_sel - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, T, Hi]
+    kl = sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=block_size, scale=scale, teacher_lse=lse_sel)
+    return kl.mean(), recall.mean()

@@ -106,7 +106,6 @@ def _chunk(gp: int) -> int:
 
 def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out):
     """dq, dk, dv of the sparse attention (same CSR and tiles as the forward; fp32 accumulation)."""
-    from kernels._common import interpreting
     from kernels._tl_sparse import gather_q_bwd_kernel
 
     B, Hq, T, D = q.shape
@@ -125,10 +124,9 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), dq.stride(0),
         dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        T, 0, B * Hkv * n_blocks, scale, scale * math.log2(math.e),
+        T, 0, B * Hkv * n_blocks, scale, scale * math.log2(math.e), tune_bucket(T),
         HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-        CHUNK=_chunk(GP), IEEE=q.dtype == torch.float32, ROWS=max(16, GP) if interpreting() else max(64, GP),
-        num_warps=4,
+        CHUNK=_chunk(GP), IEEE=q.dtype == torch.float32,
     )
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -2,12 +2,22 @@
 
 Per (batch, KV group g, token t): teacher P = mean over the group's G heads of softmax over the causally visible
 keys of the selected blocks of q_h . k * scale; student Q = softmax over the same keys of q_idx . k_idx / sqrt(Di);
-KL(P || Q). One program per (batch, group, token) walks the token's <= K selected blocks twice (log-sum-exps, then
-the KL), holding one block at a time; the per-head and student log-sum-exps are kept for the backward, which
-recomputes P and Q per block and returns d(q_idx) and d(k_idx) only (dKL/dz = Q - P): the teacher is detached.
+KL(P || Q). The teacher's per-head log-sum-exp is the sparse attention forward's (`teacher_lse`, as the official
+kernels take it; computed here with that forward when not given), so P is exact block by block and
+
+    KL = sum_j P_j ln P_j - ln2 * sum_j P_j z_j + ln2 * lse2(z) * sum_j P_j     (z: student logits in base 2)
+
+adds up over the selected blocks. The kernels use the attention's KV-outer layout (the CSR of queries per (group,
+key block), `sparse_attention.build_csr`): a program loads one block's keys and index keys once and sweeps tiles of
+the tokens that chose it, looping over the group's heads; it writes per (token, slot) the student's block
+log-sum-exp and the three sums, which a few torch ops merge per token. The backward walks the same tiles with the
+merged student log-sum-exp: d(student logit) = Q * sum P - P on the support, d(q_idx) rows by relaxed fp32 atomics
+(one share per selected block), d(k_idx) of a block accumulated on chip. Only the index branch gets gradients: the
+teacher is detached. Memory: O(T * K) partials, linear in T.
 
 Shapes: q_idx [B, T, Hi, Di] (the graph's layout), k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D],
-blocks [B, Hi, T, K] -> kl [B, Hi, T] fp32. The torch reference is `reference.index_kl(..., sparse=True)`.
+blocks [B, Hi, T, K], teacher_lse [B, T, Hq] (base 2, scale included) -> kl [B, Hi, T] fp32. The torch reference
+is `reference.index_kl(..., sparse=True)`.
 """
 from __future__ import annotations
 
@@ -16,67 +26,78 @@ import math
 import torch
 
 from kernels import reference as ref
-from kernels._common import next_pow2, use_triton
+from kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_index_kl"]
 
+_CHUNK = 256  # CSR entries (tokens) one program sweeps over one key block
+_LN2 = math.log(2.0)
 
-def _meta(q_idx, k_idx, q, k, blocks, block_size):
-    B, T, Hi, Di = q_idx.shape
-    Hq, D = q.shape[1], q.shape[3]
-    G = Hq // k.shape[1]
-    return dict(HKV=k.shape[1], K=blocks.shape[-1], G=G, GP=max(16, next_pow2(G)), D=D, DP=max(16, next_pow2(D)),
-                DI=Di, DIP=max(16, next_pow2(Di)), BS=block_size, BN=max(16, next_pow2(block_size)),
-                IEEE=q.dtype == torch.float32)
+
+def _meta(q_idx, q, k, blocks, block_size):
+    Di, D = q_idx.shape[-1], q.shape[-1]
+    return dict(HKV=k.shape[1], NB=-(-q.shape[2] // block_size), K=blocks.shape[-1], G=q.shape[1] // k.shape[1],
+                D=D, DP=max(16, next_pow2(D)), DI=Di, DIP=max(16, next_pow2(Di)), BS=block_size,
+                BN=max(16, next_pow2(block_size)), CHUNK=_CHUNK, IEEE=q.dtype == torch.float32)
+
+
+def _strides(q_idx, k_idx, q, k, tlse):
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+            tlse.stride(0), tlse.stride(1))
 
 
 class _SparseKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_idx, k_idx, q, k, blocks, block_size, scale):
+    def forward(ctx, q_idx, k_idx, q, k, blocks, teacher_lse, block_size, scale):
         from kernels._tl_kl import sparse_kl_fwd_kernel
+        from kernels.sparse_attention import build_csr
 
         B, T, Hi, Di = q_idx.shape
-        meta = _meta(q_idx, k_idx, q, k, blocks, block_size)
-        kl = torch.empty(B, Hi, T, dtype=torch.float32, device=q.device)
-        lse_s = torch.empty_like(kl)
-        lse_t = torch.empty(B, Hi, meta["GP"], T, dtype=torch.float32, device=q.device)
-        sl2, isl2 = scale * math.log2(math.e), Di**-0.5 * math.log2(math.e)
-        sparse_kl_fwd_kernel[(T, Hi, B)](
-            q, k, q_idx, k_idx, blocks, kl, lse_t, lse_s,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-            blocks.stride(0), blocks.stride(1), blocks.stride(2), kl.stride(0), kl.stride(1),
-            T, sl2, isl2, **meta,
+        meta = _meta(q_idx, q, k, blocks, block_size)
+        csr = build_csr(blocks, meta["NB"], 0, T, _CHUNK)
+        payload, seg_off, tile_seg, tile_start = csr
+        K = meta["K"]
+        part_lse = torch.full((B, Hi, T, K), float("-inf"), dtype=torch.float32, device=q.device)
+        part_stat = torch.zeros(B, Hi, T, K, 3, dtype=torch.float32, device=q.device)  # sum P ln P, sum P z, sum P
+        sparse_kl_fwd_kernel[(tile_seg.numel(),)](
+            q, k, q_idx, k_idx, teacher_lse, part_lse, part_stat, tile_seg, tile_start, seg_off, payload,
+            *_strides(q_idx, k_idx, q, k, teacher_lse),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            part_stat.stride(0), part_stat.stride(1), part_stat.stride(2),
+            T, B * Hi * meta["NB"], scale * math.log2(math.e), Di**-0.5 * math.log2(math.e), tune_bucket(T), **meta,
         )
-        ctx.save_for_backward(q_idx, k_idx, q, k, blocks, lse_t, lse_s)
-        ctx.block_size, ctx.scale = block_size, scale
+        lse_s = torch.logsumexp(part_lse * _LN2, -1) / _LN2  # [B, Hi, T], base 2
+        plogp, pz, psum = part_stat.sum(-2).unbind(-1)
+        psum = psum.contiguous()  # the backward indexes it with lse_s's strides
+        kl = plogp - _LN2 * pz + _LN2 * torch.where(psum > 0, lse_s * psum, 0.0)
+        ctx.save_for_backward(q_idx, k_idx, q, k, teacher_lse, lse_s, psum, *csr)
+        ctx.block_size, ctx.scale, ctx.K = block_size, scale, K
         return kl
 
     @staticmethod
     def backward(ctx, d_kl):
         from kernels._tl_kl import sparse_kl_bwd_kernel
 
-        q_idx, k_idx, q, k, blocks, lse_t, lse_s = ctx.saved_tensors
+        q_idx, k_idx, q, k, teacher_lse, lse_s, psum, payload, seg_off, tile_seg, tile_start = ctx.saved_tensors
         B, T, Hi, Di = q_idx.shape
-        meta = _meta(q_idx, k_idx, q, k, blocks, ctx.block_size)
+        meta = _meta(q_idx, q, k, torch.empty(1, ctx.K), ctx.block_size)
         d_kl = d_kl.float().contiguous()
-        dq = torch.empty(q_idx.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q_idx.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q.device)
-        sl2, isl2 = ctx.scale * math.log2(math.e), Di**-0.5 * math.log2(math.e)
-        sparse_kl_bwd_kernel[(T, Hi, B)](
-            q, k, q_idx, k_idx, blocks, lse_t, lse_s, d_kl, dq, dk,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-            blocks.stride(0), blocks.stride(1), blocks.stride(2), lse_s.stride(0), lse_s.stride(1),
+        sparse_kl_bwd_kernel[(tile_seg.numel(),)](
+            q, k, q_idx, k_idx, teacher_lse, lse_s, psum, d_kl, dq, dk, tile_seg, tile_start, seg_off, payload,
+            *_strides(q_idx, k_idx, q, k, teacher_lse), lse_s.stride(0), lse_s.stride(1),
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1),
-            T, sl2, isl2, Di**-0.5, **meta,
+            T, B * Hi * meta["NB"], ctx.scale * math.log2(math.e), Di**-0.5 * math.log2(math.e), Di**-0.5,
+            tune_bucket(T), **meta,
         )
-        return dq.to(q_idx.dtype), dk.to(k_idx.dtype), None, None, None, None, None
+        return dq.to(q_idx.dtype), dk.to(k_idx.dtype), None, None, None, None, None, None
 
 
 def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     blocks: torch.Tensor, *, block_size: int, scale: float | None = None,
-                    backend: str = "auto") -> torch.Tensor:
+                    teacher_lse: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """KL(teacher || student) per (batch, KV group, token) over the selected blocks; gradients reach q_idx and
     k_idx only. q_idx [B, T, Hi, Di], k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hi, T, K]."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or blocks.dim() != 4 or q.dim() != 4 or k.dim() != 4:
@@ -94,4 +115,11 @@ def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
-    return _SparseKL.apply(q_idx, k_idx, q.detach(), k.detach(), blocks, block_size, scale)
+    q, k = q.detach(), k.detach()
+    if teacher_lse is None:  # the attention forward's per-head log-sum-exp over the same support
+        from kernels.sparse_attention import _PARTIAL_BYTES, _forward
+
+        teacher_lse = _forward(q, k, k, blocks, block_size, scale, _PARTIAL_BYTES, None, "all", True)[1]
+    elif teacher_lse.shape != (B, T, q.shape[1]):
+        raise ValueError(f"teacher_lse must be [B, T, Hq] = [{B}, {T}, {q.shape[1]}], got {tuple(teacher_lse.shape)}")
+    return _SparseKL.apply(q_idx, k_idx, q, k, blocks, teacher_lse.detach().float(), block_size, scale)

@@ -293,8 +293,11 @@ def _autotune_choices() -> dict:
     out = {}
     import importlib
 
-    for mod, names in (("kernels._tl_indexer", ["index_topk_kernel"]), ("kernels._tl_sparse", ["gather_q_fwd_kernel"]),
-                       ("kernels._tl_decode", ["paged_index_scores_kernel"])):
+    for mod, names in (("kernels._tl_indexer", ["index_topk_kernel"]),
+                       ("kernels._tl_sparse", ["gather_q_fwd_kernel", "gather_q_bwd_kernel"]),
+                       ("kernels._tl_decode", ["paged_index_scores_kernel"]),
+                       ("kernels._tl_kl", ["sparse_kl_fwd_kernel", "sparse_kl_bwd_kernel"]),
+                       ("kernels._tl_varlen", ["varlen_fwd_kernel"])):
         try:
             m = importlib.import_module(mod)
         except Exception:
@@ -428,6 +431,7 @@ class VisionBenchConfig:
     window: int = 4  # temporal steps per 3D window
     heads: int = 16
     head_dim: int = 80
+    block_ms: tuple[int, ...] = (64, 128)  # query-tile heights of the fused kernel to time (the best one counts)
     device: str = "cuda"
     warmup_ms: int = 100
     rep_ms: int = 500
@@ -478,20 +482,25 @@ def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
         out[index[valid]] = o.transpose(1, 2)[valid]
         return out
 
-    def fused():
-        return varlen_attention(q, k, v, cu)
-
+    fused = {bm: (lambda bm=bm: varlen_attention(q, k, v, cu, block_m=bm)) for bm in cfg.block_ms}
     ref_out = loop()
     err = {name: ((fn().float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-           for name, fn in (("padded", padded), ("fused", fused))}
-    times = {name: _time(fn, bench_cfg) for name, fn in (("loop", loop), ("padded", padded), ("fused", fused))}
+           for name, fn in [("padded", padded)] + [(f"fused_bm{bm}", fn) for bm, fn in fused.items()]}
+    times = {name: _time(fn, bench_cfg) for name, fn in (("loop", loop), ("padded", padded))}
+    fused_ms = {bm: _time(fn, bench_cfg) for bm, fn in fused.items()}
+    best_bm = min(fused_ms, key=fused_ms.get)
+    times["fused"] = fused_ms[best_bm]
+    err["fused"] = err[f"fused_bm{best_bm}"]
     flops = sum(4.0 * H * D * n * n for n in lengths)
     best_baseline = min(times["loop"], times["padded"])
     result = dict(config=asdict(cfg), windows=S, tokens=N, longest=L, flops=flops, ms=times,
+                  fused_ms_by_block_m=fused_ms, best_block_m=best_bm,
                   rel_err_vs_loop=err, speedup_vs_best_baseline=best_baseline / times["fused"],
+                  autotune=_autotune_choices(),
                   fused_tflops_s=flops / times["fused"] / 1e9)
     log(f"vision: {S} windows, {N:,} tokens: loop {times['loop']:.3f} ms, padded {times['padded']:.3f} ms, "
-        f"fused {times['fused']:.3f} ms")
+        f"fused {times['fused']:.3f} ms (BLOCK_M {best_bm}; " + ", ".join(f"{b}: {t:.3f}" for b, t in fused_ms.items())
+        + ")")
     return result
 
 
@@ -501,7 +510,8 @@ def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
 
 def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) -> dict:
     """Sparse attention forward+backward vs dense SDPA forward+backward at M3 shapes, and the fused sparse KL's
-    peak memory (forward + backward) at each length: it must grow linearly in T."""
+    time and peak memory (forward + backward, its teacher log-sum-exp pass included) at each length: the memory must
+    grow linearly in T."""
     from kernels.indexer import select_blocks
     from kernels.sparse_attention import sparse_attention
     from kernels.sparse_kl import sparse_index_kl
@@ -533,8 +543,13 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
             sparse_index_kl(q_idx, k_idx, q.detach(), k.detach(), blocks, block_size=cfg.block, scale=scale).sum() \
                 .backward()
 
+        def sparse_fwd():
+            with torch.no_grad():
+                sparse_attention(q, k, v, blocks, block_size=cfg.block, scale=scale)
+
         t_dense = _time(dense, cfg) if T <= cfg.dense_max else None
         t_sparse = _time(sparse, cfg)
+        t_sparse_fwd = _time(sparse_fwd, cfg)
         t_kl = _time(kl_step, cfg)
         peak = None
         if dev == "cuda":
@@ -546,7 +561,7 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
             peak = torch.cuda.max_memory_allocated() - base
         vis = visible_keys(blocks, cfg.block)
         ideal = prefill_flops(T, H, D) / prefill_flops(T, H, D, vis)
-        row = dict(T=T, dense_fwd_bwd_ms=t_dense, sparse_fwd_bwd_ms=t_sparse, ideal=ideal,
+        row = dict(T=T, dense_fwd_bwd_ms=t_dense, sparse_fwd_bwd_ms=t_sparse, sparse_fwd_ms=t_sparse_fwd, ideal=ideal,
                    speedup=None if t_dense is None else t_dense / t_sparse,
                    share_of_ideal=None if t_dense is None else t_dense / t_sparse / ideal,
                    kl_fwd_bwd_ms=t_kl, kl_peak_bytes=peak)
@@ -556,4 +571,4 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
             t.grad = None
         if dev == "cuda":
             torch.cuda.empty_cache()
-    return {"config": asdict(cfg), "rows": rows}
+    return {"config": asdict(cfg), "rows": rows, "autotune": _autotune_choices()}

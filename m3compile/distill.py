@@ -234,10 +234,10 @@ class _Run:
 
         gm = trace(model)
         passes = [KLDistill(cfg.mode(start))]
-        if self.training and str(self.device).startswith("cuda"):
+        if str(self.device).startswith("cuda"):
             from passes.lower_triton import LowerTriton
 
-            passes.append(LowerTriton())  # Triton forward + backward of the sparse attention
+            passes.append(LowerTriton())  # fused indexer, sparse attention and sparse-support KL (+ backwards)
         PassManager(passes).run(gm)
         params = dict(gm.named_parameters()) if self.training else index_parameters(gm)
         for p in gm.parameters():

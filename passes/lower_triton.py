@@ -1,28 +1,32 @@
 """Lowering: swap a converted graph's reference MSA ops for the Triton-backed ones (kernels/msa.py).
 
     msa_select(q_idx, k_idx, ...)      -> msa_select_triton     fused scores + causal block max + top-k
-    msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine
+    msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine (+ backward)
+    msa_index_kl(q, k, q_idx, ...)      -> msa_index_kl_triton   fused sparse-support KL (+ backward), streamed recall
 
 The lowered ops take the same arguments and dispatch on the device: Triton kernels on CUDA tensors, the torch
 reference on CPU, so a lowered graph still runs anywhere. Lowering is the last graph pass: distillation hooks
-(kl_distill) and ONNX export work on the reference ops and refuse a lowered graph.
+(kl_distill) are added before it (training lowers a hooked graph; set_distill_mode still switches it), and ONNX
+export works on the reference ops and refuses a lowered graph.
 """
 from __future__ import annotations
 
 import torch.fx
 
-from kernels.msa import msa_attention_triton, msa_select_triton
+from kernels.msa import msa_attention_triton, msa_index_kl_triton, msa_select_triton
 from m3compile.pass_manager import Pass, PassReport, register_pass
 from models.decoder import msa_attention, msa_select
+from passes.kl_distill import msa_index_kl
 
 __all__ = ["LowerTriton"]
 
-_LOWERING = {msa_select: msa_select_triton, msa_attention: msa_attention_triton}
+_LOWERING = {msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton}
 
 
 @register_pass
 class LowerTriton(Pass):
-    """Swap the reference msa_select / msa_attention ops for Triton kernels (fused indexer, gather-Q prefill)."""
+    """Swap the reference msa_select / msa_attention / msa_index_kl ops for Triton kernels (fused indexer, gather-Q
+    prefill, fused sparse KL)."""
 
     name = "lower_triton"
 
@@ -35,6 +39,8 @@ class LowerTriton(Pass):
                 layer = n.meta.get("m3_msa_layer")
                 if layer is not None:
                     report.details.append(f"layer {layer}: msa_attention -> {msa_attention_triton.__name__}")
+                elif n.target is msa_index_kl_triton:
+                    report.details.append(f"{n.name}: msa_index_kl -> {msa_index_kl_triton.__name__}")
         report.modified = bool(report.replaced)
         return report
 

@@ -39,3 +39,19 @@ def test_fused_kl_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="shapes disagree"):
         sparse_kl.sparse_index_kl(torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.randn(1, 4, 8, 16),
                                   torch.randn(1, 3, 8, 16), torch.zeros(1, 2, 8, 2, dtype=torch.int32), block_size=4)
+
+
+def test_fused_kl_takes_the_attention_lse_and_checks_its_shape():
+    from kernels.sparse_attention import _PARTIAL_BYTES, _forward
+
+    B, Hkv, G, T, D, Di, bs, K = 1, 2, 2, 21, 16, 16, 4, 3
+    q_idx, k_idx = torch.randn(B, T, Hkv, Di), torch.randn(B, T, Di)
+    q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=K)
+    lse = _forward(q, k, k, blocks.int(), bs, D**-0.5, _PARTIAL_BYTES, None, "all", True)[1]
+    given = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse, backend="triton")
+    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
+    assert (given - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="teacher_lse must be"):
+        sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse[:, :-1],
+                                  backend="triton")
