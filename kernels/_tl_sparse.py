@@ -41,7 +41,7 @@ def _prune(cfgs, named_args, **kw):
         interpret=dict(ROWS=32, num_warps=4, num_stages=1),
         default=dict(ROWS=64, num_warps=4, num_stages=2),
     ),
-    key=["GP", "DP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket"])
@@ -52,7 +52,7 @@ def gather_q_fwd_kernel(
     T, t0, n_seg, scale_log2, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, ROWS: tl.constexpr,
+    IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: one (batch, KV head, key block) segment of the CSR, up to CHUNK of the queries that chose it;
     # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them
@@ -95,15 +95,16 @@ def gather_q_fwd_kernel(
             p = tl.math.exp2(s - m[:, None])
             l = tl.sum(p, 1)
             l = tl.where(l == 0.0, 1.0, l)
-            if IEEE:
-                o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            else:
-                o = tl.dot(p.to(b_v.dtype), b_v)
-            o = o / l[:, None]
+            if not LSE_ONLY:  # LSE_ONLY: the per-block log-sum-exps alone (the KL's teacher), no P V
+                if IEEE:
+                    o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+                else:
+                    o = tl.dot(p.to(b_v.dtype), b_v)
+                o = o / l[:, None]
+                p_o = (part_o + i_b * stride_pb + o_tl[:, None].to(tl.int64) * stride_pt + o_slot[:, None] * stride_ps
+                       + o_hq[:, None] * stride_ph + o_d[None, :])
+                tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
             lse = m + tl.math.log2(l)
-            p_o = (part_o + i_b * stride_pb + o_tl[:, None].to(tl.int64) * stride_pt + o_slot[:, None] * stride_ps
-                   + o_hq[:, None] * stride_ph + o_d[None, :])
-            tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
             p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
             tl.store(p_l, lse, mask=m_row)
 

@@ -54,7 +54,7 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
 
     q, k = q.detach(), k.detach()
     with torch.no_grad():
-        lse_sel = _sparse._forward(q, k, k, blocks, block_size, scale, _sparse._PARTIAL_BYTES, None, "all", True)[1]
+        lse_sel = _sparse._forward(q, k, k, blocks, block_size, scale, _sparse._PARTIAL_BYTES, None, "lse", True)[1]
         lse_all = ref.causal_lse(q, k, scale)  # [B, T, Hq], base 2
         G = q.shape[1] // k.shape[1]
         recall = torch.exp2(lse_sel - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, T, Hi]

@@ -56,7 +56,10 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
 
 
 def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse):
-    """Gather pass + combine per query chunk. Returns (out [B, T, Hq, D], lse [B, T, Hq] base 2 or None)."""
+    """Gather pass + combine per query chunk. Returns (out [B, T, Hq, D], lse [B, T, Hq] base 2 or None).
+
+    stage "lse" (with want_lse): only the per-head log-sum-exp over the selected keys (no P V, no output, partials
+    of 4 bytes per (token, slot, head)), the fused KL's teacher normaliser; `out` is then a placeholder."""
     from kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
@@ -65,17 +68,20 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     n_blocks = -(-T // block_size)
     n_seg = B * Hkv * n_blocks
-    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    lse_only = stage == "lse"
+    out = q.new_empty(1, 1, 1, 1) if lse_only else torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device) if want_lse else out.new_empty(1, 1)
     part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    row_bytes = K * Hq * (D * part_dtype.itemsize + 4)
+    row_bytes = K * Hq * (0 if lse_only else D * part_dtype.itemsize) + K * Hq * 4
     C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
-    part_o = torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
+    part_o = q.new_empty(1, 1, 1, 1, 1) if lse_only else torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
     part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+        if lse_only:
+            part_lse.fill_(float("-inf"))  # -1 slots are never written: they must add nothing to the merge
         gather_q_fwd_kernel[(tile_seg.numel(),)](
             q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -84,9 +90,12 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-            CHUNK=_chunk(GP), IEEE=ieee,
+            CHUNK=_chunk(GP), IEEE=ieee, LSE_ONLY=lse_only,
         )
         if stage == "gather":  # benchmarks time the gather pass alone through this
+            continue
+        if lse_only:  # merge the per-block log-sum-exps of each (token, head) in torch: [B, C, K, Hq] -> [B, C, Hq]
+            lse[:, t0:t1] = torch.logsumexp(part_lse[:, : t1 - t0] * math.log(2.0), 2) / math.log(2.0)
             continue
         combine_kernel[(B * (t1 - t0), Hkv)](
             part_o, part_lse, blocks, out, lse,

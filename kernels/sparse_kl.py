@@ -119,7 +119,7 @@ def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k
     if teacher_lse is None:  # the attention forward's per-head log-sum-exp over the same support
         from kernels.sparse_attention import _PARTIAL_BYTES, _forward
 
-        teacher_lse = _forward(q, k, k, blocks, block_size, scale, _PARTIAL_BYTES, None, "all", True)[1]
+        teacher_lse = _forward(q, k, k, blocks, block_size, scale, _PARTIAL_BYTES, None, "lse", True)[1]
     elif teacher_lse.shape != (B, T, q.shape[1]):
         raise ValueError(f"teacher_lse must be [B, T, Hq] = [{B}, {T}, {q.shape[1]}], got {tuple(teacher_lse.shape)}")
     return _SparseKL.apply(q_idx, k_idx, q, k, blocks, teacher_lse.detach().float(), block_size, scale)

@@ -55,3 +55,18 @@ def test_fused_kl_takes_the_attention_lse_and_checks_its_shape():
     with pytest.raises(ValueError, match="teacher_lse must be"):
         sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse[:, :-1],
                                   backend="triton")
+
+
+@pytest.mark.parametrize("G,K", [(1, 16), (3, 2), (4, 3)])  # K 16 > 6 blocks: -1 slots
+def test_lse_only_pass_equals_the_attention_forward_lse(G, K):
+    """The KL's teacher pass (stage "lse": no P V, no output) gives the attention forward's per-head LSE."""
+    from kernels.sparse_attention import _PARTIAL_BYTES, _forward
+
+    B, Hkv, T, D, bs = 2, 2, 23, 16, 4
+    q, k, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
+    want = _forward(q, k, v, blocks, bs, D**-0.5, _PARTIAL_BYTES, None, "all", True)[1]
+    got = _forward(q, k, k, blocks, bs, D**-0.5, _PARTIAL_BYTES, None, "lse", True)[1]
+    chunked = _forward(q, k, k, blocks, bs, D**-0.5, 1, 5, "lse", True)[1]  # several query chunks
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-5 and (chunked - want).abs().max().item() < 1e-5
