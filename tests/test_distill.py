@@ -117,7 +117,10 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, 
     start = load_file(str(converted / "model.safetensors"))
     for key in a:
         assert not torch.equal(a[key], start[key].float())
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+        # AdamW steps by ~lr * sign(g) where |g| is near its eps, so fp32 reduction-order noise in a near-zero
+        # gradient can move one weight by up to ~lr * 1e-2 (seen: 4.6e-5 on 1 of 18,432); the trajectories match
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
+        assert ((a[key] - b[key]).abs() > 1e-6).float().mean() < 1e-3  # all but a handful agree to 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------------------
