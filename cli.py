@@ -472,6 +472,11 @@ def export_onnx(model_dir, out_dir, force):
     version 1) whose ONNX function body uses only standard operators, so onnxruntime runs the file as is and a
     runtime with a native MSA kernel can replace the node; a model without MSA layers uses no custom domain.
     The file passes onnx.checker's full check before it is written. Needs onnx, onnxscript and onnxruntime.
+
+    A multimodal (minimax_m3_vl) checkpoint also gets OUT_DIR/vision.onnx: pixel_values [N, C*2*14*14],
+    positions [N, 3] and segment_ids [N] (models.vision.onnx_vision_inputs builds both from grid_thw) -> visual
+    tokens [N/4, text hidden], the ViT with its 3D-window attention and the projector, dynamic patch count;
+    model.onnx is then the language model (MoE layers exported as every expert with the routing weights).
     """
     try:
         import onnx  # noqa: F401
@@ -481,7 +486,8 @@ def export_onnx(model_dir, out_dir, force):
     from m3compile.onnx_export import export_onnx as run_export
 
     path = _run(run_export, model_dir, out_dir, force=force)
-    _console().print(f"wrote {path}")
+    vision = path.parent / "vision.onnx"
+    _console().print(f"wrote {path}" + (f" and {vision}" if vision.is_file() else ""))
 
 
 def _parse_lengths(text: str) -> tuple[int, ...]:

@@ -7,6 +7,12 @@ the plain formulation (it materialises [T, T] scores, like the reference it mirr
 
     converted checkpoint -> load -> trace -> fuse msa_select + msa_attention into torch.ops.m3compile.msa
     -> torch.onnx.export (dynamo) with a translation that emits the custom node -> add the FunctionProto -> check
+
+A multimodal (minimax_m3_vl) checkpoint also gets vision.onnx: pixel_values [N, C*tp*p*p], positions [N, 3] and
+segment_ids [N] -> visual tokens [N / merge^2, text hidden] (models.vision.VisionExport: the ViT with its 3D-window
+attention as a masked SDPA per layer, then the projector; `models.vision.onnx_vision_inputs(grid_thw, ...)` builds
+positions and segment ids on the host), dynamic patch count. model.onnx is then the language model's
+input_ids -> logits; the visual tokens replace the placeholder embeddings outside the two graphs.
 """
 from __future__ import annotations
 
@@ -75,6 +81,11 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
     model = load(model_dir, dtype="float32")  # raises a one-line error for anything that is not a checkpoint
     if model.args.msa is None and not (model_dir / "conversion_report.json").is_file():
         raise M3CompileError(f"{model_dir} was never converted: run m3c convert first (it has no MSA layers)")
+    from models.vision import MultimodalDecoder
+
+    vision = _vision_proto(model) if isinstance(model, MultimodalDecoder) else None
+    if vision is not None:
+        model = model.language
     gm = trace(model)
     n_msa = fuse_msa(gm)
     from m3compile.onnx_msa import MSA as function
@@ -96,7 +107,31 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
         if not any(o.domain == MSA_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid(MSA_DOMAIN, 1))
     with atomic_output_dir(out_dir, force) as tmp:
-        onnx.save(proto, str(tmp / "model.onnx"))
-        if check:
-            onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
+        for name, p in (("model.onnx", proto), ("vision.onnx", vision)):
+            if p is not None:
+                onnx.save(p, str(tmp / name))
+                if check:
+                    onnx.checker.check_model(str(tmp / name), full_check=True)
     return out_dir / "model.onnx"
+
+
+def _vision_proto(model):
+    """vision.onnx's ModelProto for a MultimodalDecoder (see the module docstring)."""
+    from models.vision import VisionExport, onnx_vision_inputs, patchify
+
+    args = model.vision_args
+    m = args.spatial_merge_size
+    side = 2 * m * args.patch_size  # example: 2 images of 2m x 2m patches, 2 temporal steps each
+    pixels, grid = patchify(torch.zeros(2 * args.temporal_patch_size, args.n_channels, side, side), args)
+    pixels, grid = pixels.repeat(2, 1), grid.repeat(2, 1)
+    positions, segments = onnx_vision_inputs(grid, args, model.vision_tower.window)
+    merged = torch.export.Dim("merged_tokens", min=1)
+    try:
+        program = torch.onnx.export(
+            VisionExport(model).eval(), (pixels, positions, segments), dynamo=True, opset_version=OPSET,
+            input_names=["pixel_values", "positions", "segment_ids"], output_names=["visual_tokens"],
+            dynamic_shapes=({0: merged * m * m}, {0: merged * m * m}, {0: merged * m * m}), verbose=False,
+        )
+    except Exception as e:
+        raise M3CompileError(f"ONNX export of the vision tower failed: {str(e).splitlines()[0]}") from None
+    return program.model_proto

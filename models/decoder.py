@@ -334,16 +334,32 @@ class MoE(nn.Module):
         _, idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1)
         weights = probs.gather(1, idx)
         weights = weights / weights.sum(-1, keepdim=True)
+        if torch.compiler.is_exporting():  # ONNX / torch.export: no data-dependent loop
+            out = self._all_experts(x, idx, weights)
+        else:
+            out = self._routed(x, idx, weights)
+        out = out * self.scaling
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _all_experts(self, x, idx, weights):
+        """Every expert on every token, combined with the routing weights (0 for unchosen experts): the same sum as
+        `_routed`, E times the work, with static shapes."""
+        combine = torch.zeros(x.shape[0], self.w13.shape[0], dtype=weights.dtype, device=x.device)
+        combine = combine.scatter(1, idx, weights)  # [N, E]
+        gate, up = torch.einsum("nh,eih->nei", x, self.w13.to(x.dtype)).chunk(2, dim=-1)
+        y = torch.einsum("nei,ehi->neh", _glu(gate, up, self.act, self.alpha, self.limit), self.w2.to(x.dtype))
+        return (y * combine[..., None].to(y.dtype)).sum(1).to(x.dtype)
+
+    def _routed(self, x, idx, weights):
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
             rows, slot = torch.where(idx == e)
             gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(_glu(gate, up, self.act, self.alpha, self.limit), self.w2[e]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        out = out * self.scaling
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+        return out
 
 
 class DecoderLayer(nn.Module):

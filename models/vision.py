@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from kernels import varlen_attention as varlen
 
 __all__ = ["VisionArgs", "VisionTower", "Projector", "MultimodalDecoder", "patchify", "frame_segments",
-           "window_segments", "segment_attention", "vision_positions", "apply_window", "VisionRotary"]
+           "window_segments", "segment_attention", "segment_ids", "vision_positions", "apply_window", "VisionRotary",
+           "VisionExport", "onnx_vision_inputs"]
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,23 @@ def window_segments(grid_thw, window: int) -> torch.Tensor:
 
 
 @torch.fx.wrap
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Bidirectional attention inside each segment. q/k/v [N, H, D] -> [N, H, D]; the fused varlen kernel on CUDA."""
-    return varlen.varlen_attention(q, k, v, cu_seqlens.to(q.device), scale=scale)
+    """Bidirectional attention inside each segment. q/k/v [N, H, D] -> [N, H, D].
+
+    segments: cu_seqlens [S + 1] (the fused varlen kernel on CUDA, its reference elsewhere) or a [N, N] bool mask
+    of same-segment pairs (one masked SDPA: the exportable form that vision.onnx uses)."""
+    if segments.dtype == torch.bool:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=segments, scale=scale)  # 4D: what the ONNX exporter takes
+        return o[0].transpose(0, 1)
+    return varlen.varlen_attention(q, k, v, segments.to(q.device), scale=scale)
+
+
+def segment_ids(grid_thw, window: int | None) -> torch.Tensor:
+    """[N] int64: the attention segment of every patch (3D windows of <= `window` steps; None: one per frame)."""
+    cu = varlen.window_segments(_grid(grid_thw), window or 1)
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long())
 
 
 @torch.fx.wrap
@@ -232,15 +246,19 @@ class VisionTower(nn.Module):
         self.rotary_emb = VisionRotary(args)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(pixel_values)  # [N, hidden]
         if self.window is None:
             cu_seqlens = frame_segments(grid_thw)  # per frame: the baseline the vit_3d_window pass rewrites
         else:
             cu_seqlens = window_segments(grid_thw, self.window)
-        cos, sin = self.rotary_emb(vision_positions(grid_thw, self.args.spatial_merge_size), x.dtype)
+        return self.encode(pixel_values, vision_positions(grid_thw, self.args.spatial_merge_size), cu_seqlens)
+
+    def encode(self, pixel_values: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """The tower on precomputed patch positions [N, 3] and segments (cu_seqlens or a [N, N] bool mask)."""
+        x = self.embeddings(pixel_values)  # [N, hidden]
+        cos, sin = self.rotary_emb(positions, x.dtype)
         x = self.pre_layrnorm(x)
         for layer in self.layers:
-            x = layer(x, cu_seqlens, cos, sin)
+            x = layer(x, segments, cos, sin)
         return x
 
 
@@ -315,3 +333,23 @@ def apply_window(model: nn.Module, window: int | None) -> None:
     for m in model.modules():
         if isinstance(m, VisionTower):
             m.window = window
+
+
+class VisionExport(nn.Module):
+    """What vision.onnx computes: pixel_values [N, C*tp*p*p], positions [N, 3] (t, h, w of each patch, int64) and
+    segment_ids [N] (int64, the 3D window of each patch) -> visual tokens [N / merge^2, text hidden], the ViT with
+    windowed attention as one masked SDPA per layer, then the projector. `onnx_vision_inputs` builds positions and
+    segment ids from grid_thw on the host, the part that depends on the data."""
+
+    def __init__(self, model: MultimodalDecoder):
+        super().__init__()
+        self.vision_tower, self.multi_modal_projector = model.vision_tower, model.multi_modal_projector
+
+    def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+        same = segment_ids[:, None] == segment_ids[None, :]
+        return self.multi_modal_projector(self.vision_tower.encode(pixel_values, positions, same))
+
+
+def onnx_vision_inputs(grid_thw, args: VisionArgs, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [N, 3] int64, segment_ids [N] int64) for vision.onnx from grid_thw [videos, 3]."""
+    return vision_positions(grid_thw, args.spatial_merge_size).long(), segment_ids(grid_thw, window)

@@ -62,3 +62,51 @@ def test_bad_input(exported, tmp_path):
     assert code == 2 and "already exists" in output
     code, output = run("export-onnx", tmp_path / "nowhere", tmp_path / "out2")
     assert_clean_failure(code, output, tmp_path / "out2", "nowhere")
+
+
+def test_multimodal_checkpoint_exports_vision_and_language_graphs(tmp_path):
+    """A converted minimax_m3_vl checkpoint (MoE text with native MSA, ViT with 3D windows of 2 steps) writes
+    model.onnx and vision.onnx; both pass the full check and onnxruntime matches PyTorch on inputs of other sizes
+    than the export's examples (a video of 3 steps: two windows, plus an image)."""
+    from models.vision import onnx_vision_inputs, patchify
+    from tests.models.test_vision import _hf_vl
+
+    _hf_vl().save_pretrained(tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", MSAConfig(block_size=4, topk=2, dense_layers=(0,),
+                                                                     vision_window=2))
+    code, output = run("export-onnx", tmp_path / "out", tmp_path / "onnx")
+    assert code == 0, output
+    model = load(tmp_path / "out", dtype="float32")
+    for name in ("model.onnx", "vision.onnx"):
+        onnx.checker.check_model(str(tmp_path / "onnx" / name), full_check=True)
+    args = model.vision_args
+    (pv_v, g_v), (pv_i, g_i) = patchify(torch.randn(6, 3, 8, 16), args), patchify(torch.randn(2, 3, 8, 8), args)
+    pv, grid = torch.cat([pv_v, pv_i]), torch.cat([g_v, g_i])
+    positions, segments = onnx_vision_inputs(grid, args, model.vision_tower.window)
+    assert segments.unique().numel() == 3  # windows {0, 1} and {2} of the video, then the image
+    with torch.no_grad():
+        want = model.multi_modal_projector(model.vision_tower(pv, grid))
+    vision = ort.InferenceSession(str(tmp_path / "onnx" / "vision.onnx"))
+    got = vision.run(None, {"pixel_values": pv.numpy(), "positions": positions.numpy(),
+                            "segment_ids": segments.numpy()})[0]
+    assert got.shape == (7, 32) and np.abs(got - want.numpy()).max() < 1e-4
+    ids = torch.randint(0, 60, (1, 23))  # 6 blocks of 4 > top-2: sparse
+    with torch.no_grad():
+        want = model.language(ids)
+    got = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx")).run(None, {"input_ids": ids.numpy()})[0]
+    assert np.abs(got - want.numpy()).max() < 1e-4
+
+
+def test_moe_export_path_equals_the_routed_one():
+    """MoE under torch.export runs every expert with the routing weights as a dense combine: the same output."""
+    from m3compile import from_preset
+    from models.decoder import MoE
+
+    moe = next(m for m in from_preset("m3-tiny").modules() if isinstance(m, MoE))
+    x = torch.randn(37, moe.w13.shape[-1])
+    probs = torch.sigmoid(moe.gate(x))
+    _, idx = torch.topk(probs + moe.e_score_correction_bias, moe.top_k, dim=-1)
+    w = probs.gather(1, idx)
+    w = w / w.sum(-1, keepdim=True)
+    with torch.no_grad():
+        torch.testing.assert_close(moe._all_experts(x, idx, w), moe._routed(x, idx, w), rtol=1e-5, atol=1e-6)
