@@ -35,3 +35,13 @@ def lse_merge(m_acc, l_acc, acc, lse, o):
     alpha = tl.math.exp2(m_acc - m_use)
     w = tl.math.exp2(lse - m_use)
     return m_new, l_acc * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+@triton.jit
+def csr_segment(seg, pid, tile_start, seg_off, HKV: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr):
+    """A program's CSR entries [start, end) (at most CHUNK) of segment `seg` = (batch, head, key block j) of the
+    KV-outer layout (sparse_attention.build_csr), and that segment's batch, head and block."""
+    start = tl.load(tile_start + pid)
+    end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
+    bh = seg // NB
+    return start, end, (bh // HKV).to(tl.int64), bh % HKV, seg % NB

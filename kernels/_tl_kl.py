@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
+from kernels._tl_common import csr_segment
 
 
 @triton.jit
@@ -18,12 +19,7 @@ def _segment(seg, pid, tile_start, seg_off, k, kidx, stride_kb, stride_kh, strid
              DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
     """A program's CSR entries [start, end) of segment `seg` = (batch, group, key block j), and that block's teacher
     keys [BN, DP] and index keys [BN, DIP]."""
-    start = tl.load(tile_start + pid)
-    end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
-    j = seg % NB
-    bh = seg // NB
-    i_b = (bh // HKV).to(tl.int64)
-    i_h = bh % HKV
+    start, end, i_b, i_h, j = csr_segment(seg, pid, tile_start, seg_off, HKV, NB, CHUNK)
     o_n = tl.arange(0, BN)
     o_key = j * BS + o_n
     m_key = (o_n < BS) & (o_key < T)

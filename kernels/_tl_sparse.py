@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
-from kernels._tl_common import lse_merge
+from kernels._tl_common import csr_segment, lse_merge
 
 
 @triton.jit
@@ -11,12 +11,7 @@ def _segment_block(seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, st
                    stride_vt, T, HKV: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
     """A program's CSR entries [start, end) of segment `seg` = (batch, KV head, key block j), and that block's K/V."""
-    start = tl.load(tile_start + pid)
-    end = tl.minimum(tl.load(seg_off + seg + 1), start + CHUNK)
-    j = seg % NB
-    bh = seg // NB
-    i_b = (bh // HKV).to(tl.int64)
-    i_h = bh % HKV
+    start, end, i_b, i_h, j = csr_segment(seg, pid, tile_start, seg_off, HKV, NB, CHUNK)
     o_n = tl.arange(0, BN)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
