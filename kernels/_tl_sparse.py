@@ -26,6 +26,8 @@ def _segment_block(seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, st
 
 
 def _prune(cfgs, named_args, **kw):
+    """Tiles of whole tokens: ROWS >= GP heads where a listed tile allows (the kernels round a smaller ROWS up to
+    one token of GP rows, which also covers a single config, where the autotuner skips pruning)."""
     gp = named_args["GP"] if "GP" in named_args else kw["GP"]
     return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
 
@@ -57,8 +59,8 @@ def gather_q_fwd_kernel(
         start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
             seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
             T, HKV, NB, D, DP, BS, BN, CHUNK)
-        TOK: tl.constexpr = ROWS // GP  # gathered tokens per tile, each with its G heads
-        o_r = tl.arange(0, ROWS)
+        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1  # gathered tokens per tile, each with its G heads
+        o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
         o_hq = i_h * G + o_g
         # the first tile's gathered rows; inside the loop the next tile's rows are loaded before this tile's
@@ -178,8 +180,8 @@ def gather_q_bwd_kernel(
             b_v = b_v.to(tl.float32)
         acc_dk = tl.zeros([BN, DP], tl.float32)
         acc_dv = tl.zeros([BN, DP], tl.float32)
-        TOK: tl.constexpr = ROWS // GP
-        o_r = tl.arange(0, ROWS)
+        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1
+        o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
         o_hq = i_h * G + o_g
         for e0 in range(start, end, TOK):

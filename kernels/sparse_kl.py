@@ -3,7 +3,7 @@
 Per (batch, KV group g, token t): teacher P = mean over the group's G heads of softmax over the causally visible
 keys of the selected blocks of q_h . k * scale; student Q = softmax over the same keys of q_idx . k_idx / sqrt(Di);
 KL(P || Q). The teacher's per-head log-sum-exp is the sparse attention forward's (`teacher_lse`, as the official
-kernels take it; computed here with that forward when not given), so P is exact block by block and
+kernels take it; computed here by an LSE-only pass of that forward when not given), so P is exact block by block and
 
     KL = sum_j P_j ln P_j - ln2 * sum_j P_j z_j + ln2 * lse2(z) * sum_j P_j     (z: student logits in base 2)
 
@@ -72,7 +72,7 @@ class _SparseKL(torch.autograd.Function):
         psum = psum.contiguous()  # the backward indexes it with lse_s's strides
         kl = plogp - _LN2 * pz + _LN2 * torch.where(psum > 0, lse_s * psum, 0.0)
         ctx.save_for_backward(q_idx, k_idx, q, k, teacher_lse, lse_s, psum, *csr)
-        ctx.block_size, ctx.scale, ctx.K = block_size, scale, K
+        ctx.scale, ctx.meta = scale, meta
         return kl
 
     @staticmethod
@@ -81,7 +81,7 @@ class _SparseKL(torch.autograd.Function):
 
         q_idx, k_idx, q, k, teacher_lse, lse_s, psum, payload, seg_off, tile_seg, tile_start = ctx.saved_tensors
         B, T, Hi, Di = q_idx.shape
-        meta = _meta(q_idx, q, k, torch.empty(1, ctx.K), ctx.block_size)
+        meta = ctx.meta
         d_kl = d_kl.float().contiguous()
         dq = torch.zeros(q_idx.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q.device)

@@ -38,6 +38,7 @@ CASES = [  # B, Hkv, G, T, D, block, topk
     (2, 2, 3, 37, 16, 8, 4),  # G = 3, ragged tail
     (1, 1, 16, 50, 32, 16, 3),  # G = 16
     (1, 2, 4, 29, 24, 8, 16),  # D not a power of two, more slots than blocks (-1 slots)
+    (1, 1, 64, 20, 16, 8, 2),  # G = 64: a group wider than the interpreter's 32-row tile (one token per tile)
 ]
 
 
