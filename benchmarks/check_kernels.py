@@ -1,6 +1,6 @@
 """Full-size correctness of the Triton kernels on a GPU (CI runs the small shapes under the interpreter).
 
-    python benchmarks/check_kernels.py [--json OUT.json]
+    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|varlen|decode|generate] [--json OUT.json]
 
 Each check prints one line: the shapes, the measured error against the torch reference (fp32 on upcast inputs)
 and PASS/FAIL against the issue's tolerances (fp32 1e-5, bf16 2e-2 relative). Selections are compared as sets;
