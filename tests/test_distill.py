@@ -96,11 +96,13 @@ def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path
     """Run `m3c *common` under torchrun with 2 gloo processes x batch 1, then in one process with batch 2; both must
     succeed. Returns the two output directories (ddp, single)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli", *common,
-         "--batch", "1", "--out", str(tmp_path / "ddp")], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli",
+                *common, "--batch", "1", "--out", str(tmp_path / "ddp"), "--force"]
+    two = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if two.returncode != 0 and "terminate called without an active exception" in two.stderr:
+        # a rank aborted in gloo's C++ thread teardown (seen once in ~20 runs on a loaded 2-core machine, never in
+        # our code path); one rerun, and the run must then pass every check below
+        two = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert '"world_size": 2' in two.stdout
     one = subprocess.run([sys.executable, "-m", "cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
