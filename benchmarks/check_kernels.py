@@ -73,25 +73,23 @@ def check_indexer(T, H, Di, bs, k, dtype, fp8=False):
            worst <= tol, identical_rows=round(same, 5), worst_swap_gap=round(worst, 6))
 
 
+def _selection(B, Hkv, T, bs, k):
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
+                               block_size=bs, topk=k)
+    return blocks[..., torch.randperm(k, device="cuda")].int()
+
+
 def check_sparse(B, Hq, Hkv, T, D, bs, k, dtype):
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
     kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
-                               block_size=bs, topk=k)
-    blocks = blocks[..., torch.randperm(k, device="cuda")].int()
+    blocks = _selection(B, Hkv, T, bs, k)
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs)
     want = ref.sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)
     err = rel_err(got, want)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     report(f"sparse prefill B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}", err < tol,
            rel_err=f"{err:.2e}")
-
-
-def _selection(B, Hkv, T, bs, k):
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
-                               block_size=bs, topk=k)
-    return blocks[..., torch.randperm(k, device="cuda")].int()
 
 
 def check_backward(B, Hq, Hkv, T, D, bs, k, dtype):

@@ -4,6 +4,15 @@ import triton.language as tl
 
 
 @triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """a @ b: in exact fp32 (inputs upcast, input_precision "ieee") for fp32 kernels, else on the tensor cores in the
+    inputs' dtype."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, s_mask, scale_log2, MASKED: tl.constexpr,
                          IEEE: tl.constexpr):
     """One key block of an online softmax (base 2): scores of b_q [M, D] against b_k [N, D], keys outside s_mask

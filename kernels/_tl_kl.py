@@ -3,14 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
-from kernels._tl_common import csr_segment
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+from kernels._tl_common import csr_segment, dot
 
 
 @triton.jit
@@ -42,7 +35,7 @@ def _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
     and the tokens' index queries."""
     b_qi = tl.load(qidx + i_b * stride_xb + o_t[:, None].to(tl.int64) * stride_xt + i_h * stride_xh + o_di[None, :],
                    mask=m_row[:, None] & (o_di < DI)[None, :], other=0.0)
-    z = tl.where(m_s, _dot(b_qi, tl.trans(b_ki), IEEE) * iscale_log2, float("-inf"))
+    z = tl.where(m_s, dot(b_qi, tl.trans(b_ki), IEEE) * iscale_log2, float("-inf"))
     p = tl.zeros([TOK, BN], tl.float32)
     m_qd = m_row[:, None] & (o_d < D)[None, :]
     for h in range(G):  # the group's heads one at a time: rows stay tokens, so P needs no cross-row reduction
@@ -50,7 +43,7 @@ def _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
         b_q = tl.load(q + i_b * stride_qb + hq * stride_qh + o_t[:, None].to(tl.int64) * stride_qt + o_d[None, :],
                       mask=m_qd, other=0.0)
         b_l = tl.load(tlse + i_b * stride_lb + o_t.to(tl.int64) * stride_lt + hq, mask=m_row, other=0.0)
-        s = _dot(b_q, tl.trans(b_k), IEEE)
+        s = dot(b_q, tl.trans(b_k), IEEE)
         p += tl.where(m_s, tl.math.exp2(s * scale_log2 - b_l[:, None]), 0.0)
     return p * (1.0 / G), z, b_qi
 
@@ -142,12 +135,9 @@ def sparse_kl_bwd_kernel(
             b_g = tl.load(d_kl + r, mask=m_row, other=0.0)
             qs = tl.math.exp2(z - b_ls[:, None])  # 0 outside the support (z = -inf there)
             ds = tl.where(m_s, (qs * b_ps[:, None] - p) * (b_g * iscale)[:, None], 0.0)
-            if IEEE:
-                dq_part = _dot(ds, b_ki, True)
-                acc_dk += _dot(tl.trans(ds), b_qi, True)
-            else:
-                dq_part = tl.dot(ds.to(b_ki.dtype), b_ki)
-                acc_dk += tl.dot(tl.trans(ds.to(b_qi.dtype)), b_qi)
+            ds = ds.to(b_ki.dtype)  # the index keys' dtype (fp32 in fp32 kernels: no rounding there)
+            dq_part = dot(ds, b_ki, IEEE)
+            acc_dk += dot(tl.trans(ds), b_qi, IEEE)
             tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt + i_h * stride_gh
                           + o_di[None, :], dq_part, mask=m_row[:, None] & (o_di < DI)[None, :], sem="relaxed")
         tl.atomic_add(dk + i_b * stride_hb + o_key[:, None].to(tl.int64) * stride_ht + o_di[None, :], acc_dk,

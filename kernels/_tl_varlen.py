@@ -3,13 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import configs
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+from kernels._tl_common import dot
 
 
 @triton.jit
@@ -28,7 +22,7 @@ def _key_block(b_qa, b_qb, k, v, o_n, m_n, i_h, stride_kt, stride_kh, stride_vt,
     else:  # whole key block, no padded head-dim column: unmasked (vectorised) loads
         b_ka = tl.load(p_k + o_a[None, :])
         b_va = tl.load(p_v + o_a[None, :])
-    s = _dot(b_qa, tl.trans(b_ka), IEEE)
+    s = dot(b_qa, tl.trans(b_ka), IEEE)
     if HAS_B:
         if MASKED or not B_FULL:
             b_kb = tl.load(p_k + o_b[None, :], mask=m_n[:, None] & m_b[None, :], other=0.0)
@@ -36,7 +30,7 @@ def _key_block(b_qa, b_qb, k, v, o_n, m_n, i_h, stride_kt, stride_kh, stride_vt,
         else:
             b_kb = tl.load(p_k + o_b[None, :])
             b_vb = tl.load(p_v + o_b[None, :])
-        s += _dot(b_qb, tl.trans(b_kb), IEEE)
+        s += dot(b_qb, tl.trans(b_kb), IEEE)
     if MASKED:
         s = tl.where(m_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
@@ -44,9 +38,9 @@ def _key_block(b_qa, b_qb, k, v, o_n, m_n, i_h, stride_kt, stride_kh, stride_vt,
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = p if IEEE else p.to(b_va.dtype)
-    acc_a = acc_a * alpha[:, None] + _dot(pv, b_va.to(pv.dtype), IEEE)
+    acc_a = acc_a * alpha[:, None] + dot(pv, b_va.to(pv.dtype), IEEE)
     if HAS_B:
-        acc_b = acc_b * alpha[:, None] + _dot(pv, b_vb.to(pv.dtype), IEEE)
+        acc_b = acc_b * alpha[:, None] + dot(pv, b_vb.to(pv.dtype), IEEE)
     return m_new, l_i, acc_a, acc_b
 
 
