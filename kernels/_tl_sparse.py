@@ -147,9 +147,9 @@ def combine_kernel(
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)],
         interpret=dict(ROWS=32, num_warps=4, num_stages=1),
-        default=dict(ROWS=32, num_warps=8, num_stages=2),
+        default=dict(ROWS=64, num_warps=8, num_stages=2),
     ),
-    key=["GP", "DP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "DQ_PARTS", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
     reset_to_zero=["dq", "dk", "dv"],  # the kernel accumulates into them: every timed config starts from zero
 )
@@ -157,12 +157,12 @@ def combine_kernel(
 def gather_q_bwd_kernel(
     q, k, v, do, lse, delta, dq, dk, dv, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_ot, stride_oh, stride_xb, stride_xt, stride_gb, stride_gt, stride_gh,
+    stride_ob, stride_ot, stride_oh, stride_xb, stride_xt, stride_gb, stride_gt, stride_gs, stride_gh,
     stride_db, stride_dh, stride_dt,
     T, t0, n_seg, scale, scale_log2, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, ROWS: tl.constexpr,
+    IEEE: tl.constexpr, DQ_PARTS: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: the same (batch, KV head, key block) segment chunk as the forward. With the forward's LSE the
     # probabilities are exact per block, so dK/dV of the block accumulate on chip over the gathered queries and
@@ -187,7 +187,9 @@ def gather_q_bwd_kernel(
         for e0 in range(start, end, TOK):
             o_e = e0 + o_r // GP
             m_row = (o_e < end) & (o_g < G)
-            o_t = t0 + tl.load(payload + o_e, mask=m_row, other=0) // K
+            pl = tl.load(payload + o_e, mask=m_row, other=0)
+            o_tl = pl // K  # token inside the query chunk
+            o_t = t0 + o_tl
             m_rd = m_row[:, None] & m_d[None, :]
             b_q = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_t[:, None].to(tl.int64) * stride_qt
                           + o_d[None, :], mask=m_rd, other=0.0)
@@ -214,9 +216,39 @@ def gather_q_bwd_kernel(
                 ds_t = (p_t * (dp_t - b_delta[None, :]) * scale).to(b_q.dtype)
                 acc_dk += tl.dot(ds_t, b_q)
                 dq_part = tl.dot(tl.trans(ds_t), b_k)
-            tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt + o_hq[:, None] * stride_gh
-                          + o_d[None, :], dq_part, mask=m_rd, sem="relaxed")
+            if DQ_PARTS:  # one share per (token, slot, head), summed by sum_slots_kernel: no atomics
+                tl.store(dq + i_b * stride_gb + o_tl[:, None].to(tl.int64) * stride_gt + (pl % K)[:, None] * stride_gs
+                         + o_hq[:, None] * stride_gh + o_d[None, :], dq_part.to(dq.dtype.element_ty), mask=m_rd)
+            else:
+                tl.atomic_add(dq + i_b * stride_gb + o_t[:, None].to(tl.int64) * stride_gt
+                              + o_hq[:, None] * stride_gh + o_d[None, :], dq_part, mask=m_rd, sem="relaxed")
         p_dk = dk + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
         tl.atomic_add(p_dk, acc_dk, mask=m_kd, sem="relaxed")
         p_dv = dv + i_b * stride_db + i_h * stride_dh + o_key[:, None].to(tl.int64) * stride_dt + o_d[None, :]
         tl.atomic_add(p_dv, acc_dv, mask=m_kd, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["C", "t0"])
+def sum_slots_kernel(
+    part, blocks, out, stride_pb, stride_pt, stride_ps, stride_ph, stride_bb, stride_bh, stride_bt,
+    stride_ob, stride_ot, stride_oh, C, t0,
+    K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    # one program: one (batch, query token, KV group); the fp32 sum of the token's per-slot dQ shares, -1 slots
+    # skipped (never written)
+    pid = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = (pid // C).to(tl.int64)
+    i_tl = (pid % C).to(tl.int64)
+    o_g = tl.arange(0, GP)
+    o_d = tl.arange(0, DP)
+    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    o_hq = i_h * G + o_g
+    acc = tl.zeros([GP, DP], tl.float32)
+    p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
+    for s in tl.static_range(K):
+        valid = (tl.zeros([GP], tl.int32) + tl.load(p_blk + s)) >= 0  # the slot's block id, per row
+        acc += tl.load(part + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
+                       + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
+    tl.store(out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :],
+             acc.to(out.dtype.element_ty), mask=m_gd)

@@ -109,34 +109,60 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
     return out, (lse if want_lse else None)
 
 
-def _chunk(gp: int) -> int:
-    return max(8, 1024 // gp)  # queries one program may sweep over one K/V block
+def _chunk(gp: int, backward: bool = False) -> int:
+    """Queries one program may sweep over one K/V block. The backward takes up to 4x more (at most 256 tokens):
+    each program also adds the block's dK/dV to memory once at the end, and on the H200 (M3 shapes, bf16) 256
+    tokens per program ran 4% faster than 64 at 32K and 128K (BENCHMARKS.md)."""
+    return max(8, min(256, 4096 // gp)) if backward else max(8, 1024 // gp)
 
 
-def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out):
-    """dq, dk, dv of the sparse attention (same CSR and tiles as the forward; fp32 accumulation)."""
-    from kernels._tl_sparse import gather_q_bwd_kernel
+def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_bytes=_PARTIAL_BYTES,
+              dq_parts=None):
+    """dq, dk, dv of the sparse attention (same CSR and tiles as the forward; fp32 accumulation).
+
+    dK/dV of a block accumulate on chip over the queries that chose it (one fp32 atomic add per program). dQ gets
+    one share per (token, slot): with `dq_parts` (default on a GPU) the shares are stored per (token, slot, head)
+    in the input dtype, query chunk by chunk like the forward's partials, and summed in fp32 by a second kernel;
+    otherwise they are added with fp32 atomics into one buffer."""
+    from kernels._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     n_blocks = -(-T // block_size)
+    dq_parts = q.dtype != torch.float32 if dq_parts is None else dq_parts
     do = d_out.transpose(1, 2).contiguous()  # [B, T, Hq, D], the layout of `out`
     delta = (do.float() * out.float()).sum(-1)  # [B, T, Hq]: rowsum(dO * O)
-    dq = torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.zeros(B, Hkv, T, D, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, 0, T, _chunk(GP))
-    gather_q_bwd_kernel[(tile_seg.numel(),)](
-        q, k, v, do, lse, delta, dq, dk, dv, tile_seg, tile_start, seg_off, payload,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), dq.stride(0),
-        dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        T, 0, B * Hkv * n_blocks, scale, scale * math.log2(math.e), tune_bucket(T),
-        HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-        CHUNK=_chunk(GP), IEEE=q.dtype == torch.float32,
-    )
+    if dq_parts:
+        dq = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+        C = max(1, min(T, max_partial_bytes // max(1, B * K * Hq * D * q.element_size())))
+        part = torch.empty(B, C, K, Hq, D, dtype=q.dtype, device=q.device)
+        strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
+    else:
+        C, part = T, torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
+        strides = (part.stride(0), part.stride(1), 0, part.stride(2))
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP, True))
+        gather_q_bwd_kernel[(tile_seg.numel(),)](
+            q, k, v, do, lse, delta, part, dk, dv, tile_seg, tile_start, seg_off, payload,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), *strides,
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            T, t0, B * Hkv * n_blocks, scale, scale * math.log2(math.e), tune_bucket(T),
+            HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
+            CHUNK=_chunk(GP, True), IEEE=q.dtype == torch.float32, DQ_PARTS=dq_parts,
+        )
+        if dq_parts:
+            sum_slots_kernel[(B * (t1 - t0), Hkv)](
+                part, blocks, dq, *strides, blocks.stride(0), blocks.stride(1), blocks.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2), t1 - t0, t0, K=K, G=G, GP=GP, D=D, DP=DP,
+            )
+    if not dq_parts:
+        dq = part
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -145,13 +171,13 @@ class _SparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk):
         out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, "all", True)
         ctx.save_for_backward(q, k, v, blocks, out, lse)
-        ctx.block_size, ctx.scale = block_size, scale
+        ctx.block_size, ctx.scale, ctx.max_partial_bytes = block_size, scale, max_partial_bytes
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, blocks, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, blocks, ctx.block_size, ctx.scale, out, lse, d_out)
+        dq, dk, dv = _backward(q, k, v, blocks, ctx.block_size, ctx.scale, out, lse, d_out, ctx.max_partial_bytes)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -169,7 +195,7 @@ def sparse_attention(
     _stage: str = "all",
 ) -> torch.Tensor:
     """Exact causal attention of every query head over its group's selected key blocks; differentiable in q, k, v
-    (the backward runs on the same CSR: dK/dV per block on chip, dQ shares added atomically).
+    (the backward runs on the same CSR: dK/dV per block on chip, dQ as per-slot shares summed by a second kernel).
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] (any int dtype, -1 = empty) -> [B, Hq, T, D].
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller

@@ -68,3 +68,20 @@ def test_backward_ignores_minus_one_slots():
     _, want = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, holes, block_size=8), q, k, v, g)
     for a, b in zip(got, want):
         _close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("dq_parts", [True, False], ids=["dq-per-slot-shares", "dq-atomics"])
+def test_both_dq_paths_in_query_chunks(dq_parts):
+    """dQ as per-(token, slot) shares summed by a second kernel (the GPU default) and as fp32 atomics agree with
+    the reference, also when a partial-buffer budget splits the queries into chunks (3 here) and slots are -1."""
+    B, Hkv, G, T, D, bs, K = 1, 2, 3, 45, 16, 8, 4
+    q, k, v, blocks = _inputs(B, Hkv, G, T, D, bs, K)
+    blocks[..., -1][torch.rand(blocks[..., -1].shape) < 0.5] = -1
+    g = torch.randn(B, Hkv * G, T, D)
+    _, want = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse = sa._forward(q, k, v, blocks, bs, D**-0.5, sa._PARTIAL_BYTES, None, "all", True)
+    budget = 16 * K * Hkv * G * D * 4  # 16 tokens of per-slot dQ shares: chunks of 16, 16, 13
+    got = sa._backward(q, k, v, blocks, bs, D**-0.5, out, lse, g, budget, dq_parts=dq_parts)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)
