@@ -20,7 +20,7 @@ import torch
 from kernels import reference as ref
 from kernels._common import next_pow2, tune_bucket, use_triton
 
-__all__ = ["sparse_attention", "build_csr"]
+__all__ = ["sparse_attention", "sparse_attention_lse", "build_csr"]
 
 # bytes of partial outputs one query chunk may hold (per call); 8 GiB keeps 1M-token prefill within an H200
 _PARTIAL_BYTES = 8 << 30
@@ -172,10 +172,11 @@ class _SparseAttention(torch.autograd.Function):
         out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, "all", True)
         ctx.save_for_backward(q, k, v, blocks, out, lse)
         ctx.block_size, ctx.scale, ctx.max_partial_bytes = block_size, scale, max_partial_bytes
-        return out.transpose(1, 2)
+        ctx.mark_non_differentiable(lse)
+        return out.transpose(1, 2), lse
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, _d_lse):
         q, k, v, blocks, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, blocks, ctx.block_size, ctx.scale, out, lse, d_out, ctx.max_partial_bytes)
         return dq, dk, dv, None, None, None, None, None
@@ -201,6 +202,27 @@ def sparse_attention(
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
     chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
     """
+    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, _stage, False)[0]
+
+
+def sparse_attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    backend: str = "auto",
+    max_partial_bytes: int = _PARTIAL_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sparse_attention` that also returns each head's log-sum-exp over its selected keys: [B, T, Hq] fp32, base 2,
+    softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl.py). The combine
+    kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter)."""
+    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
+
+
+def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):
     ref._check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -208,10 +230,11 @@ def sparse_attention(
         raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k, v, blocks, backend=backend):
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _SparseAttention.apply(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk)
-    return _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, _stage, False)[0].transpose(1, 2)
+    out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)
+    return out.transpose(1, 2), lse

@@ -511,9 +511,10 @@ def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
 def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) -> dict:
     """Sparse attention forward+backward vs dense SDPA forward+backward at M3 shapes, and the fused sparse KL's
     time and peak memory (forward + backward, its teacher log-sum-exp pass included) at each length: the memory must
-    grow linearly in T."""
+    grow linearly in T. Also the KL step as a lowered training graph runs it: teacher log-sum-exp given (taken from
+    the attention forward)."""
     from kernels.indexer import select_blocks
-    from kernels.sparse_attention import sparse_attention
+    from kernels.sparse_attention import sparse_attention, sparse_attention_lse
     from kernels.sparse_kl import sparse_index_kl
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -547,10 +548,18 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
             with torch.no_grad():
                 sparse_attention(q, k, v, blocks, block_size=cfg.block, scale=scale)
 
+        with torch.no_grad():
+            teacher_lse = sparse_attention_lse(q, k, v, blocks, block_size=cfg.block, scale=scale)[1]
+
+        def kl_step_given_lse():
+            sparse_index_kl(q_idx, k_idx, q.detach(), k.detach(), blocks, block_size=cfg.block, scale=scale,
+                            teacher_lse=teacher_lse).sum().backward()
+
         t_dense = _time(dense, cfg) if T <= cfg.dense_max else None
         t_sparse = _time(sparse, cfg)
         t_sparse_fwd = _time(sparse_fwd, cfg)
         t_kl = _time(kl_step, cfg)
+        t_kl_lse = _time(kl_step_given_lse, cfg)
         peak = None
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -564,11 +573,13 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
         row = dict(T=T, dense_fwd_bwd_ms=t_dense, sparse_fwd_bwd_ms=t_sparse, sparse_fwd_ms=t_sparse_fwd, ideal=ideal,
                    speedup=None if t_dense is None else t_dense / t_sparse,
                    share_of_ideal=None if t_dense is None else t_dense / t_sparse / ideal,
-                   kl_fwd_bwd_ms=t_kl, kl_peak_bytes=peak)
+                   kl_fwd_bwd_ms=t_kl, kl_given_lse_fwd_bwd_ms=t_kl_lse, kl_peak_bytes=peak)
         rows.append(row)
-        log(f"backward T={T}: dense {t_dense} ms, sparse {t_sparse:.3f} ms, KL {t_kl:.3f} ms, KL peak {peak}")
+        log(f"backward T={T}: dense {t_dense} ms, sparse {t_sparse:.3f} ms, KL {t_kl:.3f} ms (teacher LSE given: "
+            f"{t_kl_lse:.3f} ms), KL peak {peak}")
         for t in (q, k, v, q_idx, k_idx):
             t.grad = None
+        del teacher_lse
         if dev == "cuda":
             torch.cuda.empty_cache()
     return {"config": asdict(cfg), "rows": rows, "autotune": _autotune_choices()}

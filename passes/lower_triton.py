@@ -4,6 +4,11 @@
     msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine (+ backward)
     msa_index_kl(q, k, q_idx, ...)      -> msa_index_kl_triton   fused sparse-support KL (+ backward), streamed recall
 
+A layer with a KL hook gets msa_attention_lse_triton instead, which also returns the attention's per-head
+log-sum-exp; the hook takes it as its teacher's normaliser (`teacher_lse`) instead of running an LSE pass itself:
+
+    msa_attention_lse_triton(q, k, v, blocks, ...) -> (out, lse);  out -> the layer;  lse -> msa_index_kl_triton
+
 The lowered ops take the same arguments and dispatch on the device: Triton kernels on CUDA tensors, the torch
 reference on CPU, so a lowered graph still runs anywhere. Lowering is the last graph pass: distillation hooks
 (kl_distill) are added before it (training lowers a hooked graph; set_distill_mode still switches it), and ONNX
@@ -11,9 +16,11 @@ export works on the reference ops and refuses a lowered graph.
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx
 
-from kernels.msa import msa_attention_triton, msa_index_kl_triton, msa_select_triton
+from kernels.msa import msa_attention_lse_triton, msa_attention_triton, msa_index_kl_triton, msa_select_triton
 from m3compile.pass_manager import Pass, PassReport, register_pass
 from models.decoder import msa_attention, msa_select
 from passes.kl_distill import msa_index_kl
@@ -32,7 +39,9 @@ class LowerTriton(Pass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassReport:
         report = PassReport(self.name)
-        for n in gm.graph.nodes:
+        g = gm.graph
+        by_name = {n.name: n for n in g.nodes}
+        for n in list(g.nodes):
             if n.op == "call_function" and n.target in _LOWERING:
                 n.target = _LOWERING[n.target]
                 report.replaced += 1
@@ -41,6 +50,20 @@ class LowerTriton(Pass):
                     report.details.append(f"layer {layer}: msa_attention -> {msa_attention_triton.__name__}")
                 elif n.target is msa_index_kl_triton:
                     report.details.append(f"{n.name}: msa_index_kl -> {msa_index_kl_triton.__name__}")
+        for n in list(g.nodes):  # hooked layers: the attention's log-sum-exp feeds the KL's teacher
+            hook = n.meta.get("m3_kl_hook")
+            if hook is None or n.target is not msa_attention_triton:
+                continue
+            kl = by_name[hook.kl_node]
+            n.target = msa_attention_lse_triton
+            with g.inserting_after(n):
+                out = g.call_function(operator.getitem, (n, 0))
+            n.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+            with g.inserting_after(out):
+                lse = g.call_function(operator.getitem, (n, 1))
+            kl.update_kwarg("teacher_lse", lse)
+            report.details.append(f"layer {n.meta.get('m3_msa_layer')}: KL teacher log-sum-exp from the attention "
+                                  f"({msa_attention_lse_triton.__name__})")
         report.modified = bool(report.replaced)
         return report
 

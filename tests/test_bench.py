@@ -86,3 +86,4 @@ def test_bench_backward_smoke_on_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     row = json.loads((tmp_path / "backward.json").read_text())["rows"][0]
     assert row["T"] == 24 and row["ideal"] > 1 and row["sparse_fwd_bwd_ms"] > 0 and row["kl_fwd_bwd_ms"] > 0
+    assert row["kl_given_lse_fwd_bwd_ms"] > 0

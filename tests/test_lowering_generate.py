@@ -3,6 +3,8 @@
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so these tests execute the same kernel
 code the GPU runs, at small shapes.
 """
+import operator
+
 import pytest
 import torch
 
@@ -108,26 +110,37 @@ def test_generate_rejects_bad_input(tiny_dir):
         m3compile.generate(model, [[1, 2]], 2, index_cache_dtype="int4")
 
 
-def test_lowered_kl_hooks_match_the_reference_graph():
-    """Training's graph lowered: the fused sparse KL (teacher LSE from the sparse attention) and the streamed recall
-    give the reference's per-layer KL and recall, and the same gradients on the index parameters."""
+def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
+    """Training's graph lowered: the fused sparse KL (teacher LSE taken from the same layer's sparse attention, no
+    LSE pass of its own) and the streamed recall give the reference's per-layer KL and recall, and the same
+    gradients on the index parameters."""
+    from kernels import sparse_attention as sa
+    from kernels.msa import msa_attention_lse_triton, msa_index_kl_triton
     from m3compile.distill import index_parameters
     from passes.kl_distill import KLDistill
-    from kernels.msa import msa_index_kl_triton
 
+    stages = []
+    forward = sa._forward
+    monkeypatch.setattr(sa, "_forward", lambda *a: stages.append(a[8]) or forward(*a))
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 43))  # 6 blocks of 8 > top-2: sparse support
     results = []
     for lower in (False, True):
         gm, _ = m3compile.convert(m3compile.from_preset("m3-tiny"), TINY)
-        PassManager([KLDistill("sparse")] + ([LowerTriton()] if lower else [])).run(gm)
+        report = PassManager([KLDistill("sparse")] + ([LowerTriton()] if lower else [])).run(gm)
         if lower:
             assert _targets(gm).count(msa_index_kl_triton) == 3
+            for kl_node in (n for n in gm.graph.nodes if n.target is msa_index_kl_triton):
+                lse = kl_node.kwargs["teacher_lse"]
+                assert lse.target is operator.getitem and lse.args[0].target is msa_attention_lse_triton
+                assert lse.args[0].args[:2] == kl_node.args[:2]  # the same layer's q and k
+            assert sum("KL teacher log-sum-exp from the attention" in d for d in report[-1].details) == 3
         params = index_parameters(gm)
         _, kl, recall = gm(ids)
         grads = torch.autograd.grad(kl.sum(), list(params.values()))
         results.append((kl.detach(), recall.detach(), grads))
     (kl0, r0, g0), (kl1, r1, g1) = results
+    assert stages and "lse" not in stages, stages  # the three layers' attentions ran; no LSE-only pass
     assert (kl1 - kl0).abs().max().item() < 1e-5 and (r1 - r0).abs().max().item() < 1e-5
     assert 0.0 < r1.min().item() and r1.max().item() < 1.0  # some teacher mass outside the selected blocks
     for a, b in zip(g1, g0):
