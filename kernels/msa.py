@@ -6,8 +6,6 @@ reference elsewhere.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -16,7 +14,19 @@ from kernels import indexer, reference as ref, sparse_attention as _sparse
 from kernels._common import use_triton
 
 __all__ = ["msa_select_triton", "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton",
-           "dense_causal_lse"]
+           "recall_rows", "RECALL_ROWS"]
+
+RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
+
+
+def recall_rows(T: int, device=None) -> torch.Tensor:
+    """Query positions block recall is measured on: all T up to RECALL_ROWS, else RECALL_ROWS evenly spaced ones
+    from the first to the last (distinct: their spacing exceeds one). The streamed torch log-sum-exp over all keys
+    took 45 ms per layer and step for every query at 4 x 8192 tokens, 8 heads, d 48 on the H200 (cProfile of
+    `m3c train`: 4.5 s of a 20-step run); on RECALL_ROWS queries its cost is linear in T."""
+    if T <= RECALL_ROWS:
+        return torch.arange(T, device=device)
+    return torch.linspace(0, T - 1, RECALL_ROWS, device=device).round().long()
 
 
 @torch.fx.wrap
@@ -57,8 +67,10 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
     Sparse support on CUDA: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's
     per-head log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only
     pass when not given), and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense
-    teacher's mass inside the selected blocks) with lse_all from `dense_causal_lse`, no T x T tensor and no
-    gradient. Warm-up (dense support) and CPU tensors keep the chunked torch reference.
+    teacher's mass inside the selected blocks), no T x T tensor and no gradient. lse_all, the dense log-sum-exp over
+    every visible key, is O(T) per query, so recall is measured on `recall_rows` (every query up to RECALL_ROWS
+    tokens, RECALL_ROWS evenly spaced ones beyond): a logged metric must not cost a dense attention forward per
+    layer and step at long context. Warm-up (dense support) and CPU tensors keep the chunked torch reference.
     """
     T = q.shape[2]
     if not sparse or not use_triton(q, k, q_idx, k_idx) or -(-T // block_size) <= blocks.shape[-1]:
@@ -73,25 +85,10 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
         if lse_sel is None:
             lse_sel = _sparse._forward(q, k, k, blocks, block_size, scale, _sparse._PARTIAL_BYTES, None, "lse",
                                        True)[1]
-        lse_all = dense_causal_lse(q, k, scale)  # [B, T, Hq], base 2
+        rows = recall_rows(T, q.device)
+        lse_all = ref.causal_lse(q, k, scale, rows=rows)  # [B, rows, Hq], base 2
         G = q.shape[1] // k.shape[1]
-        recall = torch.exp2(lse_sel - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, T, Hi]
+        recall = torch.exp2(lse_sel[:, rows] - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, rows, Hi]
     kl = sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=block_size, scale=scale, teacher_lse=lse_sel)
     return kl.mean(), recall.mean()
 
-
-def dense_causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Every query head's log-sum-exp over all its causally visible keys, [B, T, Hq] fp32, base 2, scale included
-    (the denominator of the dense teacher that block recall compares with). On CUDA in bf16/fp16: the log-sum-exp
-    FlashAttention returns with one dense forward (keys repeated per group). The streamed torch reference took 45 ms
-    per layer and step at 4 x 8192 tokens, 8 heads, d 48 on the H200 (cProfile of `m3c train`: 4.5 s of a 20-step
-    run); it stays the path elsewhere and where that kernel refuses the shape or GPU."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        G = q.shape[1] // k.shape[1]
-        kk = k.repeat_interleave(G, 1) if G > 1 else k
-        try:
-            lse = torch.ops.aten._scaled_dot_product_flash_attention(q, kk, kk, 0.0, True, False, scale=scale)[1]
-        except RuntimeError:  # no FlashAttention build for this GPU or shape
-            return ref.causal_lse(q, k, scale)
-        return (lse.float() / math.log(2.0)).transpose(1, 2)
-    return ref.causal_lse(q, k, scale)

@@ -333,23 +333,28 @@ def _kl_chunk(q, k, q_idx, k_idx, blocks, sparse, start, end, block_size, scale,
     return p, log_q, support, recall
 
 
-def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, chunk: int | None = None) -> torch.Tensor:
+def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, chunk: int | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """Every query head's log-sum-exp (base 2, scale included) over all its causally visible keys, streamed over
-    query chunks (O(chunk * T) memory, fp32). q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, T, Hq]."""
+    query chunks (O(chunk * T) memory, fp32). q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, T, Hq]; with `rows` (query
+    positions, 1-D int64) only those queries: [B, len(rows), Hq], each over keys 0..its position."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
+    rows = torch.arange(T, device=q.device) if rows is None else rows.to(q.device)
+    R = rows.numel()
     chunk = chunk or query_chunk(B * Hq, T)
-    out = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, R, Hq, dtype=torch.float32, device=q.device)
     kf = k.float()
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        qc = q[:, :, s:e].float().unflatten(1, (Hkv, G))
+    for s in range(0, R, chunk):
+        pos = rows[s:s + chunk]
+        e = int(pos.max()) + 1  # keys any of these queries sees
+        qc = q[:, :, pos].float().unflatten(1, (Hkv, G))
         sc = torch.einsum("bhgtd,bhkd->bhgtk", qc, kf[:, :, :e]) * scale
-        visible = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+        visible = torch.arange(e, device=q.device)[None, :] <= pos[:, None]
         lse = torch.logsumexp(sc.masked_fill(~visible, float("-inf")), -1) / math.log(2.0)
-        out[:, s:e] = lse.flatten(1, 2).transpose(1, 2)
+        out[:, s:s + chunk] = lse.flatten(1, 2).transpose(1, 2)
     return out
 
 
