@@ -106,6 +106,19 @@ def gather_q_fwd_kernel(
             tl.store(p_l, lse, mask=m_row)
 
 
+@triton.jit
+def _token_group(C, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Grid (B * C, Hkv) of the per-token kernels: this program's batch, token in the chunk, KV group, its head rows
+    and head-dim columns with their masks, and the query heads of the group."""
+    pid = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_g = tl.arange(0, GP)
+    o_d = tl.arange(0, DP)
+    m_g = o_g < G
+    m_gd = m_g[:, None] & (o_d < D)[None, :]
+    return (pid // C).to(tl.int64), (pid % C).to(tl.int64), i_h, o_g, o_d, m_g, m_gd, i_h * G + o_g
+
+
 @triton.jit(do_not_specialize=["C", "t0"])
 def combine_kernel(
     part_o, part_lse, blocks, out, lse_out,
@@ -116,15 +129,7 @@ def combine_kernel(
     STORE_LSE: tl.constexpr,
 ):
     # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials
-    pid = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = (pid // C).to(tl.int64)
-    i_tl = (pid % C).to(tl.int64)
-    o_g = tl.arange(0, GP)
-    o_d = tl.arange(0, DP)
-    m_g = o_g < G
-    m_gd = m_g[:, None] & (o_d < D)[None, :]
-    o_hq = i_h * G + o_g
+    i_b, i_tl, i_h, o_g, o_d, m_g, m_gd, o_hq = _token_group(C, G, GP, D, DP)
     m_acc = tl.full([GP], float("-inf"), tl.float32)
     l_acc = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -236,14 +241,7 @@ def sum_slots_kernel(
 ):
     # one program: one (batch, query token, KV group); the fp32 sum of the token's per-slot dQ shares, -1 slots
     # skipped (never written)
-    pid = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = (pid // C).to(tl.int64)
-    i_tl = (pid % C).to(tl.int64)
-    o_g = tl.arange(0, GP)
-    o_d = tl.arange(0, DP)
-    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
-    o_hq = i_h * G + o_g
+    i_b, i_tl, i_h, o_g, o_d, m_g, m_gd, o_hq = _token_group(C, G, GP, D, DP)
     acc = tl.zeros([GP, DP], tl.float32)
     p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
     for s in tl.static_range(K):
