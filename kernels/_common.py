@@ -8,7 +8,7 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket"]
+__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket", "autotune"]
 
 
 def interpreting() -> bool:
@@ -62,3 +62,18 @@ def configs(full: list[dict], interpret: dict, default: dict | None = None) -> l
         warps, stages = c.pop("num_warps", 4), c.pop("num_stages", 2)
         out.append(triton.Config(c, num_warps=warps, num_stages=stages))
     return out
+
+
+def autotune(**kwargs):
+    """`triton.autotune` that keeps its choices on disk (Triton's `cache_results`, in the Triton cache directory,
+    keyed on the kernel source, the configs and the tuning key), so a second process with the same shapes skips
+    the compile-and-time sweep; `M3C_AUTOTUNE_CACHE=0` turns that off. A Triton without `cache_results` tunes in
+    every process as before."""
+    import inspect
+
+    import triton
+
+    supported = "cache_results" in inspect.signature(triton.autotune).parameters
+    if supported and os.environ.get("M3C_AUTOTUNE_CACHE", "1") != "0":
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(**kwargs)

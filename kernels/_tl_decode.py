@@ -2,11 +2,11 @@
 import triton
 import triton.language as tl
 
-from kernels._common import configs
+from kernels._common import autotune, configs
 from kernels._tl_common import lse_merge, online_softmax_block
 
 
-@triton.autotune(
+@autotune(
     configs=configs(
         [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
          for s in (2, 3)],

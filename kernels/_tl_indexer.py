@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from kernels._common import configs
+from kernels._common import autotune, configs
 
 @triton.jit
 def _insert(vals, ids, score, j, o_kp):
@@ -32,7 +32,7 @@ def _prune(cfgs, named_args, **kw):
     return [c for c in cfgs if c.kwargs["ROWS"] >= hp] or cfgs[-1:]
 
 
-@triton.autotune(
+@autotune(
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
         interpret=dict(ROWS=64, num_warps=4, num_stages=1),

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from kernels._common import configs
+from kernels._common import autotune, configs
 from kernels._tl_common import csr_segment, dot
 
 
@@ -55,7 +55,7 @@ _CONFIGS = dict(
 )
 
 
-@triton.autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"])
+@autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"])
 @triton.jit(do_not_specialize=["T", "n_seg", "tune_bucket"])
 def sparse_kl_fwd_kernel(
     q, k, qidx, kidx, tlse, part_lse, part_stat, tile_seg, tile_start, seg_off, payload,
@@ -99,7 +99,7 @@ def sparse_kl_fwd_kernel(
             tl.store(part_stat + srow + 2, psum, mask=m_row)
 
 
-@triton.autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+@autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"],
                  reset_to_zero=["dq", "dk"])
 @triton.jit(do_not_specialize=["T", "n_seg", "tune_bucket"])
 def sparse_kl_bwd_kernel(

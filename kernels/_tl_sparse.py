@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from kernels._common import configs
+from kernels._common import autotune, configs
 from kernels._tl_common import csr_segment, lse_merge
 
 
@@ -32,7 +32,7 @@ def _prune(cfgs, named_args, **kw):
     return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
 
 
-@triton.autotune(
+@autotune(
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3)],
         interpret=dict(ROWS=32, num_warps=4, num_stages=1),
@@ -148,7 +148,7 @@ def combine_kernel(
         tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc), mask=m_g)
 
 
-@triton.autotune(
+@autotune(
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)],
         interpret=dict(ROWS=32, num_warps=4, num_stages=1),

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from kernels._common import configs
+from kernels._common import autotune, configs
 from kernels._tl_common import dot
 
 
@@ -44,7 +44,7 @@ def _key_block(b_qa, b_qb, k, v, o_n, m_n, i_h, stride_kt, stride_kh, stride_vt,
     return m_new, l_i, acc_a, acc_b
 
 
-@triton.autotune(
+@autotune(
     configs=configs(
         [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)],
         interpret=dict(BLOCK_N=16, num_warps=4, num_stages=1),
