@@ -141,9 +141,9 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
         C = max(1, min(T, max_partial_bytes // max(1, B * K * Hq * D * q.element_size())))
         part = torch.empty(B, C, K, Hq, D, dtype=q.dtype, device=q.device)
         strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
-    else:
-        C, part = T, torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
-        strides = (part.stride(0), part.stride(1), 0, part.stride(2))
+    else:  # one fp32 buffer for the atomics; the slot stride is 0
+        C, dq = T, torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
+        part, strides = dq, (dq.stride(0), dq.stride(1), 0, dq.stride(2))
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP, True))
@@ -161,8 +161,6 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
                 part, blocks, dq, *strides, blocks.stride(0), blocks.stride(1), blocks.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2), t1 - t0, t0, K=K, G=G, GP=GP, D=D, DP=DP,
             )
-    if not dq_parts:
-        dq = part
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
