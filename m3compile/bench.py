@@ -579,7 +579,6 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
             f"{t_kl_lse:.3f} ms), KL peak {peak}")
         for t in (q, k, v, q_idx, k_idx):
             t.grad = None
-        del teacher_lse
         if dev == "cuda":
             torch.cuda.empty_cache()
     return {"config": asdict(cfg), "rows": rows, "autotune": _autotune_choices()}

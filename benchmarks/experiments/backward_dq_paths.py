@@ -8,7 +8,7 @@ and 64 / 128 / 256 tokens per program; autotune limited to rows 32/64 x warps 4/
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
         --section MemoryWorkloadAnalysis python benchmarks/experiments/backward_dq_paths.py 32768 ncu
 """
-import json, math, sys, time
+import json, sys, time
 import torch
 import triton
 import triton.testing as tt
