@@ -3,10 +3,33 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.tree import Tree
+
+from m3compile import (
+    DistillConfig, DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, distill as run_distill, evaluate,
+    load, train as run_train,
+)
+from m3compile.errors import M3CompileError
+from m3compile.export.onnx import export_onnx as run_export
+from m3compile.graph.pass_manager import PASSES
+from m3compile.io.data import load_tokens
+from m3compile.pipelines import PIPELINES
+from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
+from m3compile.tools.bench import (
+    BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
+)
+from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 
 EXIT_BAD_INPUT = 2
 
@@ -18,8 +41,6 @@ def _fail(message: str) -> None:
 
 def _run(fn, *args, **kwargs):
     """Call the API; bad input becomes a one-line error and exit status 2."""
-    from m3compile.errors import M3CompileError
-
     try:
         return fn(*args, **kwargs)
     except M3CompileError as e:
@@ -29,8 +50,6 @@ def _run(fn, *args, **kwargs):
 
 
 def _console():
-    from rich.console import Console
-
     return Console(stderr=False)
 
 
@@ -109,7 +128,6 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     attention is rewritten from per-frame into 3D windows of --vision-window temporal steps
     (vision_config.vit_3d_window in OUT/config.json).
     """
-    from m3compile import MSAConfig, convert_checkpoint
 
     if src is not None and preset is not None:
         raise click.UsageError("give SRC or --preset, not both")
@@ -119,7 +137,6 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                   init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
                   vision_window=vision_window)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     console = _console()
     columns = (TextColumn("[bold]convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -132,7 +149,6 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    from rich.table import Table
 
     table = Table(title=f"{report.model} -> {out}")
     table.add_column("layer", justify="right")
@@ -162,10 +178,7 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
     Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
     in the blocks the index branch selected. Loss is in nats per token.
     """
-    from rich.progress import Progress
 
-    from m3compile import evaluate, load
-    from m3compile.data import load_tokens
 
     if seq_len < 1:
         raise click.BadParameter("--seq-len must be >= 1")
@@ -178,7 +191,6 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    from rich.table import Table
 
     console = _console()
     console.print(f"{report.windows} windows x {report.seq_len} tokens = {report.tokens:,} tokens, {report.seconds:.1f} s")
@@ -222,8 +234,6 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     keys during --warmup-steps, the selected blocks after). Ctrl-C saves a resumable state in --out. Runs under
     torchrun for data parallelism (gloo on CPU, NCCL on CUDA).
     """
-    from m3compile import DistillConfig
-    from m3compile import distill as run_distill
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
@@ -234,10 +244,6 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
 
 def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, force, as_json, info, summary):
     """Progress bar, Ctrl-C (exit 130) and the closing summary shared by distill and train (rank 0 prints)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from m3compile import DistillInterrupted
-
     rank0 = int(os.environ.get("RANK", "0")) == 0
     columns = (TextColumn(f"[bold]{verb}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
@@ -292,8 +298,6 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
     kernels, forward and backward. Checkpoints, Ctrl-C, --resume and torchrun work as in m3c distill; the state is
     in OUT/train_state/.
     """
-    from m3compile import TrainConfig
-    from m3compile import train as run_train
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
@@ -321,18 +325,14 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     outlines enclose, for every query row, the key blocks the index branch selected. Mass outside the outlines is
     what MSA drops. The right panel is the block recall of every MSA layer on the same window.
     """
-    from m3compile import load
-    from m3compile.attention_map import attention_map as compute, draw_attention_map
-    from m3compile.data import load_tokens
 
     model = _run(load, model_dir, dtype=dtype, device=device)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
-    amap = _run(compute, model, tokens, layer, group, seq_len, offset)
+    amap = _run(compute_attention_map, model, tokens, layer, group, seq_len, offset)
     _run(draw_attention_map, amap, out)
     if as_json:
         click.echo(json.dumps(amap.to_dict() | {"out": str(out)}, indent=2))
         return
-    from rich.table import Table
 
     table = Table(title=f"block recall on tokens {offset}..{offset + seq_len}")
     table.add_column("MSA layer", justify="right")
@@ -364,9 +364,6 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
     histogram before and after, and attention cost per token at --context (FLOPs against dense, KV-cache and
     index-K-cache bytes, index-branch parameters). An already converted model is shown as it is.
     """
-    from m3compile import MSAConfig
-    from m3compile.inspect import inspect as run_inspect
-    from m3compile.inspect import to_dot, to_mermaid
 
     if src is not None and preset is not None:
         raise click.UsageError("give SRC or --preset, not both")
@@ -384,9 +381,6 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
     elif fmt == "mermaid":
         text = _run(to_mermaid, report, layer)
     elif fmt == "svg":
-        import shutil
-        import subprocess
-
         dot = shutil.which("dot")
         if dot is None:
             _fail("--format svg needs Graphviz's dot program, which is not installed (apt-get install graphviz, "
@@ -405,9 +399,6 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
 
 
 def _print_inspect(report) -> None:
-    from rich.table import Table
-    from rich.tree import Tree
-
     console = _console()
     c = report.cost
     tree = Tree(f"[bold]{report.source}[/] ({report.model_type}), {report.params:,} parameters")
@@ -483,7 +474,6 @@ def export_onnx(model_dir, out_dir, force):
         import onnxscript  # noqa: F401
     except ImportError:
         _fail("export-onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime")
-    from m3compile.onnx_export import export_onnx as run_export
 
     path = _run(run_export, model_dir, out_dir, force=force)
     vision = path.parent / "vision.onnx"
@@ -551,7 +541,6 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     Each figure is the median of repeated runs after warm-up (CUDA events). Prints a table, writes
     OUT/bench.json and OUT/bench.png.
     """
-    from m3compile.bench import BenchConfig, run_bench, speedups, write_outputs
 
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
@@ -570,7 +559,6 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                   log=lambda m: console.print(f"[dim]{m}[/dim]"))
     write_outputs(result, out_dir)
     pre, dec = speedups(result)
-    from rich.table import Table
 
     def ms(x):
         return "-" if x is None else f"{x:.3f}"
@@ -601,8 +589,6 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
 
 def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, device, rep_ms, out_dir):
-    from m3compile.bench import BenchConfig, run_backward_bench
-
     cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
                topk=topk, dense_max=dense_max, device=device, rep_ms=rep_ms, warmup_ms=max(25, rep_ms // 5))
     console = _console()
@@ -611,7 +597,6 @@ def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, 
     tmp = out_dir / ".backward.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out_dir / "backward.json")
-    from rich.table import Table
 
     t = Table(title=f"forward + backward ({heads} q heads, {kv_heads} kv heads, d {head_dim}, block {block}, top-{topk})")
     for c in ("T", "dense fwd+bwd ms", "sparse fwd+bwd ms", "sparse fwd ms", "speedup", "ideal", "share of ideal",
@@ -628,8 +613,6 @@ def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, 
 
 
 def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir):
-    from m3compile.bench import VisionBenchConfig, run_vision_bench
-
     try:
         steps = tuple(int(t) for t in steps.split(","))
     except ValueError:
@@ -642,7 +625,6 @@ def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir)
     tmp = out_dir / ".vision.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out_dir / "vision.json")
-    from rich.table import Table
 
     t = Table(title=f"3D windowed attention: {result['windows']} windows of <= {window} steps, {result['tokens']:,} "
                     f"tokens, {heads} heads x {head_dim}")
@@ -659,18 +641,22 @@ def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir)
 
 @main.command()
 def passes():
-    """List the graph passes, in pipeline order, with what each does."""
-    import passes as _  # noqa: F401  registers the passes
-    from m3compile.pass_manager import PASSES
-
-    from rich.table import Table
-
+    """List the graph passes with their stage and what each does, and the pipelines that run them."""
     table = Table(title="m3compile passes")
     table.add_column("name")
+    table.add_column("stage")
     table.add_column("what it does")
     for name, cls in PASSES.items():
-        table.add_row(name, cls.summary())
-    _console().print(table)
+        table.add_row(name, cls.stage, cls.summary())
+    console = _console()
+    console.print(table)
+    pipelines = Table(title="pipelines (m3compile.pipelines)")
+    pipelines.add_column("pipeline")
+    pipelines.add_column("passes, in order")
+    for name, make in PIPELINES.items():
+        passes_ = make(lowered=True) if name == "distill" else make()  # distill: as on CUDA
+        pipelines.add_row(name, " -> ".join(p.name for p in passes_))
+    console.print(pipelines)
 
 
 if __name__ == "__main__":

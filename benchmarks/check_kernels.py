@@ -15,14 +15,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import decode as dk  # noqa: E402
-from kernels import indexer  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels import sparse_attention as sa  # noqa: E402
-from kernels import sparse_kl  # noqa: E402
-from kernels import varlen_attention as va  # noqa: E402
+from m3compile.kernels import decode as dk
+from m3compile.kernels import indexer
+from m3compile.kernels import reference as ref
+from m3compile.kernels import sparse_attention as sa
+from m3compile.kernels import sparse_kl
+from m3compile.kernels import varlen_attention as va
 
 results = []
 

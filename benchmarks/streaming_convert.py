@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from m3compile.synthetic import write_synthetic_checkpoint  # noqa: E402
+from m3compile.tools.synthetic import write_synthetic_checkpoint
 
 
 def main():
@@ -40,7 +39,7 @@ def main():
     subprocess.run(["sync"], check=True)
     copy_s = time.perf_counter() - t
     shutil.rmtree(copy)
-    cmd = [sys.executable, "-m", "cli", "convert", str(src), str(out), "--force", "--max-shard-size", a.max_shard_size,
+    cmd = [sys.executable, "-m", "m3compile.cli", "convert", str(src), str(out), "--force", "--max-shard-size", a.max_shard_size,
            "--json"]
     t = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from kernels._common import autotune, configs
+from m3compile.kernels._common import autotune, configs
 
 @triton.jit
 def _insert(vals, ids, score, j, o_kp):

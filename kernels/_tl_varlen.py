@@ -2,8 +2,8 @@
 import triton
 import triton.language as tl
 
-from kernels._common import autotune, configs
-from kernels._tl_common import dot
+from m3compile.kernels._common import autotune, configs
+from m3compile.kernels._tl_common import dot
 
 
 @triton.jit

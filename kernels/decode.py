@@ -22,9 +22,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
-from kernels._common import interpreting, next_pow2, use_triton
-from kernels.indexer import quantize_index_keys
+from m3compile.kernels import reference as ref
+from m3compile.kernels._common import interpreting, next_pow2, use_triton
+from m3compile.kernels.indexer import quantize_index_keys
 
 _FP8_DOT = True  # set False after the first failed fp8 matmul compile
 
@@ -113,7 +113,7 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     if not use_triton(q_idx, idx_cache, backend=backend):
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
-    from kernels._tl_decode import paged_index_scores_kernel, topk_rows_kernel
+    from m3compile.kernels._tl_decode import paged_index_scores_kernel, topk_rows_kernel
 
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
@@ -170,7 +170,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k_cache, v_cache, backend=backend):
         return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale)
-    from kernels._tl_decode import paged_attention_split_kernel, paged_merge_kernel
+    from m3compile.kernels._tl_decode import paged_attention_split_kernel, paged_merge_kernel
 
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference as ref
-from kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels import reference as ref
+from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["select_blocks", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
 
@@ -73,7 +73,7 @@ def select_blocks(
     if T == 0:
         return out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
-    from kernels._tl_indexer import index_topk_kernel as kernel
+    from m3compile.kernels._tl_indexer import index_topk_kernel as kernel
 
     HP = next_pow2(H)
     grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731

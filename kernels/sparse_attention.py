@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from kernels import reference as ref
-from kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels import reference as ref
+from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
-__all__ = ["sparse_attention", "sparse_attention_lse", "build_csr"]
+__all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "PARTIAL_BYTES"]
 
 # bytes of partial outputs one query chunk may hold (per call); 8 GiB keeps 1M-token prefill within an H200
-_PARTIAL_BYTES = 8 << 30
+PARTIAL_BYTES = 8 << 30
 
 
 def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
@@ -60,7 +60,7 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
 
     stage "lse" (with want_lse): only the per-head log-sum-exp over the selected keys (no P V, no output, partials
     of 4 bytes per (token, slot, head)), the fused KL's teacher normaliser; `out` is then a placeholder."""
-    from kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
+    from m3compile.kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -111,12 +111,11 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
 
 def _chunk(gp: int, backward: bool = False) -> int:
     """Queries one program may sweep over one K/V block. The backward takes up to 4x more (at most 256 tokens):
-    each program also adds the block's dK/dV to memory once at the end, and on the H200 (M3 shapes, bf16) 256
-    tokens per program ran 4% faster than 64 at 32K and 128K (BENCHMARKS.md)."""
+    each program also adds the block's dK/dV to memory once at the end (the choice is measured in BENCHMARKS.md)."""
     return max(8, min(256, 4096 // gp)) if backward else max(8, 1024 // gp)
 
 
-def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_bytes=_PARTIAL_BYTES,
+def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_bytes=PARTIAL_BYTES,
               dq_parts=None):
     """dq, dk, dv of the sparse attention (same CSR and tiles as the forward; fp32 accumulation).
 
@@ -124,7 +123,7 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
     one share per (token, slot): with `dq_parts` (default on a GPU) the shares are stored per (token, slot, head)
     in the input dtype, query chunk by chunk like the forward's partials, and summed in fp32 by a second kernel;
     otherwise they are added with fp32 atomics into one buffer."""
-    from kernels._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
+    from m3compile.kernels._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -189,9 +188,8 @@ def sparse_attention(
     block_size: int,
     scale: float | None = None,
     backend: str = "auto",
-    max_partial_bytes: int = _PARTIAL_BYTES,
+    max_partial_bytes: int = PARTIAL_BYTES,
     query_chunk: int | None = None,
-    _stage: str = "all",
 ) -> torch.Tensor:
     """Exact causal attention of every query head over its group's selected key blocks; differentiable in q, k, v
     (the backward runs on the same CSR: dK/dV per block on chip, dQ as per-slot shares summed by a second kernel).
@@ -200,7 +198,7 @@ def sparse_attention(
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
     chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
     """
-    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, _stage, False)[0]
+    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, "all", False)[0]
 
 
 def sparse_attention_lse(
@@ -212,12 +210,28 @@ def sparse_attention_lse(
     block_size: int,
     scale: float | None = None,
     backend: str = "auto",
-    max_partial_bytes: int = _PARTIAL_BYTES,
+    max_partial_bytes: int = PARTIAL_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sparse_attention` that also returns each head's log-sum-exp over its selected keys: [B, T, Hq] fp32, base 2,
     softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl.py). The combine
     kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter)."""
     return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
+
+
+def selected_lse(q: torch.Tensor, k: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
+                 scale: float | None = None) -> torch.Tensor:
+    """Each head's log-sum-exp over its selected keys, [B, T, Hq] fp32 base 2, by an LSE-only pass of the gather
+    kernel (no P V; 4 B per token, slot and head): the fused KL's teacher normaliser when no attention forward gave
+    it. CUDA (or the interpreter) only."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _forward(q, k, k, blocks, block_size, scale, PARTIAL_BYTES, None, "lse", True)[1]
+
+
+def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
+                  scale: float | None = None, stage: str = "gather") -> torch.Tensor:
+    """One stage of the sparse forward alone, for profiling: "gather" (partials, no combine) or "all"."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _forward(q, k, v, blocks, block_size, scale, PARTIAL_BYTES, None, stage, False)[0]
 
 
 def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):

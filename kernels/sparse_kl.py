@@ -25,8 +25,9 @@ import math
 
 import torch
 
-from kernels import reference as ref
-from kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels import reference as ref
+from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels.sparse_attention import build_csr, selected_lse
 
 __all__ = ["sparse_index_kl"]
 
@@ -50,8 +51,7 @@ def _strides(q_idx, k_idx, q, k, tlse):
 class _SparseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx, k_idx, q, k, blocks, teacher_lse, block_size, scale):
-        from kernels._tl_kl import sparse_kl_fwd_kernel
-        from kernels.sparse_attention import build_csr
+        from m3compile.kernels._tl_kl import sparse_kl_fwd_kernel
 
         B, T, Hi, Di = q_idx.shape
         meta = _meta(q_idx, q, k, blocks, block_size)
@@ -77,7 +77,7 @@ class _SparseKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl):
-        from kernels._tl_kl import sparse_kl_bwd_kernel
+        from m3compile.kernels._tl_kl import sparse_kl_bwd_kernel
 
         q_idx, k_idx, q, k, teacher_lse, lse_s, psum, payload, seg_off, tile_seg, tile_start = ctx.saved_tensors
         B, T, Hi, Di = q_idx.shape
@@ -117,9 +117,7 @@ def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     q, k = q.detach(), k.detach()
     if teacher_lse is None:  # the attention forward's per-head log-sum-exp over the same support
-        from kernels.sparse_attention import _PARTIAL_BYTES, _forward
-
-        teacher_lse = _forward(q, k, k, blocks, block_size, scale, _PARTIAL_BYTES, None, "lse", True)[1]
+        teacher_lse = selected_lse(q, k, blocks, block_size=block_size, scale=scale)
     elif teacher_lse.shape != (B, T, q.shape[1]):
         raise ValueError(f"teacher_lse must be [B, T, Hq] = [{B}, {T}, {q.shape[1]}], got {tuple(teacher_lse.shape)}")
     return _SparseKL.apply(q_idx, k_idx, q, k, blocks, teacher_lse.detach().float(), block_size, scale)

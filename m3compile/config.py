@@ -1,13 +1,27 @@
-"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out."""
+"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype names."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
 
+import torch
+
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig"]
+__all__ = ["MSAConfig", "parse_dtype", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype from its name ("bf16", "float32", ...); None and torch dtypes pass through."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise M3CompileError(f"unknown dtype {name!r} (use one of {', '.join(DTYPES)})")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ It covers what people convert: GQA with any group size, optional q/k/v bias (Qwe
 (Qwen3 plain, M3 Gemma-style `1 + w`), full or partial NeoX RoPE, SwiGLU (or M3's clamped SwiGLU-OAI) MLPs, an
 optional MoE block (M3's sigmoid router with correction bias and shared experts), tied or untied embeddings, and
 MSA layers (index branch + block-sparse attention) natively, so converted and M3 checkpoints run without tracing.
+The graph ops it calls (apply_rope, msa_select, msa_attention, ...) live in m3compile.ops.
 
 Attention is written in one of three forms (`attn_impl`), all of which the graph matcher recognises:
     "sdpa_gqa"    scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -14,16 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from m3compile.ops import apply_rope, msa_attention, msa_select, split_heads
 
-__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "apply_rope", "split_heads", "msa_select", "msa_attention"]
+__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS"]
 
 
 @dataclass(frozen=True)
@@ -96,47 +96,6 @@ class ModelArgs:
 
     def replace(self, **changes) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Functions that appear as single nodes in a traced graph (torch.fx.wrap): the matcher and the passes key on them.
-
-
-@torch.fx.wrap
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
-    r = cos.shape[-1]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-
-@torch.fx.wrap
-def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """[B, T, n_heads * head_dim] -> [B, T, n_heads, head_dim]."""
-    return x.view(*x.shape[:-1], n_heads, head_dim)
-
-
-@torch.fx.wrap
-def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
-    """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty)."""
-    return ref.select_blocks(
-        q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-        local_blocks=local_blocks,
-    )
-
-
-@torch.fx.wrap
-def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
-    """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
-
-    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
-    """
-    if not sparse:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -280,10 +239,11 @@ class Attention(nn.Module):
     def _msa(self, x, q, k, v, cos, sin):
         m = self.msa
         q_idx, k_idx = self.index_branch(x, cos, sin)
-        blocks = msa_select(q_idx, k_idx, m.block_size, m.topk, m.init_blocks, m.local_blocks)
+        blocks = msa_select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                            local_blocks=m.local_blocks)
         if self.probe is not None and self.sparse:
             self.probe(self, q, k, blocks)
-        return msa_attention(q, k, v, blocks, m.block_size, self.scale, self.sparse)
+        return msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
 
 
 class MLP(nn.Module):

@@ -8,7 +8,7 @@
 
 Attention inside the tower is block-diagonal over segments given by `cu_seqlens`. As built, the segments are single
 frames (`frame_segments`: the per-frame ViT, frames never meet); the `vit_3d_window` pass rewrites them into 3D
-windows of at most W temporal steps (`kernels.varlen_attention.window_segments`). Tensor names follow
+windows of at most W temporal steps (`window_segments`; both are graph ops of m3compile.ops). Tensor names follow
 `transformers`' minimax_m3_vl (`vision_tower.embeddings.proj`, `vision_tower.layers.{i}`, `multi_modal_projector`).
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import varlen_attention as varlen
+from m3compile.kernels import varlen_attention as varlen
+from m3compile.ops import frame_segments, segment_attention, window_segments
 
-__all__ = ["VisionArgs", "VisionTower", "Projector", "MultimodalDecoder", "patchify", "frame_segments",
-           "window_segments", "segment_attention", "segment_ids", "vision_positions", "apply_window", "VisionRotary",
-           "VisionExport", "onnx_vision_inputs"]
+__all__ = ["VisionArgs", "VisionTower", "Projector", "MultimodalDecoder", "patchify", "segment_ids",
+           "vision_positions", "apply_window", "VisionRotary", "VisionExport", "onnx_vision_inputs"]
 
 
 @dataclass(frozen=True)
@@ -82,32 +82,6 @@ def patchify(frames: torch.Tensor, args: VisionArgs) -> tuple[torch.Tensor, torc
     x = frames.reshape(t, tp, C, h // m, m, p, w // m, m, p)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t, h-blocks, w-blocks, m, m, C, tp, p, p
     return x.reshape(t * h * w, C * tp * p * p), torch.tensor([[t, h, w]])
-
-
-@torch.fx.wrap
-def frame_segments(grid_thw) -> torch.Tensor:
-    """cu_seqlens of the per-frame ViT: every temporal step of every image/video is its own segment."""
-    return varlen.window_segments(_grid(grid_thw), 1)
-
-
-@torch.fx.wrap
-def window_segments(grid_thw, window: int) -> torch.Tensor:
-    """cu_seqlens of 3D windows of at most `window` temporal steps (kernels.varlen_attention.window_segments)."""
-    return varlen.window_segments(_grid(grid_thw), window)
-
-
-@torch.fx.wrap
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Bidirectional attention inside each segment. q/k/v [N, H, D] -> [N, H, D].
-
-    segments: cu_seqlens [S + 1] (the fused varlen kernel on CUDA, its reference elsewhere) or a [N, N] bool mask
-    of same-segment pairs (one masked SDPA: the exportable form that vision.onnx uses)."""
-    if segments.dtype == torch.bool:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=segments, scale=scale)  # 4D: what the ONNX exporter takes
-        return o[0].transpose(0, 1)
-    return varlen.varlen_attention(q, k, v, segments.to(q.device), scale=scale)
 
 
 def segment_ids(grid_thw, window: int | None) -> torch.Tensor:

@@ -9,11 +9,12 @@ import torch.nn as nn
 
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
-from m3compile.index_init import init_index_weights
-from m3compile.matching import AttentionMatch, find_attention, msa_nodes
-from m3compile.pass_manager import Pass, PassReport, register_pass
-from m3compile.tracing import propagate_shapes
-from models.decoder import MSALayerArgs, RMSNorm, apply_rope, msa_attention, msa_select, split_heads
+from m3compile.graph.matching import AttentionMatch, find_attention, msa_nodes
+from m3compile.graph.pass_manager import Pass, PassReport, register_pass
+from m3compile.graph.tracing import propagate_shapes
+from m3compile.models.decoder import MSALayerArgs, RMSNorm
+from m3compile.ops import apply_rope, is_op, msa_attention, msa_select, op_args, split_heads
+from m3compile.passes.index_init import index_branch_weights
 
 __all__ = ["GQAToMSA"]
 
@@ -24,7 +25,7 @@ class GQAToMSA(Pass):
 
     Adds, per converted layer, `index_q_proj` [Hkv*Di, hidden], `index_k_proj` [Di, hidden], `index_q_norm` and
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
-    (m3compile.index_init). The index branch reads the detached input of the projections, applies the main
+    (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
     branch's RoPE, and `msa_select` picks top-k blocks per KV group; `msa_attention` replaces the attention op.
     Layers listed in `dense_layers` keep dense attention. Requires: shapes propagated (done if missing).
     """
@@ -36,6 +37,8 @@ class GQAToMSA(Pass):
         self.layer_settings: dict[int, MSALayerArgs] = {}
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
+        if gm.meta.get("m3_lowered"):
+            raise M3CompileError("the graph is lowered: convert the reference graph, then lower it")
         if not any(n.op == "placeholder" for n in gm.graph.nodes):
             raise M3CompileError("the graph has no inputs")
         propagate_shapes(gm)
@@ -66,7 +69,7 @@ class GQAToMSA(Pass):
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         for n in msa_nodes(gm):
-            assert n.args[3].target is msa_select, f"{n.name}: block ids do not come from msa_select"
+            assert is_op(op_args(n)["blocks"], msa_select), f"{n.name}: block ids do not come from msa_select"
 
     def _rewrite(self, gm: torch.fx.GraphModule, m: AttentionMatch) -> None:
         cfg = self.config
@@ -79,14 +82,15 @@ class GQAToMSA(Pass):
         index_dim = cfg.index_dim or m.head_dim
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks)
         self.layer_settings[m.layer] = settings
-        wq_idx, wk_idx = self._init_weights(gm, m, index_dim)
+        weights = self._index_weights(gm, m, index_dim)
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
+        like = weights["index_q_proj.weight"]
         names = {}
         for leaf, module in (
-            ("index_q_proj", _linear(wq_idx)),
-            ("index_k_proj", _linear(wk_idx)),
-            ("index_q_norm", RMSNorm(index_dim, eps, "gemma").to(device=wq_idx.device, dtype=wq_idx.dtype)),
-            ("index_k_norm", RMSNorm(index_dim, eps, "gemma").to(device=wq_idx.device, dtype=wq_idx.dtype)),
+            ("index_q_proj", _linear(weights["index_q_proj.weight"])),
+            ("index_k_proj", _linear(weights["index_k_proj.weight"])),
+            ("index_q_norm", RMSNorm(index_dim, eps, "gemma").to(device=like.device, dtype=like.dtype)),
+            ("index_k_norm", RMSNorm(index_dim, eps, "gemma").to(device=like.device, dtype=like.dtype)),
         ):
             names[leaf] = f"{m.prefix}.{leaf}"
             gm.add_submodule(names[leaf], module)
@@ -95,35 +99,31 @@ class GQAToMSA(Pass):
             x = g.call_method("detach", (m.x,))
             q_idx = g.call_module(names["index_q_proj"], (x,))
             k_idx = g.call_module(names["index_k_proj"], (x,))
-            q_idx = g.call_function(split_heads, (q_idx, index_heads, index_dim))
-            k_idx = g.call_function(split_heads, (k_idx, 1, index_dim))
+            q_idx = g.call_function(split_heads, (), dict(x=q_idx, n_heads=index_heads, head_dim=index_dim))
+            k_idx = g.call_function(split_heads, (), dict(x=k_idx, n_heads=1, head_dim=index_dim))
             q_idx = g.call_module(names["index_q_norm"], (q_idx,))
             k_idx = g.call_module(names["index_k_norm"], (k_idx,))
-            q_idx = g.call_function(apply_rope, (q_idx, m.cos, m.sin))
-            k_idx = g.call_function(apply_rope, (k_idx, m.cos, m.sin))
+            q_idx = g.call_function(apply_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin))
+            k_idx = g.call_function(apply_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin))
             k_idx = g.call_function(operator.getitem, (k_idx, (slice(None), slice(None), 0)))
-            blocks = g.call_function(
-                msa_select, (q_idx, k_idx, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks)
-            )
-            out = g.call_function(msa_attention, (m.q, m.k, m.v, blocks, cfg.block_size, m.scale, True))
+            blocks = g.call_function(msa_select, (), dict(
+                q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,
+                local_blocks=cfg.local_blocks))
+            out = g.call_function(msa_attention, (), dict(
+                q=m.q, k=m.k, v=m.v, blocks=blocks, block_size=cfg.block_size, scale=m.scale, sparse=True))
         out.meta["m3_msa_layer"] = m.layer
         m.output.replace_all_uses_with(out)
 
     @staticmethod
-    def _init_weights(gm: torch.fx.GraphModule, m: AttentionMatch, index_dim: int):
-        def norm_scale(target):
-            if target is None:
-                return None
-            norm = gm.get_submodule(target)
-            w = norm.weight.detach()
-            return (1.0 + w.float()) if getattr(norm, "style", "rms") == "gemma" else w.float()
-
-        with torch.no_grad():
-            return init_index_weights(
-                gm.get_submodule(m.q_proj).weight.detach(), gm.get_submodule(m.k_proj).weight.detach(),
-                n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, rope_dim=m.rope_dim,
-                index_dim=index_dim, q_scale=norm_scale(m.q_norm), k_scale=norm_scale(m.k_norm),
-            )
+    def _index_weights(gm: torch.fx.GraphModule, m: AttentionMatch, index_dim: int) -> dict[str, torch.Tensor]:
+        norms = [gm.get_submodule(t) if t else None for t in (m.q_norm, m.k_norm)]
+        style = next((getattr(n, "style", "rms") for n in norms if n is not None), "rms")
+        return index_branch_weights(
+            gm.get_submodule(m.q_proj).weight, gm.get_submodule(m.k_proj).weight, n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, rope_dim=m.rope_dim, index_dim=index_dim,
+            q_norm=None if norms[0] is None else norms[0].weight, k_norm=None if norms[1] is None else norms[1].weight,
+            norm_style=style,
+        )
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

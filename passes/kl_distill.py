@@ -6,7 +6,8 @@
 
 Mode "warmup": the support of teacher and student is every visible key and the main branch runs dense attention
 (the warm-up of a dense checkpoint); mode "sparse": the support is the selected blocks and the main branch is
-sparse. `strip_kl_distill` undoes the pass exactly: the graph's code is again the inference graph's.
+sparse. Running the pass again with the other mode switches the mode (also on a lowered training graph); the
+`strip_kl_distill` pass undoes it exactly: the graph's code is again the inference graph's.
 """
 from __future__ import annotations
 
@@ -16,27 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kernels import reference as ref
 from m3compile.errors import M3CompileError
-from m3compile.matching import msa_layer, msa_nodes
-from m3compile.pass_manager import Pass, PassReport, register_pass
-from models.decoder import msa_select
+from m3compile.graph.matching import msa_layer, msa_nodes
+from m3compile.graph.pass_manager import Pass, PassReport, register_pass
+from m3compile.ops import is_op, msa_index_kl, msa_select, op_args, set_op_arg
 
-__all__ = ["KLDistill", "KLHook", "DistillGraph", "msa_index_kl", "set_distill_mode", "strip_kl_distill", "MODES"]
+__all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES"]
 
 MODES = ("warmup", "sparse")
-_SPARSE_ARG = 6  # msa_attention(q, k, v, blocks, block_size, scale, sparse)
-
-
-@torch.fx.wrap
-def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool):
-    """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
-
-    q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di], blocks [B, Hi, T, K] -> two scalars.
-    """
-    kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
-                              scale=scale)
-    return kl.mean(), recall.mean()
 
 
 @dataclass(frozen=True)
@@ -66,6 +54,8 @@ class KLDistill(Pass):
     """
 
     name = "kl_distill"
+    stage = "distil"
+    revisits = True  # on a hooked (possibly lowered) graph it only switches the mode
 
     def __init__(self, mode: str = "warmup"):
         if mode not in MODES:
@@ -73,6 +63,10 @@ class KLDistill(Pass):
         self.mode = mode
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
+        if gm.meta.get("m3_kl_distill") is not None:
+            return
+        if gm.meta.get("m3_lowered"):
+            raise M3CompileError("distillation hooks go in before lowering (the graph is lowered)")
         if not msa_nodes(gm):
             raise M3CompileError("the graph has no MSA layers to distil (convert the model first)")
 
@@ -81,26 +75,29 @@ class KLDistill(Pass):
         state: DistillGraph | None = gm.meta.get("m3_kl_distill")
         if state is not None:
             if state.mode != self.mode:
-                set_distill_mode(gm, self.mode)
-                report.modified = True
                 report.details.append(f"mode {state.mode} -> {self.mode}")
+                _set_mode(gm, self.mode)
+                report.modified = True
             return report
         g = gm.graph
         kls, recalls, layers = [], [], []
         for n in msa_nodes(gm):
-            select = n.args[3]
-            if select.target is not msa_select:
+            att = op_args(n)
+            select = att["blocks"]
+            if not is_op(select, msa_select):
                 raise M3CompileError(f"{n.name}: block ids do not come from msa_select")
-            q, k, _, blocks, block_size, scale, sparse = n.args
+            sel = op_args(select)
+            sparse = att["sparse"]
             with g.inserting_after(n):
-                hook = g.call_function(msa_index_kl, (q, k, select.args[0], select.args[1], blocks, block_size, scale,
-                                                      self.mode == "sparse"))
+                hook = g.call_function(msa_index_kl, (), dict(
+                    q=att["q"], k=att["k"], q_idx=sel["q_idx"], k_idx=sel["k_idx"], blocks=select,
+                    block_size=att["block_size"], scale=att["scale"], sparse=self.mode == "sparse"))
             with g.inserting_after(hook):
                 kl = g.call_function(operator.getitem, (hook, 0))
             with g.inserting_after(kl):
                 recall = g.call_function(operator.getitem, (hook, 1))
             n.meta["m3_kl_hook"] = KLHook(msa_layer(n), sparse, hook.name)
-            n.update_arg(_SPARSE_ARG, self.mode == "sparse" and sparse)
+            set_op_arg(n, "sparse", self.mode == "sparse" and sparse)
             kls.append(kl)
             recalls.append(recall)
             layers.append(msa_layer(n))
@@ -130,37 +127,42 @@ def _hooks(gm: torch.fx.GraphModule):
             yield n, hook, by_name[hook.kl_node]
 
 
-def set_distill_mode(gm: torch.fx.GraphModule, mode: str) -> None:
+def _set_mode(gm: torch.fx.GraphModule, mode: str) -> None:
     """Switch a hooked graph between warm-up (dense support, dense main branch) and sparse support."""
-    if mode not in MODES:
-        raise M3CompileError(f"unknown distillation mode {mode!r} (use {' or '.join(MODES)})")
-    state: DistillGraph | None = gm.meta.get("m3_kl_distill")
-    if state is None:
-        raise M3CompileError("the graph has no KL hooks (run the kl_distill pass first)")
     for n, hook, kl in _hooks(gm):
-        kl.update_arg(7, mode == "sparse")
-        n.update_arg(_SPARSE_ARG, mode == "sparse" and hook.sparse_before)
-    state.mode = mode
-    gm.recompile()
+        set_op_arg(kl, "sparse", mode == "sparse")
+        set_op_arg(n, "sparse", mode == "sparse" and hook.sparse_before)
+    gm.meta["m3_kl_distill"].mode = mode
 
 
-def strip_kl_distill(gm: torch.fx.GraphModule) -> bool:
-    """Remove the hooks: the graph computes and returns exactly what it did before the pass. False if none."""
-    state: DistillGraph | None = gm.meta.pop("m3_kl_distill", None)
-    if state is None:
-        return False
-    g = gm.graph
-    out = g.output_node()
-    stacks = list(out.args[0][1:])
-    out.args = state.output_before
-    for s in stacks:
-        g.erase_node(s)
-    for n, hook, kl in list(_hooks(gm)):
-        for user in list(kl.users):
-            g.erase_node(user)
-        g.erase_node(kl)
-        n.update_arg(_SPARSE_ARG, hook.sparse_before)
-        del n.meta["m3_kl_hook"]
-    g.lint()
-    gm.recompile()
-    return True
+@register_pass
+class StripKLDistill(Pass):
+    """Remove the KL-distillation hooks: the graph computes and returns exactly what it did before kl_distill."""
+
+    name = "strip_kl_distill"
+    stage = "distil"
+
+    def call(self, gm: torch.fx.GraphModule) -> PassReport:
+        report = PassReport(self.name)
+        state: DistillGraph | None = gm.meta.pop("m3_kl_distill", None)
+        if state is None:
+            return report
+        g = gm.graph
+        out = g.output_node()
+        stacks = list(out.args[0][1:])
+        out.args = state.output_before
+        for s in stacks:
+            g.erase_node(s)
+        for n, hook, kl in list(_hooks(gm)):
+            for user in list(kl.users):
+                g.erase_node(user)
+            g.erase_node(kl)
+            set_op_arg(n, "sparse", hook.sparse_before)
+            del n.meta["m3_kl_hook"]
+            report.replaced += 1
+            report.details.append(f"layer {hook.layer}: KL hook removed")
+        report.modified = True
+        return report
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        assert not any("m3_kl_hook" in n.meta for n in gm.graph.nodes), "KL hooks left"

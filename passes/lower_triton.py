@@ -1,4 +1,4 @@
-"""Lowering: swap a converted graph's reference MSA ops for the Triton-backed ones (kernels/msa.py).
+"""Lowering: swap a converted graph's reference MSA ops for the Triton-backed ones (m3compile.ops.LOWERING).
 
     msa_select(q_idx, k_idx, ...)      -> msa_select_triton     fused scores + causal block max + top-k
     msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine (+ backward)
@@ -20,14 +20,10 @@ import operator
 
 import torch.fx
 
-from kernels.msa import msa_attention_lse_triton, msa_attention_triton, msa_index_kl_triton, msa_select_triton
-from m3compile.pass_manager import Pass, PassReport, register_pass
-from models.decoder import msa_attention, msa_select
-from passes.kl_distill import msa_index_kl
+from m3compile.graph.pass_manager import Pass, PassReport, register_pass
+from m3compile.ops import LOWERING, msa_attention_lse_triton, msa_attention_triton, msa_index_kl_triton, set_op_arg
 
 __all__ = ["LowerTriton"]
-
-_LOWERING = {msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton}
 
 
 @register_pass
@@ -36,14 +32,15 @@ class LowerTriton(Pass):
     prefill, fused sparse KL)."""
 
     name = "lower_triton"
+    stage = "lower"
 
     def call(self, gm: torch.fx.GraphModule) -> PassReport:
         report = PassReport(self.name)
         g = gm.graph
         by_name = {n.name: n for n in g.nodes}
         for n in list(g.nodes):
-            if n.op == "call_function" and n.target in _LOWERING:
-                n.target = _LOWERING[n.target]
+            if n.op == "call_function" and n.target in LOWERING:
+                n.target = LOWERING[n.target]
                 report.replaced += 1
                 layer = n.meta.get("m3_msa_layer")
                 if layer is not None:
@@ -61,12 +58,13 @@ class LowerTriton(Pass):
             n.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
             with g.inserting_after(out):
                 lse = g.call_function(operator.getitem, (n, 1))
-            kl.update_kwarg("teacher_lse", lse)
+            set_op_arg(kl, "teacher_lse", lse)
             report.details.append(f"layer {n.meta.get('m3_msa_layer')}: KL teacher log-sum-exp from the attention "
                                   f"({msa_attention_lse_triton.__name__})")
         report.modified = bool(report.replaced)
+        gm.meta["m3_lowered"] = True
         return report
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
-        left = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in _LOWERING]
+        left = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in LOWERING]
         assert not left, f"reference MSA ops left after lowering: {left}"

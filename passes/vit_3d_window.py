@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch.fx
 
 from m3compile.errors import M3CompileError
-from m3compile.pass_manager import Pass, PassReport, register_pass
-from models.vision import frame_segments, segment_attention, window_segments
+from m3compile.graph.pass_manager import Pass, PassReport, register_pass
+from m3compile.ops import frame_segments, is_op, op_args, segment_attention, set_op_arg, window_segments
 
 __all__ = ["ViT3DWindow"]
 
 
 def _attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is segment_attention]
+    return [n for n in gm.graph.nodes if is_op(n, segment_attention)]
 
 
 @register_pass
@@ -42,18 +42,19 @@ class ViT3DWindow(Pass):
         g = gm.graph
         rewritten: dict[torch.fx.Node, torch.fx.Node] = {}  # segments node -> its windowed replacement
         for att in _attention_nodes(gm):
-            seg = att.args[3]
+            seg = op_args(att)["segments"]
             if not isinstance(seg, torch.fx.Node) or seg.op != "call_function":
                 raise M3CompileError(f"{att.name}: its segments do not come from the video grid")
             if seg in rewritten.values():
                 report.replaced += 1
             elif seg.target is frame_segments:
                 with g.inserting_after(seg):
-                    rewritten[seg] = g.call_function(window_segments, (seg.args[0], self.window))
+                    rewritten[seg] = g.call_function(window_segments, (), dict(
+                        grid_thw=op_args(seg)["grid_thw"], window=self.window))
                 seg.replace_all_uses_with(rewritten[seg])
                 report.replaced += 1
-            elif seg.target is window_segments and seg.args[1] != self.window:
-                seg.update_arg(1, self.window)
+            elif seg.target is window_segments and op_args(seg)["window"] != self.window:
+                set_op_arg(seg, "window", self.window)
                 rewritten[seg] = seg
                 report.replaced += 1
         for old in rewritten:
@@ -66,5 +67,5 @@ class ViT3DWindow(Pass):
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         for att in _attention_nodes(gm):
-            seg = att.args[3]
-            assert seg.target is window_segments and seg.args[1] == self.window, f"{att.name} is not windowed"
+            seg = op_args(att)["segments"]
+            assert is_op(seg, window_segments) and op_args(seg)["window"] == self.window, f"{att.name} is not windowed"

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from kernels import reference as ref
+from m3compile.kernels import reference as ref
 from m3compile import MSAConfig, convert_checkpoint, load
-from m3compile.attention_map import attention_map
-from m3compile.data import load_tokens
+from m3compile.tools.attention_map import attention_map
+from m3compile.io.data import load_tokens
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 from tests.test_cli import assert_clean_failure, run
 

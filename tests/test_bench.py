@@ -7,9 +7,9 @@ from click.testing import CliRunner
 from torch.nn.attention.flex_attention import flex_attention
 
 from cli import main
-from kernels import reference as ref
+from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
-from m3compile.bench import BenchConfig, flex_block_mask, prefill_flops, visible_keys
+from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, visible_keys
 
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():

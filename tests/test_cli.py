@@ -9,7 +9,7 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import cli
+from m3compile import cli
 
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)

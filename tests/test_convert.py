@@ -7,11 +7,11 @@ import torch
 
 import m3compile
 from m3compile import MSAConfig
-from m3compile.matching import msa_nodes
-from m3compile.pass_manager import PassManager
-from models import Decoder, PRESETS
-from models.decoder import msa_select
-from passes import GQAToMSA
+from m3compile.graph.matching import msa_nodes
+from m3compile.graph.pass_manager import PassManager
+from m3compile.models import Decoder, PRESETS
+from m3compile.ops import msa_select, op_args
+from m3compile.passes import GQAToMSA
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 
 FORMS = ["sdpa_gqa", "sdpa_repeat", "eager"]
@@ -86,9 +86,9 @@ def test_index_branch_reads_detached_input():
     gm, _ = m3compile.convert(model, MSAConfig(block_size=4, topk=2))
     for node in gm.graph.nodes:
         if node.target is msa_select:
-            producer = node.args[0]
+            producer = op_args(node)["q_idx"]
             while producer.op != "call_method" or producer.target != "detach":
-                producer = producer.args[0]
+                producer = op_args(producer)["x"] if producer.op == "call_function" else producer.args[0]
             assert producer.target == "detach"
     x = torch.randint(0, 256, (1, 24))
     gm(x).sum().backward()

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from m3compile import DistillConfig, DistillInterrupted, MSAConfig, convert_checkpoint, distill, load
-from m3compile.data import load_tokens, windows
-from m3compile.pass_manager import PassManager
-from m3compile.tracing import trace
-from passes.kl_distill import KLDistill
+from m3compile.io.data import load_tokens, windows
+from m3compile.graph.pass_manager import PassManager
+from m3compile.graph.tracing import trace
+from m3compile.passes.kl_distill import KLDistill
 from tests.conftest import CALIB_DATA, EVAL_DATA, LLAMA_BYTE
 from tests.test_cli import run
 
@@ -96,7 +96,7 @@ def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path
     """Run `m3c *common` under torchrun with 2 gloo processes x batch 1, then in one process with batch 2; both must
     succeed. Returns the two output directories (ddp, single)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cli",
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "m3compile.cli",
                 *common, "--batch", "1", "--out", str(tmp_path / "ddp"), "--force"]
     two = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if two.returncode != 0 and "terminate called without an active exception" in two.stderr:
@@ -105,7 +105,7 @@ def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path
         two = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert '"world_size": 2' in two.stdout
-    one = subprocess.run([sys.executable, "-m", "cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
+    one = subprocess.run([sys.executable, "-m", "m3compile.cli", *common, "--batch", "2", "--out", str(tmp_path / "single")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     return tmp_path / "ddp", tmp_path / "single"

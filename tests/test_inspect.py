@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from m3compile.inspect import attention_cost, inspect
-from models.decoder import PRESETS
+from m3compile.tools.inspect import attention_cost, inspect
+from m3compile.models.decoder import PRESETS
 from tests.conftest import LLAMA_BYTE
 from tests.test_cli import run
 

@@ -10,10 +10,10 @@ import torch
 
 import m3compile
 from m3compile import M3CompileError, MSAConfig
-from m3compile.pass_manager import PassManager
-from passes.lower_triton import LowerTriton
-from kernels.msa import msa_attention_triton, msa_select_triton
-from models.decoder import msa_attention, msa_select
+from m3compile.graph.pass_manager import PassManager
+from m3compile.passes.lower_triton import LowerTriton
+from m3compile.ops import msa_attention_triton, msa_select_triton, op_args
+from m3compile.ops import msa_attention, msa_select
 from tests.conftest import LLAMA_BYTE
 
 TINY = MSAConfig(block_size=8, topk=2, dense_layers=(0,))
@@ -114,10 +114,10 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
     """Training's graph lowered: the fused sparse KL (teacher LSE taken from the same layer's sparse attention, no
     LSE pass of its own) and the streamed recall give the reference's per-layer KL and recall, and the same
     gradients on the index parameters."""
-    from kernels import sparse_attention as sa
-    from kernels.msa import msa_attention_lse_triton, msa_index_kl_triton
-    from m3compile.distill import index_parameters
-    from passes.kl_distill import KLDistill
+    from m3compile.kernels import sparse_attention as sa
+    from m3compile.ops import msa_attention_lse_triton, msa_index_kl_triton
+    from m3compile.train.distill import index_parameters
+    from m3compile.passes.kl_distill import KLDistill
 
     stages = []
     forward = sa._forward
@@ -133,7 +133,8 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
             for kl_node in (n for n in gm.graph.nodes if n.target is msa_index_kl_triton):
                 lse = kl_node.kwargs["teacher_lse"]
                 assert lse.target is operator.getitem and lse.args[0].target is msa_attention_lse_triton
-                assert lse.args[0].args[:2] == kl_node.args[:2]  # the same layer's q and k
+                att, kl_args = op_args(lse.args[0]), op_args(kl_node)
+                assert (att["q"], att["k"]) == (kl_args["q"], kl_args["k"])  # the same layer's q and k
             assert sum("KL teacher log-sum-exp from the attention" in d for d in report[-1].details) == 3
         params = index_parameters(gm)
         _, kl, recall = gm(ids)
@@ -148,7 +149,7 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
 
 
 def test_causal_lse_matches_a_dense_logsumexp():
-    from kernels import reference as ref
+    from m3compile.kernels import reference as ref
 
     q, k = torch.randn(2, 6, 13, 8), torch.randn(2, 3, 13, 8)
     s = torch.einsum("bhtd,bhkd->bhtk", q, k.repeat_interleave(2, 1)) * 0.3
@@ -162,8 +163,8 @@ def test_causal_lse_matches_a_dense_logsumexp():
 def test_lowered_recall_on_evenly_spaced_queries_beyond_recall_rows(monkeypatch):
     """Past RECALL_ROWS tokens the lowered hook measures recall on RECALL_ROWS evenly spaced queries (first and
     last included): the reference's per-token recall averaged over exactly those queries; the KL is unchanged."""
-    from kernels import msa
-    from kernels import reference as ref
+    from m3compile import ops as msa
+    from m3compile.kernels import reference as ref
 
     torch.manual_seed(0)
     B, Hkv, G, T, D, bs, K = 1, 2, 3, 43, 16, 8, 2

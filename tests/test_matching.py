@@ -6,10 +6,11 @@ import torch.nn.functional as F
 
 import m3compile
 from m3compile import MSAConfig
-from m3compile.matching import find_attention
-from m3compile.tracing import propagate_shapes, trace
-from models import Decoder, PRESETS
-from models.decoder import Attention, apply_rope
+from m3compile.graph.matching import find_attention
+from m3compile.graph.tracing import propagate_shapes, trace
+from m3compile.models import Decoder, PRESETS
+from m3compile.models.decoder import Attention, MSALayerArgs
+from m3compile.ops import apply_rope
 
 
 @pytest.mark.parametrize("form,expected", [("sdpa_gqa", "sdpa"), ("sdpa_repeat", "sdpa_repeat"), ("eager", "eager")])
@@ -70,7 +71,7 @@ def test_mixed_model_keeps_existing_msa_layers():
     """A model that already has MSA layers (M3) is recognised; converting its dense layers adds MSA there only."""
     args = PRESETS["m3-tiny"].replace(
         sparse_layers=(False, False, True, True),
-        msa=m3compile.api.MSALayerArgs(index_heads=2, index_dim=16, block_size=8, topk=4),
+        msa=MSALayerArgs(index_heads=2, index_dim=16, block_size=8, topk=4),
     )
     model = Decoder(args).eval()
     gm, report = m3compile.convert(model, MSAConfig(block_size=8, topk=4, dense_layers=(0,)))

@@ -36,11 +36,11 @@ def test_loads_without_any_model_class(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.modules["transformers"] = None  # no transformers at all
-        import models.decoder
+        import m3compile.models.decoder
         class Forbidden:
             def __init__(self, *a, **k):
                 raise RuntimeError("the model class was used")
-        models.decoder.Decoder = Forbidden
+        m3compile.models.decoder.Decoder = Forbidden
         from m3compile import load_module
         from safetensors.torch import load_file
         io = load_file({str(tmp_path / "io.safetensors")!r})

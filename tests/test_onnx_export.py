@@ -68,7 +68,7 @@ def test_multimodal_checkpoint_exports_vision_and_language_graphs(tmp_path):
     """A converted minimax_m3_vl checkpoint (MoE text with native MSA, ViT with 3D windows of 2 steps) writes
     model.onnx and vision.onnx; both pass the full check and onnxruntime matches PyTorch on inputs of other sizes
     than the export's examples (a video of 3 steps: two windows, plus an image)."""
-    from models.vision import onnx_vision_inputs, patchify
+    from m3compile.models.vision import onnx_vision_inputs, patchify
     from tests.models.test_vision import _hf_vl
 
     _hf_vl().save_pretrained(tmp_path / "src")
@@ -100,7 +100,7 @@ def test_multimodal_checkpoint_exports_vision_and_language_graphs(tmp_path):
 def test_moe_export_path_equals_the_routed_one():
     """MoE under torch.export runs every expert with the routing weights as a dense combine: the same output."""
     from m3compile import from_preset
-    from models.decoder import MoE
+    from m3compile.models.decoder import MoE
 
     moe = next(m for m in from_preset("m3-tiny").modules() if isinstance(m, MoE))
     x = torch.randn(37, moe.w13.shape[-1])

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from m3compile import M3CompileError, MSAConfig, convert, convert_checkpoint, load, save
-from m3compile.synthetic import write_synthetic_checkpoint
+from m3compile.tools.synthetic import write_synthetic_checkpoint
 from tests.conftest import LLAMA_BYTE
 
 ROOT = Path(__file__).resolve().parents[1]

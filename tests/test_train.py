@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from m3compile import DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, load, train
-from m3compile.data import load_tokens, windows
+from m3compile.io.data import load_tokens, windows
 from tests.conftest import CALIB_DATA, LLAMA_BYTE
 from tests.test_cli import run
 from tests.test_distill import digest, tensors, two_processes_and_one
@@ -38,9 +38,9 @@ def test_training_updates_the_backbone_and_fits_its_data(converted, tmp_path):
 
 def test_kl_alone_reaches_only_the_index_branch(converted):
     """With the LM loss's gradient removed (coefficient on the KL only), backbone gradients are exactly zero."""
-    from m3compile.pass_manager import PassManager
-    from m3compile.tracing import trace
-    from passes.kl_distill import KLDistill
+    from m3compile.graph.pass_manager import PassManager
+    from m3compile.graph.tracing import trace
+    from m3compile.passes.kl_distill import KLDistill
 
     model = load(converted, dtype="float32")
     gm = trace(model)

@@ -12,9 +12,9 @@ import json, sys, time
 import torch
 import triton
 import triton.testing as tt
-from kernels import sparse_attention as sa
-from kernels import _tl_sparse
-from kernels.indexer import select_blocks
+from m3compile.kernels import sparse_attention as sa
+from m3compile.kernels import _tl_sparse
+from m3compile.kernels.indexer import select_blocks
 
 lengths = [int(x) for x in sys.argv[1].split(",")]
 ncu = len(sys.argv) > 2 and sys.argv[2] == "ncu"
@@ -36,8 +36,8 @@ for T in lengths:
     d_out = torch.randn(1, H, T, D, device=dev, dtype=dt, generator=g)
     blocks = select_blocks(qi, ki, block_size=bs, topk=K)
     scale = D ** -0.5
-    out, lse = sa._forward(q, k, v, blocks, bs, scale, sa._PARTIAL_BYTES, None, "all", True)
-    fwd = lambda: sa._forward(q, k, v, blocks, bs, scale, sa._PARTIAL_BYTES, None, "all", True)
+    out, lse = sa._forward(q, k, v, blocks, bs, scale, sa.PARTIAL_BYTES, None, "all", True)
+    fwd = lambda: sa._forward(q, k, v, blocks, bs, scale, sa.PARTIAL_BYTES, None, "all", True)
     row = dict(T=T)
     if not ncu:
         row["fwd_ms"] = tt.do_bench(fwd, rep=200, return_mode="median")

@@ -7,9 +7,9 @@ import json, sys
 import torch
 import triton
 import triton.testing as tt
-from kernels import sparse_attention as sa
-from kernels import _tl_sparse
-from kernels.indexer import select_blocks
+from m3compile.kernels import sparse_attention as sa
+from m3compile.kernels import _tl_sparse
+from m3compile.kernels.indexer import select_blocks
 
 _tl_sparse.gather_q_fwd_kernel.configs = [triton.Config(dict(ROWS=r), num_warps=w, num_stages=s)
                                           for r in (64, 128) for w in (4, 8) for s in (2,)]
@@ -29,7 +29,7 @@ for T in [int(x) for x in sys.argv[1].split(",")]:
     for chunk in (64, 128, 256):
         sa._chunk = lambda gp, backward=False, c=chunk: c
         for stage in ("all", "gather"):
-            fn = lambda: sa._forward(q, k, v, blocks, bs, D**-0.5, sa._PARTIAL_BYTES, None, stage, True)
+            fn = lambda: sa._forward(q, k, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, stage, True)
             fn(); torch.cuda.synchronize()
             row[f"{stage}_chunk{chunk}"] = tt.do_bench(fn, rep=300, return_mode="median")
             print(T, chunk, stage, row[f"{stage}_chunk{chunk}"], flush=True)

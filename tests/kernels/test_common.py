@@ -1,7 +1,7 @@
 """kernels/_common.py: what every kernel wrapper shares."""
 import pytest
 
-from kernels import _common
+from m3compile.kernels import _common
 
 
 @pytest.mark.parametrize("env, cached", [(None, True), ("0", False)])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import reference as ref
+from m3compile.kernels import reference as ref
 from tests.memory import PeakMemory
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from m3compile.kernels import reference as ref
 
 
 def brute_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks):

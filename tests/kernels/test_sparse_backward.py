@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import sparse_attention as sa
+from m3compile.kernels import reference as ref
+from m3compile.kernels import sparse_attention as sa
 
 
 def _inputs(B, Hkv, G, T, D, bs, K, dtype=torch.float32):
@@ -80,7 +80,7 @@ def test_both_dq_paths_in_query_chunks(dq_parts):
     g = torch.randn(B, Hkv * G, T, D)
     _, want = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = sa._forward(q, k, v, blocks, bs, D**-0.5, sa._PARTIAL_BYTES, None, "all", True)
+    out, lse = sa._forward(q, k, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, "all", True)
     budget = 16 * K * Hkv * G * D * 4  # 16 tokens of per-slot dQ shares: chunks of 16, 16, 13
     got = sa._backward(q, k, v, blocks, bs, D**-0.5, out, lse, g, budget, dq_parts=dq_parts)
     for a, b in zip(got, want):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import sparse_kl
+from m3compile.kernels import reference as ref
+from m3compile.kernels import sparse_kl
 
 CASES = [  # B, Hkv, G, T, D, Di, block, topk
     (1, 1, 1, 1, 16, 16, 16, 4),  # one token
@@ -42,13 +42,13 @@ def test_fused_kl_rejects_mismatched_shapes():
 
 
 def test_fused_kl_takes_the_attention_lse_and_checks_its_shape():
-    from kernels.sparse_attention import _PARTIAL_BYTES, _forward
+    from m3compile.kernels.sparse_attention import PARTIAL_BYTES, _forward
 
     B, Hkv, G, T, D, Di, bs, K = 1, 2, 2, 21, 16, 16, 4, 3
     q_idx, k_idx = torch.randn(B, T, Hkv, Di), torch.randn(B, T, Di)
     q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
     blocks = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=K)
-    lse = _forward(q, k, k, blocks.int(), bs, D**-0.5, _PARTIAL_BYTES, None, "all", True)[1]
+    lse = _forward(q, k, k, blocks.int(), bs, D**-0.5, PARTIAL_BYTES, None, "all", True)[1]
     given = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse, backend="triton")
     want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
     assert (given - want).abs().max().item() < 1e-5
@@ -60,13 +60,13 @@ def test_fused_kl_takes_the_attention_lse_and_checks_its_shape():
 @pytest.mark.parametrize("G,K", [(1, 16), (3, 2), (4, 3)])  # K 16 > 6 blocks: -1 slots
 def test_lse_only_pass_equals_the_attention_forward_lse(G, K):
     """The KL's teacher pass (stage "lse": no P V, no output) gives the attention forward's per-head LSE."""
-    from kernels.sparse_attention import _PARTIAL_BYTES, _forward
+    from m3compile.kernels.sparse_attention import PARTIAL_BYTES, _forward
 
     B, Hkv, T, D, bs = 2, 2, 23, 16, 4
     q, k, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
-    want = _forward(q, k, v, blocks, bs, D**-0.5, _PARTIAL_BYTES, None, "all", True)[1]
-    got = _forward(q, k, k, blocks, bs, D**-0.5, _PARTIAL_BYTES, None, "lse", True)[1]
+    want = _forward(q, k, v, blocks, bs, D**-0.5, PARTIAL_BYTES, None, "all", True)[1]
+    got = _forward(q, k, k, blocks, bs, D**-0.5, PARTIAL_BYTES, None, "lse", True)[1]
     chunked = _forward(q, k, k, blocks, bs, D**-0.5, 1, 5, "lse", True)[1]  # several query chunks
     assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() < 1e-5 and (chunked - want).abs().max().item() < 1e-5

@@ -7,10 +7,10 @@ visible blocks, hence -1 slots), shuffled slot order, batches of mixed lengths f
 import pytest
 import torch
 
-from kernels import decode as dk
-from kernels import indexer
-from kernels import reference as ref
-from kernels import sparse_attention as sa
+from m3compile.kernels import decode as dk
+from m3compile.kernels import indexer
+from m3compile.kernels import reference as ref
+from m3compile.kernels import sparse_attention as sa
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.varlen_attention import varlen_attention, varlen_attention_reference, window_segments
+from m3compile.kernels.varlen_attention import varlen_attention, varlen_attention_reference, window_segments
 
 
 def rel_err(out, want):

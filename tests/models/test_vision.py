@@ -4,8 +4,8 @@ import torch
 import transformers
 
 import m3compile
-from m3compile.checkpoint import vision_names, vision_release_names
-from models.vision import MultimodalDecoder, apply_window, patchify
+from m3compile.io.checkpoint import vision_names, vision_release_names
+from m3compile.models.vision import MultimodalDecoder, apply_window, patchify
 
 IMAGE, VIDEO = 60, 61
 
@@ -119,10 +119,10 @@ def test_vision_release_names_round_trip(pair):
 
 
 def test_vit_3d_window_pass_on_a_traced_tower(pair):
-    from m3compile.pass_manager import PassManager
-    from m3compile.tracing import trace
-    from models.vision import frame_segments, window_segments
-    from passes.vit_3d_window import ViT3DWindow
+    from m3compile.graph.pass_manager import PassManager
+    from m3compile.graph.tracing import trace
+    from m3compile.ops import frame_segments, window_segments
+    from m3compile.passes.vit_3d_window import ViT3DWindow
 
     _, ours = pair
     pv_i, g_i, pv_v, g_v = _inputs(ours.vision_args)
@@ -199,7 +199,7 @@ def test_inspect_shows_both_rewrites(pair, tmp_path):
     from click.testing import CliRunner
 
     from cli import main
-    from m3compile.inspect import inspect
+    from m3compile.tools.inspect import inspect
 
     hf, _ = pair
     src = tmp_path / "src"

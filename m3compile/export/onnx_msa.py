@@ -1,6 +1,6 @@
-"""The ONNX function of one MSA layer: `m3compile::MSA`, a body of standard operators (see onnx_export).
+"""The ONNX function of one MSA layer: `m3compile::MSA`, a body of standard operators (see m3compile.export.onnx).
 
-Kept apart from onnx_export (and without postponed annotations) because onnxscript reads the annotations of the
+Kept apart from m3compile.export.onnx (and without postponed annotations) because onnxscript reads the annotations of the
 function it compiles; importing this module registers the op's schema with onnx.
 """
 import onnx

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from m3compile.checkpoint import atomic_output_dir, plan_shards, write_shard_index
+from m3compile.io.checkpoint import atomic_output_dir, plan_shards, write_shard_index
+from m3compile.io.streaming import SafetensorsWriter, nbytes
 
 __all__ = ["SHAPES", "write_synthetic_checkpoint"]
 
@@ -43,14 +44,12 @@ def write_synthetic_checkpoint(out: str | os.PathLike, shape: str | dict = "300m
                                max_shard_size: int = 5 * 10**9, dtype: torch.dtype = torch.bfloat16,
                                force: bool = False) -> Path:
     """A Llama checkpoint directory (config.json, safetensors shards + index) of random weights."""
-    from m3compile.streaming import SafetensorsWriter, _nbytes
-
     cfg = dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
     cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[-1])
     entries = _tensors(cfg)
     shapes = dict(entries)
-    shards = plan_shards([(n, _nbytes(s, dtype)) for n, s in entries], max_shard_size)
+    shards = plan_shards([(n, nbytes(s, dtype)) for n, s in entries], max_shard_size)
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
     with atomic_output_dir(out, force) as tmp:
@@ -64,6 +63,6 @@ def write_synthetic_checkpoint(out: str | os.PathLike, shape: str | dict = "300m
                     t = torch.randn(s, generator=gen) * (1.0 / s[-1] ** 0.5)
                 writer.write(name, t.to(dtype))
             writer.close()
-        write_shard_index(tmp, shards, sum(_nbytes(s, dtype) for _, s in entries))
+        write_shard_index(tmp, shards, sum(nbytes(s, dtype) for _, s in entries))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out

@@ -20,9 +20,9 @@ import torch.fx
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from m3compile.checkpoint import read_checkpoint
+from m3compile.io.checkpoint import read_checkpoint
 from m3compile.errors import M3CompileError
-from models.decoder import MoE, RMSNorm, RotaryEmbedding
+from m3compile.models.decoder import ModelArgs, MoE, RMSNorm, RotaryEmbedding
 
 __all__ = ["write_module", "load_module", "build_submodules"]
 
@@ -36,7 +36,7 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import device
 
-from m3compile.module_io import build_submodules
+from m3compile.io.module_io import build_submodules
 {imports}
 
 inf, nan, NoneType, _torch_Tensor_ = float("inf"), float("nan"), type(None), torch.Tensor
@@ -83,8 +83,6 @@ def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
 def build_submodules(root: nn.Module, table: list, buffers: list = ()) -> None:
     """Create the leaf modules of `table` (path, kind, kwargs) and the non-persistent buffers of `buffers`
     (path, shape, dtype name) under `root`, with plain containers in between."""
-    from models.decoder import ModelArgs
-
     for path, kind, kw in table:
         if kind == "Linear":
             m = nn.Linear(**kw)

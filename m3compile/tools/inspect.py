@@ -19,14 +19,16 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from m3compile.api import PRESETS, convert
-from m3compile.checkpoint import _VISION, args_from_config, read_config, vision_args_from_config
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
-from m3compile.matching import msa_layer, msa_nodes
-from m3compile.streaming import _Source
-from m3compile.tracing import trace
-from models.decoder import Decoder, ModelArgs
+from m3compile.graph.matching import msa_layer, msa_nodes
+from m3compile.graph.tracing import trace
+from m3compile.io.checkpoint import VISION_TENSOR, args_from_config, read_config, vision_args_from_config
+from m3compile.io.streaming import SourceTensors
+from m3compile.models.decoder import PRESETS, Decoder, ModelArgs
+from m3compile.models.vision import Projector, VisionTower
+from m3compile.ops import is_op, op_args, segment_attention
+from m3compile.pipelines import convert, run_pipeline
 
 __all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_mermaid", "layer_subgraph"]
 
@@ -166,10 +168,10 @@ def _layer_rows(gm: torch.fx.GraphModule, args: ModelArgs, converted: set[int]) 
         if args.is_sparse(i):
             row.update(asdict(args.msa))
             if n is not None:  # the index branch: what feeds msa_select but not the layer's own input
-                select = n.args[3]
-                x = select.args[0]
+                select = op_args(n)["blocks"]
+                x = op_args(select)["q_idx"]
                 while x.op != "call_module" or "index_q_proj" not in str(x.target):
-                    x = x.args[0]
+                    x = x.all_input_nodes[0]  # the value the op transforms
                 branch = nx.ancestors(g, select.name) - nx.ancestors(g, x.args[0].name) - {x.args[0].name}
                 row["index_branch_nodes"] = len(branch) + 1
         rows.append(row)
@@ -178,18 +180,14 @@ def _layer_rows(gm: torch.fx.GraphModule, args: ModelArgs, converted: set[int]) 
 
 def _vision_section(vargs, window_now: int | None, window_new: int) -> dict:
     """The ViT on the meta device: its attention ops, and the 3D windows before and after vit_3d_window."""
-    from m3compile.pass_manager import PassManager
-    from models.vision import Projector, VisionTower, segment_attention
-    from passes.vit_3d_window import ViT3DWindow
-
     with torch.device("meta"):
         tower = VisionTower(vargs, window=window_now)
         projector = Projector(vargs)
     gm = trace(tower)
-    attention = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is segment_attention)
+    attention = sum(1 for n in gm.graph.nodes if is_op(n, segment_attention))
     report = None
     if window_now is None:
-        report = PassManager([ViT3DWindow(window_new)]).run(gm)[0].to_dict()
+        report = run_pipeline("vision", gm, window=window_new)[0].to_dict()
     return {
         "layers": vargs.n_layers, "heads": vargs.n_heads, "head_dim": vargs.head_dim, "hidden": vargs.hidden_size,
         "attention_ops": attention, "window_before": window_now or 1, "window_after": window_now or window_new,
@@ -213,8 +211,8 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         path = Path(source)
         cfg = read_config(path)
         args, _ = args_from_config(cfg)
-        src = _Source(path)
-        has_vision = any(_VISION.match(n) for n in src.where)
+        src = SourceTensors(path)
+        has_vision = any(VISION_TENSOR.match(n) for n in src.where)
         vision_args = vision_args_from_config(cfg) if has_vision else None
         checked, name, model_type = src.check(args, vision_args), str(path), cfg.get("model_type", "?")
     else:

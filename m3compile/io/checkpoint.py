@@ -22,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from m3compile.errors import M3CompileError
-from models.decoder import ModelArgs, MSALayerArgs
+from m3compile.models.decoder import ModelArgs, MSALayerArgs
+from m3compile.models.vision import VisionArgs
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -37,13 +38,20 @@ __all__ = [
     "plan_shards",
     "write_shard_index",
     "atomic_output_dir",
+    "shard_files",
+    "internal_names",
+    "strip_prefix",
+    "VISION_TENSOR",
+    "vision_names",
+    "vision_release_names",
+    "vision_args_from_config",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl")
 _M3_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
 # Tensors that carry no weights of the text model (recomputed buffers, multi-token-prediction heads).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|((^|\.)mtp\.)")
-_VISION = re.compile(r"^(vision_tower|multi_modal_projector|patch_merge_mlp|model\.vision_tower|model\.multi_modal_projector)\.")
+VISION_TENSOR = re.compile(r"^(vision_tower|multi_modal_projector|patch_merge_mlp|model\.vision_tower|model\.multi_modal_projector)\.")
 
 
 # release name prefix -> our (and transformers' unprefixed) name prefix, for the vision tower and projector
@@ -63,7 +71,7 @@ def vision_names(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The vision tower and projector tensors of a minimax_m3_vl checkpoint (either layout) under our names."""
     out = {}
     for name, t in raw.items():
-        if not _VISION.match(name):
+        if not VISION_TENSOR.match(name):
             continue
         for old, new in _VISION_RENAMES:
             if name.startswith(old):
@@ -87,8 +95,6 @@ def vision_release_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def vision_args_from_config(cfg: dict):
     """VisionArgs of a minimax_m3_vl config.json, or None for text-only configs and configs without a vision tower."""
-    from models.vision import VisionArgs
-
     v = cfg.get("vision_config")
     if cfg.get("model_type") != "minimax_m3_vl" or not isinstance(v, dict):
         return None
@@ -118,7 +124,7 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]
     layout: str  # "hf" (llama family), "m3-release" or "m3-transformers"
     dtype: torch.dtype
-    vision_args: object = None  # models.vision.VisionArgs when the checkpoint has a vision tower
+    vision_args: VisionArgs | None = None  # when the checkpoint has a vision tower
     vision_state: dict = None  # its tensors under our names (vision_tower.*, multi_modal_projector.*)
 
 
@@ -248,7 +254,7 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
 # Tensors
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -282,7 +288,7 @@ def _read_tensors(files: list[Path], device: str | torch.device = "cpu") -> dict
     return tensors
 
 
-def _strip_prefix(name: str) -> str | None:
+def strip_prefix(name: str) -> str | None:
     """Our name for a text-model tensor name of any layout, or None for tensors outside the text model."""
     for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                      ("model.language_model.", "model.")):
@@ -291,15 +297,15 @@ def _strip_prefix(name: str) -> str | None:
     return name
 
 
-def _internal_names(raw: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], str]:
+def internal_names(raw: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], str]:
     """Map any supported layout to our names; returns the tensors and the layout detected."""
     out: dict[str, torch.Tensor] = {}
     layout = "hf"
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
     for name, t in raw.items():
-        if _IGNORED.search(name) or _VISION.match(name):
+        if _IGNORED.search(name) or VISION_TENSOR.match(name):
             continue
-        name = _strip_prefix(name)
+        name = strip_prefix(name)
         if ".block_sparse_moe." in name or ".index_q_proj." in name or re.search(r"\.experts\.\d+\.w[123]\.", name):
             layout = "m3-release"
         if ".indexer." in name or ".experts.gate_up_proj" in name:
@@ -341,8 +347,8 @@ def read_checkpoint(path: str | os.PathLike, attn_impl: str = "sdpa_gqa") -> Che
     path = Path(path)
     cfg = read_config(path)
     args, _ = args_from_config(cfg, attn_impl)
-    raw = _read_tensors(_shard_files(path))
-    state, layout = _internal_names(raw, args)
+    raw = _read_tensors(shard_files(path))
+    state, layout = internal_names(raw, args)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     dtype = torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes.pop() if len(dtypes) == 1 else torch.float32)
     vision = vision_names(raw)

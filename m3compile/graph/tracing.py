@@ -1,7 +1,7 @@
 """Tracing with torch.fx, and shape propagation on fake tensors (no compute, works on the meta device).
 
 Leaves: torch.nn modules, RMSNorm-like norms and MoE blocks (data-dependent routing). Attention is never a leaf:
-the matcher has to see its dataflow.
+the matcher has to see its dataflow. Every graph op of m3compile.ops stays one node, whichever module calls it.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from m3compile.errors import M3CompileError
-from models.decoder import MoE, RMSNorm
+from m3compile.models.decoder import MoE, RMSNorm
+from m3compile.ops import GRAPH_OPS
 
 __all__ = ["Tracer", "trace", "propagate_shapes", "is_norm_module"]
 
@@ -22,7 +23,10 @@ def is_norm_module(module: torch.nn.Module) -> bool:
 
 
 class Tracer(torch.fx.Tracer):
-    """fx Tracer whose leaves are torch.nn modules, norms and MoE blocks."""
+    """fx Tracer whose leaves are torch.nn modules, norms and MoE blocks, and whose graph ops are single nodes."""
+
+    def __init__(self):
+        super().__init__(autowrap_functions=GRAPH_OPS)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if isinstance(m, LEAF_TYPES) or is_norm_module(m) or "moe" in type(m).__name__.lower():

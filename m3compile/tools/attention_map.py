@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference as ref
+from m3compile.kernels import reference as ref
 from m3compile.errors import M3CompileError
-from models.decoder import Decoder
+from m3compile.models.decoder import Decoder
 
 __all__ = ["AttentionMap", "attention_map", "draw_attention_map", "MAX_MAP_TOKENS"]
 

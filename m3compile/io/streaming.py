@@ -23,18 +23,21 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from m3compile.api import ConversionReport, _output_config, _write_extras, convert, parse_dtype
-from m3compile.checkpoint import (
-    _VISION, _internal_names, _shard_files, _strip_prefix, args_from_config, atomic_output_dir, check_state,
-    plan_shards, read_config, to_release_names, vision_args_from_config, vision_names, vision_release_names,
+from m3compile.config import MSAConfig, parse_dtype
+from m3compile.errors import M3CompileError
+from m3compile.graph.tracing import trace
+from m3compile.io.checkpoint import (
+    VISION_TENSOR, args_from_config, atomic_output_dir, check_state, internal_names, plan_shards, read_config,
+    shard_files, strip_prefix, to_release_names, vision_args_from_config, vision_names, vision_release_names,
     write_shard_index,
 )
-from m3compile.config import MSAConfig
-from m3compile.errors import M3CompileError
-from m3compile.index_init import init_index_weights
-from models.decoder import Decoder, ModelArgs, MSALayerArgs
+from m3compile.io.save import output_config, write_extras
+from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
+from m3compile.models.vision import Projector, VisionTower
+from m3compile.passes.index_init import index_branch_weights
+from m3compile.pipelines import ConversionReport, convert, run_pipeline
 
-__all__ = ["convert_streaming", "SafetensorsWriter", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["convert_streaming", "SafetensorsWriter", "SourceTensors", "nbytes", "DEFAULT_MAX_SHARD_SIZE"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as Hugging Face counts
 
@@ -53,9 +56,9 @@ class SafetensorsWriter:
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, shape, dtype in entries:
-            nbytes = _nbytes(shape, dtype)
-            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
+            size = nbytes(shape, dtype)
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
         self.expected = [(n, tuple(s), d) for n, s, d in entries]
@@ -78,14 +81,14 @@ class SafetensorsWriter:
             raise AssertionError(f"{self.done} of {len(self.expected)} tensors written")
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
+def nbytes(shape, dtype: torch.dtype) -> int:
     n = 1
     for s in shape:
         n *= s
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-class _Source:
+class SourceTensors:
     """The tensors of a checkpoint directory by name: headers for shapes and dtypes, data read on demand.
 
     Files are opened per read batch and closed after it, so no memory map outlives the layer being converted
@@ -95,7 +98,7 @@ class _Source:
         self.path = path
         self.where: dict[str, Path] = {}
         self.headers: dict[str, tuple[list[int], str]] = {}
-        for f in _shard_files(path):
+        for f in shard_files(path):
             with self._open(f) as h:
                 for name in h.keys():
                     sl = h.get_slice(name)
@@ -112,13 +115,11 @@ class _Source:
     def check(self, args: ModelArgs, vision=None) -> int:
         """Every tensor's name and shape against config.json (from headers alone); returns the count checked."""
         metas = {n: self.meta(n) for n in self.where}
-        internal, _ = _internal_names(metas, args)
+        internal, _ = internal_names(metas, args)
         with torch.device("meta"):
             check_state(Decoder(args).state_dict(), internal, self.path, args.tie_embeddings)
         if vision is None:
             return len(internal)
-        from models.vision import Projector, VisionTower
-
         with torch.device("meta"):
             expected = {f"vision_tower.{k}": v for k, v in VisionTower(vision).state_dict().items()}
             expected.update({f"multi_modal_projector.{k}": v for k, v in Projector(vision).state_dict().items()})
@@ -147,7 +148,7 @@ class _Source:
 def _group_of(name: str) -> tuple[int, str]:
     """Read-and-write unit of a source tensor: a whole layer, or one tensor outside the layers (embeddings first,
     then the layers in order, then the final norm and the head). Sorting the keys gives the output order."""
-    stripped = _strip_prefix(name) or name
+    stripped = strip_prefix(name) or name
     m = re.match(r"model\.layers\.(\d+)\.", stripped)
     if m:
         return int(m[1]), ""
@@ -164,7 +165,7 @@ class _Planned:
 
 class _Converter:
     def __init__(self, src: Path, args: ModelArgs, settings: dict[int, MSALayerArgs], dtype: torch.dtype | None):
-        self.source = _Source(src)
+        self.source = SourceTensors(src)
         self.args, self.settings, self.dtype = args, settings, dtype
         self.vision = None  # VisionArgs when the vision tower is kept
         self.groups: dict[tuple[int, str], list[str]] = {}
@@ -177,9 +178,9 @@ class _Converter:
         raw = self.source.load(names) if materialise else {n: self.source.meta(n) for n in names}
         if self.dtype is not None:
             raw = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in raw.items()}
-        if self.vision is not None and all(_VISION.match(n) for n in names):  # vision tower: copied through
+        if self.vision is not None and all(VISION_TENSOR.match(n) for n in names):  # vision tower: copied through
             return vision_release_names(vision_names(raw))
-        state, _ = _internal_names(raw, self.args)
+        state, _ = internal_names(raw, self.args)
         if g[0] in self.settings:
             state.update(self._index_branch(g[0], state))
         if self.args.tie_embeddings:
@@ -189,34 +190,19 @@ class _Converter:
     def _index_branch(self, layer: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         a, s = self.args, self.settings[layer]
         pre = f"model.layers.{layer}.self_attn"
-
-        def scale(name):
-            w = state.get(f"{pre}.{name}.weight")
-            if w is None:
-                return None
-            return (1.0 + w.float()) if a.qk_norm == "gemma" else w.float()
-
-        wq, wk = state[f"{pre}.q_proj.weight"], state[f"{pre}.k_proj.weight"]
-        with torch.no_grad():
-            wq_idx, wk_idx = init_index_weights(
-                wq, wk, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, rope_dim=a.rope_dim,
-                index_dim=s.index_dim, q_scale=scale("q_norm"), k_scale=scale("k_norm"),
-            )
-        zeros = torch.zeros(s.index_dim, dtype=wq.dtype, device=wq.device)  # Gemma-style norms start as identity
-        return {f"{pre}.index_q_proj.weight": wq_idx, f"{pre}.index_k_proj.weight": wk_idx,
-                f"{pre}.index_q_norm.weight": zeros, f"{pre}.index_k_norm.weight": zeros.clone()}
+        weights = index_branch_weights(
+            state[f"{pre}.q_proj.weight"], state[f"{pre}.k_proj.weight"], n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim, rope_dim=a.rope_dim, index_dim=s.index_dim, q_norm=state.get(f"{pre}.q_norm.weight"),
+            k_norm=state.get(f"{pre}.k_norm.weight"), norm_style=a.qk_norm or "rms",
+        )
+        return {f"{pre}.{name}": t for name, t in weights.items()}
 
 
 def _window_vision(vision, window: int):
-    """Trace the vision tower on the meta device and run vit_3d_window on it; returns the pass report."""
-    from m3compile.pass_manager import PassManager
-    from m3compile.tracing import trace
-    from models.vision import VisionTower
-    from passes.vit_3d_window import ViT3DWindow
-
+    """Trace the vision tower on the meta device and run the vision pipeline on it; returns the pass report."""
     with torch.device("meta"):
         tower = VisionTower(vision)
-    return PassManager([ViT3DWindow(window)]).run(trace(tower))[0]
+    return run_pipeline("vision", trace(tower), window=window)[0]
 
 
 def convert_streaming(
@@ -248,7 +234,7 @@ def convert_streaming(
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     conv = _Converter(src, args, settings, parse_dtype(dtype))
-    has_vision = any(_VISION.match(n) for n in conv.source.where)
+    has_vision = any(VISION_TENSOR.match(n) for n in conv.source.where)
     vision = vision_args_from_config(cfg) if has_vision else None
     if has_vision and vision is None:
         raise M3CompileError(f"{src}: vision tensors present but config.json has no minimax_m3_vl vision_config")
@@ -262,8 +248,8 @@ def convert_streaming(
     for g in sorted(conv.groups):
         plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
     by_name = {p.name: p for p in plan}
-    shards = plan_shards([(p.name, _nbytes(p.shape, p.dtype)) for p in plan], max_shard_size)
-    total = sum(_nbytes(p.shape, p.dtype) for p in plan)
+    shards = plan_shards([(p.name, nbytes(p.shape, p.dtype)) for p in plan], max_shard_size)
+    total = sum(nbytes(p.shape, p.dtype) for p in plan)
 
     written = 0
     with atomic_output_dir(out_dir, force) as tmp:
@@ -284,10 +270,10 @@ def convert_streaming(
                 raise
             writer.close()
         write_shard_index(tmp, shards, total)
-        out_cfg = _output_config(cfg, out_args, report.config)
+        out_cfg = output_config(cfg, out_args, report.config)
         if vision is not None:
             out_cfg["vision_config"]["vit_3d_window"] = (config or MSAConfig()).vision_window
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         report.seconds = time.perf_counter() - start
-        _write_extras(tmp, gm, report)
+        write_extras(tmp, gm, report)
     return report

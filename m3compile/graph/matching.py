@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.fx import Node
 
-from m3compile.tracing import is_norm_module, propagate_shapes
-from models.decoder import apply_rope, msa_attention
+from m3compile.graph.tracing import is_norm_module, propagate_shapes
+from m3compile.ops import apply_rope, is_op, msa_attention, op_args
 
-__all__ = ["AttentionMatch", "MatchFailure", "find_attention", "msa_nodes", "META_KEY"]
+__all__ = ["AttentionMatch", "MatchFailure", "find_attention", "msa_nodes", "msa_layer", "META_KEY"]
 
 META_KEY = "m3_attention"
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
@@ -139,7 +139,7 @@ class _Matcher:
         if roped:
             if not _is_fn(n, {apply_rope}):
                 raise _NoMatch(n, f"is not the rotary embedding (apply_rope) expected on {what}")
-            rope, n = n, n.args[0]
+            rope, n = n, op_args(n)["x"]
         norm = None
         if self._module(n) is not None and is_norm_module(self._module(n)):
             norm, n = n.target, n.args[0]
@@ -161,7 +161,8 @@ class _Matcher:
         v_proj, xv, _, _ = self.projection(v_in, "v", False)
         if not (xq is xk is xv):
             raise _NoMatch(anchor, "reads q, k and v from different inputs; expected one hidden state")
-        if q_rope.args[1] is not k_rope.args[1] or q_rope.args[2] is not k_rope.args[2]:
+        q_tables, k_tables = op_args(q_rope), op_args(k_rope)
+        if q_tables["cos"] is not k_tables["cos"] or q_tables["sin"] is not k_tables["sin"]:
             raise _NoMatch(k_rope, "rotates k with other cos/sin tables than q")
         _, hq, _, d = _shape(q)
         _, hkv, _, dk = _shape(k)
@@ -172,8 +173,8 @@ class _Matcher:
         layer = int(m[1]) if m else -1
         return AttentionMatch(
             layer=layer, prefix=prefix, form=form, output=output, x=xq, q=_skip_casts(q), k=k, v=v,
-            q_proj=q_proj, k_proj=k_proj, v_proj=v_proj, q_norm=q_norm, k_norm=k_norm, cos=q_rope.args[1],
-            sin=q_rope.args[2], n_heads=hq, n_kv_heads=hkv, head_dim=d, rope_dim=_shape(q_rope.args[1])[-1],
+            q_proj=q_proj, k_proj=k_proj, v_proj=v_proj, q_norm=q_norm, k_norm=k_norm, cos=q_tables["cos"],
+            sin=q_tables["sin"], n_heads=hq, n_kv_heads=hkv, head_dim=d, rope_dim=_shape(q_tables["cos"])[-1],
             scale=d**-0.5 if scale is None else scale,
         )
 
@@ -312,8 +313,8 @@ def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list
 
 
 def msa_nodes(gm: torch.fx.GraphModule) -> list[Node]:
-    """The block-sparse attention nodes already in the graph (MSA layers)."""
-    return [n for n in gm.graph.nodes if _is_fn(n, {msa_attention})]
+    """The block-sparse attention nodes already in the graph (MSA layers, reference ops)."""
+    return [n for n in gm.graph.nodes if is_op(n, msa_attention)]
 
 
 def msa_layer(n: Node) -> int:
@@ -321,7 +322,7 @@ def msa_layer(n: Node) -> int:
     module path (`...layers.{i}.self_attn.index_q_proj`) of a natively traced MSA model. -1 when unknown."""
     if "m3_msa_layer" in n.meta:
         return n.meta["m3_msa_layer"]
-    todo, seen = [n.args[3]], set()
+    todo, seen = [op_args(n)["blocks"]], set()
     while todo:
         cur = todo.pop()
         if cur in seen:

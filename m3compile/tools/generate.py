@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import decode as paged
-from kernels.indexer import quantize_index_keys, select_blocks
-from kernels.sparse_attention import sparse_attention
+from m3compile.kernels import decode as paged
+from m3compile.kernels.indexer import quantize_index_keys, select_blocks
+from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
-from models.decoder import Attention, Decoder
+from m3compile.models.decoder import Attention, Decoder
 
 __all__ = ["generate", "GenerationResult", "PagedCache"]
 

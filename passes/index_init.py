@@ -23,7 +23,7 @@ import torch
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["init_index_weights"]
+__all__ = ["init_index_weights", "index_branch_weights"]
 
 
 def _shared_key(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,3 +90,26 @@ def init_index_weights(
         wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
         wk_idx[rope_dim:rope_dim + len(keep)] = nu
     return wq_idx.reshape(n_kv_heads * index_dim, hidden).to(dtype), wk_idx.to(dtype)
+
+
+def index_branch_weights(wq: torch.Tensor, wk: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                         rope_dim: int, index_dim: int, q_norm: torch.Tensor | None = None,
+                         k_norm: torch.Tensor | None = None, norm_style: str = "rms") -> dict[str, torch.Tensor]:
+    """The four index-branch tensors of one layer, by their names under the attention block (M3's names):
+    index_q_proj / index_k_proj from `init_index_weights`, and index_q_norm / index_k_norm zero (Gemma-style norms
+    start as identity). q_norm / k_norm: the layer's QK-norm weights, if any, in `norm_style` ("rms": w * x,
+    "gemma": x * (1 + w)). gqa_to_msa and the streaming converter both take their index branch from here."""
+
+    def scale(w):
+        if w is None:
+            return None
+        return (1.0 + w.float()) if norm_style == "gemma" else w.float()
+
+    with torch.no_grad():
+        wq_idx, wk_idx = init_index_weights(
+            wq.detach(), wk.detach(), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dim=rope_dim,
+            index_dim=index_dim, q_scale=scale(q_norm), k_scale=scale(k_norm),
+        )
+    zeros = torch.zeros(index_dim, dtype=wq.dtype, device=wq.device)
+    return {"index_q_proj.weight": wq_idx, "index_k_proj.weight": wk_idx, "index_q_norm.weight": zeros,
+            "index_k_norm.weight": zeros.clone()}

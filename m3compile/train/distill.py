@@ -1,7 +1,8 @@
 """Index-branch distillation (MSA_SPEC section 4): teach a converted model's index branch to select the blocks the
 dense model attends to.
 
-    load converted model -> trace -> kl_distill pass -> AdamW on index parameters only -> checkpoint (resumable)
+    load converted model -> trace -> distill pipeline (kl_distill [+ lower_triton on CUDA]) -> AdamW on the index
+    parameters only -> checkpoint (resumable)
 
 Only the index projections and norms learn (the backbone is frozen and bit-identical afterwards). The first
 `warmup_steps` use dense support with a dense main branch, then the support becomes the selected blocks. Data
@@ -26,12 +27,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from m3compile.api import load, parse_dtype
-from m3compile.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
-from m3compile.data import load_tokens, windows
+from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.pass_manager import PassManager
-from m3compile.tracing import trace
+from m3compile.graph.tracing import trace
+from m3compile.io.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
+from m3compile.io.data import load_tokens, windows
+from m3compile.io.load import load
+from m3compile.pipelines import run_pipeline
 
 __all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "distill", "train",
            "index_parameters"]
@@ -214,8 +216,6 @@ class _Run:
         self.report_file = "train_report.json" if self.training else "distill_report.json"
 
     def run(self, resume: bool, force: bool, progress) -> DistillReport:
-        from passes.kl_distill import KLDistill, set_distill_mode
-
         cfg, out = self.config, self.out_dir
         state = self._read_state() if resume else None
         if not resume and out.exists() and not force:
@@ -233,12 +233,8 @@ class _Run:
             start, history = self._check_resume(state, fingerprint)
 
         gm = trace(model)
-        passes = [KLDistill(cfg.mode(start))]
-        if str(self.device).startswith("cuda"):
-            from passes.lower_triton import LowerTriton
-
-            passes.append(LowerTriton())  # fused indexer, sparse attention and sparse-support KL (+ backwards)
-        PassManager(passes).run(gm)
+        # on CUDA: lowered to the fused indexer, sparse attention and sparse-support KL (+ backwards)
+        run_pipeline("distill", gm, mode=cfg.mode(start), lowered=str(self.device).startswith("cuda"))
         params = dict(gm.named_parameters()) if self.training else index_parameters(gm)
         for p in gm.parameters():
             p.requires_grad_(False)
@@ -258,7 +254,7 @@ class _Run:
             while step < cfg.steps:
                 mode = cfg.mode(step)
                 if gm.meta["m3_kl_distill"].mode != mode:
-                    set_distill_mode(gm, mode)
+                    run_pipeline("distill", gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
                 ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                 x = wins[ids, :-1].to(self.device)
                 logits, kl, recall = net(x)

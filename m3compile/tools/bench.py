@@ -31,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from m3compile.errors import M3CompileError
+from m3compile.kernels.decode import paged_attention, paged_select
+from m3compile.kernels.indexer import quantize_index_keys, select_blocks
+from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, sparse_attention_lse
+from m3compile.kernels.sparse_kl import sparse_index_kl
+from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
 __all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops"]
 
@@ -174,8 +179,6 @@ def _shared_selection(blocks: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
-    from kernels.indexer import select_blocks
-    from kernels.sparse_attention import sparse_attention
 
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
@@ -213,7 +216,7 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
                 t_flex = _flex_time(cfg, q, k, v, sel, scale)
             except Exception as e:  # reported, not fatal: the table says why Flex has no figure
                 flex_err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        t_gather = _time(lambda: sparse_attention(q, k, v, sel, block_size=cfg.block, scale=scale, _stage="gather"),
+        t_gather = _time(lambda: forward_stage(q, k, v, sel, block_size=cfg.block, scale=scale, stage="gather"),
                          cfg)
         sweep = {}
         for qc in cfg.query_chunk_sweep:
@@ -238,8 +241,6 @@ def _flex_time(cfg: BenchConfig, q, k, v, blocks, scale) -> float:
 
 
 def _decode_one(cfg: BenchConfig, T: int, log) -> dict:
-    from kernels.decode import paged_attention, paged_select
-    from kernels.indexer import quantize_index_keys
 
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
@@ -444,7 +445,6 @@ class VisionBenchConfig:
 
 def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
     """Fused varlen kernel vs a Python loop of SDPA calls per window vs one SDPA over windows padded to the longest."""
-    from kernels.varlen_attention import varlen_attention, window_segments
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise M3CompileError("m3c bench --vision needs a CUDA GPU (use --device cpu for a smoke run)")
@@ -513,9 +513,6 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
     time and peak memory (forward + backward, its teacher log-sum-exp pass included) at each length: the memory must
     grow linearly in T. Also the KL step as a lowered training graph runs it: teacher log-sum-exp given (taken from
     the attention forward)."""
-    from kernels.indexer import select_blocks
-    from kernels.sparse_attention import sparse_attention, sparse_attention_lse
-    from kernels.sparse_kl import sparse_index_kl
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise M3CompileError("m3c bench --backward needs a CUDA GPU (use --device cpu for a smoke run)")

@@ -5,7 +5,8 @@ of standard operators (index scores, causal block max, forced blocks, TopK, bloc
 attention), so onnxruntime runs it as is and a runtime with a native MSA kernel can replace the node. The body is
 the plain formulation (it materialises [T, T] scores, like the reference it mirrors), not a fast one.
 
-    converted checkpoint -> load -> trace -> fuse msa_select + msa_attention into torch.ops.m3compile.msa
+    converted checkpoint -> load -> trace -> export pipeline (fuse_msa: msa_select + msa_attention
+    -> torch.ops.m3compile.msa)
     -> torch.onnx.export (dynamo) with a translation that emits the custom node -> add the FunctionProto -> check
 
 A multimodal (minimax_m3_vl) checkpoint also gets vision.onnx: pixel_values [N, C*tp*p*p], positions [N, 3] and
@@ -20,60 +21,28 @@ import os
 from pathlib import Path
 
 import torch
-import torch.fx
 
 from m3compile.errors import M3CompileError
-from models.decoder import msa_attention, msa_select
+from m3compile.graph.tracing import trace
+from m3compile.io.checkpoint import atomic_output_dir
+from m3compile.io.load import load
+from m3compile.models.vision import MultimodalDecoder, VisionExport, onnx_vision_inputs, patchify
+from m3compile.ops import msa_fused
+from m3compile.pipelines import run_pipeline
 
-__all__ = ["export_onnx", "fuse_msa", "MSA_DOMAIN"]
+__all__ = ["export_onnx", "MSA_DOMAIN"]
 
 MSA_DOMAIN = "m3compile"
 OPSET = 20
 
 
-@torch.library.custom_op("m3compile::msa", mutates_args=())
-def _msa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
-            block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
-    """One MSA layer: msa_select (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then msa_attention (q, k, v head-major)."""
-    blocks = msa_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks)
-    return msa_attention(q, k, v, blocks, block_size, scale)
-
-
-@_msa_op.register_fake
-def _(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale):
-    return torch.empty_like(q)
-
-
-def fuse_msa(gm: torch.fx.GraphModule) -> int:
-    """Replace each msa_select + msa_attention pair by one torch.ops.m3compile.msa node; returns the count."""
-    from m3compile.matching import msa_nodes
-
-    count = 0
-    for n in msa_nodes(gm):
-        select = n.args[3]
-        q, k, v, _, block_size, scale, _ = n.args
-        q_idx, k_idx, _, topk, init_blocks, local_blocks = select.args
-        with gm.graph.inserting_before(n):
-            fused = gm.graph.call_function(torch.ops.m3compile.msa.default,
-                                           (q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale))
-        n.replace_all_uses_with(fused)
-        gm.graph.erase_node(n)
-        if not select.users:
-            gm.graph.erase_node(select)
-        count += 1
-    gm.graph.lint()
-    gm.recompile()
-    return count
-
-
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, force: bool = False,
                 check: bool = True) -> Path:
     """Write OUT_DIR/model.onnx for the converted checkpoint in `model_dir` (fp32). Nothing is written on failure."""
-    import onnx
+    import onnx  # optional dependencies: pip install ".[onnx]"
 
-    from m3compile.api import load
-    from m3compile.checkpoint import atomic_output_dir
-    from m3compile.tracing import trace
+    from m3compile.export.onnx_msa import MSA as function
+    from m3compile.export.onnx_msa import translate
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists() and not force:
@@ -81,15 +50,11 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
     model = load(model_dir, dtype="float32")  # raises a one-line error for anything that is not a checkpoint
     if model.args.msa is None and not (model_dir / "conversion_report.json").is_file():
         raise M3CompileError(f"{model_dir} was never converted: run m3c convert first (it has no MSA layers)")
-    from models.vision import MultimodalDecoder
-
     vision = _vision_proto(model) if isinstance(model, MultimodalDecoder) else None
     if vision is not None:
         model = model.language
     gm = trace(model)
-    n_msa = fuse_msa(gm)
-    from m3compile.onnx_msa import MSA as function
-    from m3compile.onnx_msa import translate
+    n_msa = run_pipeline("export", gm)[-1].replaced
     block = model.args.msa.block_size if model.args.msa else 16
     example = torch.zeros(2, 2 * block + 3, dtype=torch.long)
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=2)
@@ -97,7 +62,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
         program = torch.onnx.export(
             gm, (example,), dynamo=True, opset_version=OPSET, input_names=["input_ids"], output_names=["logits"],
             dynamic_shapes=({0: batch, 1: seq},),
-            custom_translation_table={torch.ops.m3compile.msa.default: translate}, verbose=False,
+            custom_translation_table={msa_fused: translate}, verbose=False,
         )
     except Exception as e:
         raise M3CompileError(f"ONNX export failed: {str(e).splitlines()[0]}") from None
@@ -117,8 +82,6 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
 
 def _vision_proto(model):
     """vision.onnx's ModelProto for a MultimodalDecoder (see the module docstring)."""
-    from models.vision import VisionExport, onnx_vision_inputs, patchify
-
     args = model.vision_args
     m = args.spatial_merge_size
     side = 2 * m * args.patch_size  # example: 2 images of 2m x 2m patches, 2 temporal steps each

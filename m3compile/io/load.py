@@ -1,0 +1,63 @@
+"""Loading: a checkpoint directory (dense or converted, any supported layout) or a preset as a runnable model."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from m3compile.config import parse_dtype
+from m3compile.errors import M3CompileError
+from m3compile.io.checkpoint import check_state, load_state_dict, read_checkpoint
+from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding
+from m3compile.models.vision import MultimodalDecoder, VisionRotary, apply_window
+
+__all__ = ["load", "from_preset"]
+
+
+def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
+         attn_impl: str = "sdpa_gqa") -> Decoder:
+    """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder."""
+    ck = read_checkpoint(path, attn_impl)
+    with torch.device("meta"):
+        model = Decoder(ck.args)
+    model = model.to_empty(device=device)
+    load_state_dict(model, ck.state_dict, ck.path)
+    if ck.args.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint
+    model.source_config = ck.config
+    model.source_dtype = ck.dtype
+    if ck.vision_args is not None:  # minimax_m3_vl with its vision tower: the multimodal wrapper
+        with torch.device("meta"):
+            mm = MultimodalDecoder(model, ck.vision_args)
+        mm.vision_tower = mm.vision_tower.to_empty(device=device)
+        mm.multi_modal_projector = mm.multi_modal_projector.to_empty(device=device)
+        mm.language = model
+        vis = {k: v for k, v in mm.state_dict().items() if not k.startswith("language.")}
+        check_state(vis, ck.vision_state, ck.path)
+        _, unexpected = mm.load_state_dict(ck.vision_state, strict=False)  # names and shapes checked above
+        assert not unexpected, unexpected
+        mm.vision_tower.rotary_emb.inv_freq = VisionRotary.frequencies(ck.vision_args).to(device)
+        window = (ck.config.get("vision_config") or {}).get("vit_3d_window")
+        if window:
+            apply_window(mm, int(window))
+        mm.source_config, mm.source_dtype = ck.config, ck.dtype
+        model = mm
+    return model.to(parse_dtype(dtype) or ck.dtype).eval()
+
+
+def from_preset(name: str, seed: int = 0, attn_impl: str = "sdpa_gqa") -> Decoder:
+    """A preset model: `m3-tiny` with seeded random weights, `m3` on the meta device (shapes only)."""
+    if name not in PRESETS:
+        raise M3CompileError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
+    args = PRESETS[name].replace(attn_impl=attn_impl)
+    if name == "m3":
+        with torch.device("meta"):
+            return Decoder(args).eval()
+    torch.manual_seed(seed)
+    model = Decoder(args)
+    with torch.no_grad():  # non-trivial norm weights, as in a trained model (around 1 for w * x, 0 for x * (1 + w))
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.normal_(1.0 if module.style == "rms" else 0.0, 0.1)
+    return model.eval()

@@ -1,0 +1,252 @@
+"""The graph ops: every function that stands as one node in a traced or rewritten graph, with its reference, its
+lowering beside it, and access to its arguments by name.
+
+    op                 reference (plain torch, any device)          lowering (Triton on CUDA, reference elsewhere)
+    apply_rope         NeoX RoPE on the first R channels            -
+    split_heads        [B, T, H*D] -> [B, T, H, D]                  -
+    msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
+    msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
+                                                                    msa_attention_lse_triton (+ per-head LSE)
+    msa_index_kl       kernels.reference.index_kl                   msa_index_kl_triton (fused sparse-support KL)
+    msa (torch.ops.m3compile.msa)  msa_select then msa_attention: the one node per layer that ONNX export emits
+    frame_segments / window_segments / segment_attention   the ViT's attention segments and varlen attention
+
+Passes never read these nodes' arguments by position: `op_args(node)` binds them to the op's parameter names and
+`set_op_arg(node, name, value)` rewrites one (the node keeps its arguments as keywords from then on). The
+project's Tracer (m3compile.graph.tracing) keeps every op here a single node, wherever it is called from.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from m3compile.kernels import indexer, reference as ref, sparse_attention as _sparse, sparse_kl
+from m3compile.kernels import varlen_attention as varlen
+from m3compile.kernels._common import use_triton
+
+__all__ = [
+    "apply_rope", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
+    "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
+    "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
+    "RECALL_ROWS",
+]
+
+RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference ops
+
+
+@torch.fx.wrap
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+@torch.fx.wrap
+def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """[B, T, n_heads * head_dim] -> [B, T, n_heads, head_dim]."""
+    return x.view(*x.shape[:-1], n_heads, head_dim)
+
+
+@torch.fx.wrap
+def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
+    """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty)."""
+    return ref.select_blocks(
+        q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+        local_blocks=local_blocks,
+    )
+
+
+@torch.fx.wrap
+def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
+
+    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
+    """
+    if not sparse:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+@torch.fx.wrap
+def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
+    """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di], blocks [B, Hi, T, K] -> two scalars.
+    `teacher_lse` (the attention's per-head log-sum-exp, given by a lowered graph) is only used by the lowering.
+    """
+    kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
+                              scale=scale)
+    return kl.mean(), recall.mean()
+
+
+def _grid(grid_thw) -> torch.Tensor:
+    return torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).cpu()
+
+
+@torch.fx.wrap
+def frame_segments(grid_thw) -> torch.Tensor:
+    """cu_seqlens of the per-frame ViT: every temporal step of every image/video is its own segment."""
+    return varlen.window_segments(_grid(grid_thw), 1)
+
+
+@torch.fx.wrap
+def window_segments(grid_thw, window: int) -> torch.Tensor:
+    """cu_seqlens of 3D windows of at most `window` temporal steps (kernels.varlen_attention.window_segments)."""
+    return varlen.window_segments(_grid(grid_thw), window)
+
+
+@torch.fx.wrap
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention inside each segment. q/k/v [N, H, D] -> [N, H, D].
+
+    segments: cu_seqlens [S + 1] (the fused varlen kernel on CUDA, its reference elsewhere) or a [N, N] bool mask
+    of same-segment pairs (one masked SDPA: the exportable form that vision.onnx uses)."""
+    if segments.dtype == torch.bool:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=segments, scale=scale)  # 4D: what the ONNX exporter takes
+        return o[0].transpose(0, 1)
+    return varlen.varlen_attention(q, k, v, segments.to(q.device), scale=scale)
+
+
+@torch.library.custom_op("m3compile::msa", mutates_args=())
+def _msa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+            block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
+    """One MSA layer: msa_select (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then msa_attention (q, k, v head-major)."""
+    blocks = msa_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks)
+    return msa_attention(q, k, v, blocks, block_size, scale)
+
+
+@_msa_op.register_fake
+def _(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale):
+    return torch.empty_like(q)
+
+
+msa_fused = torch.ops.m3compile.msa.default  # what passes/fuse_msa.py puts in place of msa_select + msa_attention
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lowered ops: the same signatures, the Triton kernels on CUDA tensors (and under TRITON_INTERPRET=1), the torch
+# reference elsewhere, so a lowered graph still runs anywhere.
+
+
+def recall_rows(T: int, device=None) -> torch.Tensor:
+    """Query positions block recall is measured on: all T up to RECALL_ROWS, else RECALL_ROWS evenly spaced ones
+    from the first to the last (distinct: their spacing exceeds one), so the dense log-sum-exp behind a logged
+    metric stays linear in T (BENCHMARKS.md has what the full version cost)."""
+    if T <= RECALL_ROWS:
+        return torch.arange(T, device=device)
+    return torch.linspace(0, T - 1, RECALL_ROWS, device=device).round().long()
+
+
+def _all_selected(T: int, block_size: int, topk: int) -> bool:
+    """Every visible block is selected: MSA is dense causal attention exactly (MSA_SPEC 2.6)."""
+    return -(-T // block_size) <= topk
+
+
+@torch.fx.wrap
+def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
+    """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty)."""
+    return indexer.select_blocks(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                 local_blocks=local_blocks)
+
+
+@torch.fx.wrap
+def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """Gather-Q block-sparse attention. q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
+
+    When every visible block is selected MSA is dense causal attention exactly, and the dense kernel (SDPA) runs.
+    """
+    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return _sparse.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+@torch.fx.wrap
+def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """msa_attention_triton that also returns each head's log-sum-exp over the selected keys ([B, T, Hq] fp32, base
+    2, no gradient; None where SDPA or the torch reference runs): lowering wires it into the same layer's KL hook
+    as the teacher's normaliser, so the hook needs no attention pass of its own."""
+    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True), None
+    return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale)
+
+
+@torch.fx.wrap
+def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
+    """Mean KL and mean block recall of one MSA layer, as msa_index_kl.
+
+    Sparse support on CUDA: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's
+    per-head log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only
+    pass when not given), and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense
+    teacher's mass inside the selected blocks), no T x T tensor and no gradient. lse_all, the dense log-sum-exp over
+    every visible key, is O(T) per query, so recall is measured on `recall_rows`. Warm-up (dense support) and CPU
+    tensors keep the chunked torch reference.
+    """
+    T = q.shape[2]
+    if not sparse or not use_triton(q, k, q_idx, k_idx) or _all_selected(T, block_size, blocks.shape[-1]):
+        return msa_index_kl(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
+    q, k = q.detach(), k.detach()
+    with torch.no_grad():
+        lse_sel = teacher_lse
+        if lse_sel is None:
+            lse_sel = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
+        rows = recall_rows(T, q.device)
+        lse_all = ref.causal_lse(q, k, scale, rows=rows)  # [B, rows, Hq], base 2
+        G = q.shape[1] // k.shape[1]
+        recall = torch.exp2(lse_sel[:, rows] - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, rows, Hi]
+    kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=block_size, scale=scale,
+                                   teacher_lse=lse_sel)
+    return kl.mean(), recall.mean()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vocabulary: what the tracer keeps as single nodes, what lowering swaps, and arguments by name
+
+LOWERING: dict[Callable, Callable] = {
+    msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
+}
+GRAPH_OPS: tuple[Callable, ...] = (
+    apply_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
+    segment_attention, msa_select_triton, msa_attention_triton, msa_attention_lse_triton, msa_index_kl_triton,
+)
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature(target) -> inspect.Signature:
+    if target not in _SIGNATURES:
+        _SIGNATURES[target] = inspect.signature(target)
+    return _SIGNATURES[target]
+
+
+def is_op(node, *ops) -> bool:
+    """Whether `node` calls one of `ops` (a call_function node)."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in ops
+
+
+def op_args(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of a graph-op node by parameter name, defaults filled in."""
+    bound = _signature(node.target).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def set_op_arg(node: torch.fx.Node, name: str, value) -> None:
+    """Set one argument of a graph-op node by name; the node's arguments become keywords."""
+    args = op_args(node)
+    if name not in args:
+        raise KeyError(f"{getattr(node.target, '__name__', node.target)} has no argument {name!r}")
+    args[name] = value
+    node.args, node.kwargs = (), args

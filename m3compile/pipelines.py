@@ -1,0 +1,127 @@
+"""The pipelines, declared once: which registered passes run, in which order, for each job.
+
+    convert   gqa_to_msa                                   dense GQA attention -> MSA (index branch + selection)
+    vision    vit_3d_window                                a ViT's per-frame attention -> 3D windows
+    distill   kl_distill [-> lower_triton on CUDA]         KL hooks for the index branch, then the Triton kernels
+    lower     lower_triton                                 reference MSA ops -> Triton-backed ops (last)
+    export    strip_kl_distill -> fuse_msa                 one torch.ops.m3compile.msa node per layer (ONNX)
+
+The pass manager enforces the stage order (rewrite -> distil -> lower). `convert(model)` and `lower(model)` are the
+in-memory verbs built on them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+from m3compile.config import MSAConfig
+from m3compile.errors import M3CompileError
+from m3compile.graph.pass_manager import Pass, PassManager, PassReport
+from m3compile.graph.tracing import trace
+from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
+from m3compile.passes import FuseMSA, GQAToMSA, KLDistill, LowerTriton, StripKLDistill, ViT3DWindow
+
+__all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]
+
+PIPELINES: dict[str, Callable[..., list[Pass]]] = {
+    "convert": lambda config=None: [GQAToMSA(config)],
+    "vision": lambda window=4: [ViT3DWindow(window)],
+    "distill": lambda mode="warmup", lowered=False: [KLDistill(mode)] + ([LowerTriton()] if lowered else []),
+    "lower": lambda: [LowerTriton()],
+    "export": lambda: [StripKLDistill(), FuseMSA()],
+}
+
+
+def pipeline(name: str, **options) -> PassManager:
+    """The PassManager of one declared pipeline; `options` go to its passes (see PIPELINES)."""
+    if name not in PIPELINES:
+        raise M3CompileError(f"unknown pipeline {name!r} (pipelines: {', '.join(PIPELINES)})")
+    return PassManager(PIPELINES[name](**options))
+
+
+def run_pipeline(name: str, gm: torch.fx.GraphModule, **options) -> list[PassReport]:
+    return pipeline(name, **options).run(gm)
+
+
+@dataclass
+class ConversionReport:
+    """What `convert` did: per layer, per pass, and the parameter counts."""
+
+    model: str
+    config: MSAConfig
+    layers: list[dict]  # {"layer", "attention": "msa"|"dense", "converted"}
+    passes: list[PassReport]
+    params_before: int
+    params_after: int
+    seconds: float = 0.0
+
+    @property
+    def index_params(self) -> int:
+        return self.params_after - self.params_before
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "config": self.config.to_dict(), "layers": self.layers,
+            "passes": [p.to_dict() for p in self.passes], "params_before": self.params_before,
+            "params_after": self.params_after, "index_params": self.index_params, "seconds": round(self.seconds, 3),
+        }
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None) -> tuple[torch.fx.GraphModule, ConversionReport]:
+    """Trace `model`, rewrite its causal GQA attention into MSA; returns (GraphModule, report).
+
+    The model's own weights are shared with the GraphModule, not copied; the index-branch weights are new.
+    """
+    config = config or MSAConfig()
+    start = time.perf_counter()
+    args: ModelArgs | None = getattr(model, "args", None)
+    if args is not None:
+        bad = [i for i in config.dense_layers if i >= args.n_layers]
+        if bad:
+            raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
+    params_before = _count(model)
+    gm = trace(model)
+    manager = pipeline("convert", config=config)
+    reports = manager.run(gm)
+    gqa = manager.passes[0]
+    if args is not None:
+        gm.meta["model_args"] = _converted_args(args, gqa.layer_settings)
+    layers = []
+    out_args = gm.meta.get("model_args")
+    for i in range(out_args.n_layers if out_args else 0):
+        layers.append({"layer": i, "attention": "msa" if out_args.is_sparse(i) else "dense",
+                       "converted": i in gqa.layer_settings})
+    report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm))
+    report.seconds = time.perf_counter() - start
+    return gm, report
+
+
+def lower(model: torch.nn.Module) -> torch.fx.GraphModule:
+    """The model (a converted GraphModule, or a Decoder loaded from a converted checkpoint) with its MSA ops lowered
+    to the Triton kernels (passes/lower_triton.py). The result runs Triton on CUDA and the torch reference on CPU."""
+    gm = model if isinstance(model, torch.fx.GraphModule) else trace(model)
+    if isinstance(model, Decoder):
+        gm.meta["model_args"] = model.args
+    report = run_pipeline("lower", gm)[0]
+    if not report.replaced:
+        raise M3CompileError("the model has no MSA layer to lower (convert it first)")
+    gm.meta["lowering"] = report
+    return gm
+
+
+def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs]) -> ModelArgs:
+    if not settings:
+        return args
+    new = next(iter(settings.values()))
+    if args.msa is not None and args.msa != new:
+        raise M3CompileError(f"the model's MSA layers use {args.msa}; converting more layers with {new} would mix settings")
+    sparse = [args.is_sparse(i) or i in settings for i in range(args.n_layers)]
+    return args.replace(sparse_layers=tuple(sparse), msa=new)
