@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from m3compile.kernels import varlen_attention as varlen
+from m3compile.models.decoder import FP32Frequencies
 from m3compile.ops import frame_segments, segment_attention, window_segments
 
 __all__ = ["VisionArgs", "VisionTower", "Projector", "MultimodalDecoder", "patchify", "segment_ids",
@@ -125,7 +126,7 @@ def check_grid(pixel_values: torch.Tensor, grid_thw, args: VisionArgs) -> None:
 # Modules
 
 
-class VisionRotary(nn.Module):
+class VisionRotary(FP32Frequencies):
     """3D RoPE: axis_dim channels each for t, h and w (equal frequency bands); the remaining channels pass."""
 
     def __init__(self, args: VisionArgs):

@@ -46,6 +46,19 @@ def test_onnxruntime_matches_pytorch(exported, batch, length):
         assert np.abs(want - dense).max() > 1e-2  # selection really dropped blocks
 
 
+def test_onnxruntime_matches_the_checkpoint_loaded_in_its_own_dtype(exported):
+    """Issue 22: the bf16 checkpoint loaded as is, then cast with .float(), is the exported model: its RoPE frequencies
+    stay fp32 (rounded to bf16, the logits differed from the export by 8 at 150 tokens)."""
+    session = ort.InferenceSession(str(exported / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    model = load(exported / "msa")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    x = torch.randint(0, 256, (1, 150))
+    (got,) = session.run(None, {"input_ids": x.numpy()})
+    with torch.no_grad():
+        want = model.float()(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_dense_only_model_uses_no_custom_domain(tmp_path):
     convert_checkpoint(LLAMA_BYTE, tmp_path / "dense", MSAConfig(dense_layers=tuple(range(6))))
     code, output = run("export-onnx", tmp_path / "dense", tmp_path / "onnx")

@@ -173,4 +173,9 @@ def load_module(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype
                 targets[name].copy_(t)
     if ck.args.tie_embeddings and hasattr(module, "lm_head"):
         module.lm_head.weight = module.model.embed_tokens.weight
-    return module.to(dtype or ck.dtype).eval()
+    module = module.to(dtype or ck.dtype)
+    for name, t in buffers.items():  # the graph's own buffers (RoPE frequencies) stay as written (fp32), as in load
+        if name in targets:
+            owner, leaf = _owner(module, name)
+            setattr(owner, leaf, t.to(device))
+    return module.eval()
