@@ -3,6 +3,7 @@ lowering beside it, and access to its arguments by name.
 
     op                 reference (plain torch, any device)          lowering (Triton on CUDA, reference elsewhere)
     apply_rope         NeoX RoPE on the first R channels            -
+    apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
     msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
     msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
@@ -29,7 +30,7 @@ from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
-    "apply_rope", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
+    "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
     "RECALL_ROWS",
@@ -51,6 +52,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = r // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def index_rope_dim(rope_dim: int, index_dim: int) -> int:
+    """Width of the index branch's RoPE table: the main table (R = rope_dim) cut to the index head's first index_dim
+    channels, so min(R, index_dim) (transformers' MiniMaxM3VLIndexer: cos[..., :index_head_dim])."""
+    return min(rope_dim, index_dim)
+
+
+@torch.fx.wrap
+def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of the index branch, the one rule every path uses: x [B, T, H, Di], cos/sin the main table [B, T, R].
+
+    The table is cut to its first index_rope_dim(R, Di) channels and NeoX RoPE runs over that cut width w, as
+    transformers' M3 indexer does. With Di >= R this is the main branch's RoPE; with Di < R the cut table keeps
+    the first w entries of the frequencies [f_0 .. f_{R/2-1}, f_0 .. f_{R/2-1}] and rotate_half pairs channel p
+    with p + w/2 of the cut width (not p + R/2): each pair then mixes two frequencies, so it is not a rotation,
+    but it is the reference.
+    """
+    w = index_rope_dim(cos.shape[-1], x.shape[-1])
+    return apply_rope(x, cos[..., :w], sin[..., :w])
 
 
 @torch.fx.wrap
@@ -219,7 +240,7 @@ LOWERING: dict[Callable, Callable] = {
     msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
 }
 GRAPH_OPS: tuple[Callable, ...] = (
-    apply_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
+    apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
     segment_attention, msa_select_triton, msa_attention_triton, msa_attention_lse_triton, msa_index_kl_triton,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from m3compile.ops import apply_rope, msa_attention, msa_select, split_heads
+from m3compile.ops import apply_index_rope, apply_rope, msa_attention, msa_select, split_heads
 
 __all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS"]
 
@@ -249,7 +249,7 @@ class Attention(nn.Module):
         x = x.detach()
         q_idx = self.index_q_norm(split_heads(self.index_q_proj(x), self.msa.index_heads, self.msa.index_dim))
         k_idx = self.index_k_norm(split_heads(self.index_k_proj(x), 1, self.msa.index_dim))
-        return apply_rope(q_idx, cos, sin), apply_rope(k_idx, cos, sin)[:, :, 0]
+        return apply_index_rope(q_idx, cos, sin), apply_index_rope(k_idx, cos, sin)[:, :, 0]
 
     def _msa(self, x, q, k, v, cos, sin):
         m = self.msa

@@ -13,7 +13,7 @@ from m3compile.graph.matching import AttentionMatch, find_attention, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.graph.tracing import propagate_shapes
 from m3compile.models.decoder import MSALayerArgs, RMSNorm
-from m3compile.ops import apply_rope, is_op, msa_attention, msa_select, op_args, split_heads
+from m3compile.ops import apply_index_rope, is_op, msa_attention, msa_select, op_args, split_heads
 from m3compile.passes.index_init import index_branch_weights
 
 __all__ = ["GQAToMSA"]
@@ -26,7 +26,8 @@ class GQAToMSA(Pass):
     Adds, per converted layer, `index_q_proj` [Hkv*Di, hidden], `index_k_proj` [Di, hidden], `index_q_norm` and
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
     (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
-    branch's RoPE, and `msa_select` picks top-k blocks per KV group; `msa_attention` replaces the attention op.
+    branch's RoPE table cut to the index width (apply_index_rope), and `msa_select` picks top-k blocks per KV
+    group; `msa_attention` replaces the attention op.
     Layers listed in `dense_layers` keep dense attention. Requires: shapes propagated (done if missing).
     """
 
@@ -103,8 +104,8 @@ class GQAToMSA(Pass):
             k_idx = g.call_function(split_heads, (), dict(x=k_idx, n_heads=1, head_dim=index_dim))
             q_idx = g.call_module(names["index_q_norm"], (q_idx,))
             k_idx = g.call_module(names["index_k_norm"], (k_idx,))
-            q_idx = g.call_function(apply_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin))
-            k_idx = g.call_function(apply_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin))
+            q_idx = g.call_function(apply_index_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin))
+            k_idx = g.call_function(apply_index_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin))
             k_idx = g.call_function(operator.getitem, (k_idx, (slice(None), slice(None), 0)))
             blocks = g.call_function(msa_select, (), dict(
                 q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,

@@ -86,6 +86,27 @@ def test_generate_equals_greedy_recompute(llama_dir):
         assert res.tokens[b] == seq[len(prompt):]
 
 
+def test_generate_with_an_index_head_narrower_than_rope(tmp_path):
+    """Index dim 24 below the rotary width 32 (issue 21): the decode path's index keys get the same cut-table RoPE
+    as the prefill, so paged generation (torch references and Triton kernels) follows transformers' greedy logits."""
+    from tests.models.test_hf_parity import m3_index_rope_model
+
+    hf = m3_index_rope_model(24)
+    hf.save_pretrained(tmp_path / "m3")
+    model = m3compile.load(tmp_path / "m3", dtype="float32")
+    prompts = [torch.randint(0, 64, (45,)).tolist(), torch.randint(0, 64, (20,)).tolist()]  # 45 + 6 > 3 blocks of 16
+    slow = m3compile.generate(model, prompts, 6, backend="torch")
+    fast = m3compile.generate(model, prompts, 6)
+    assert fast.tokens == slow.tokens
+    for b, prompt in enumerate(prompts):
+        seq = prompt + slow.tokens[b]
+        with torch.no_grad():
+            want = hf(torch.tensor([seq[:-1]])).logits[0, len(prompt) - 1:]
+        for res in (slow, fast):
+            assert (res.prefill_logits[b] - want[0]).abs().max().item() < 1e-4
+            assert (res.step_logits[:, b] - want[1:]).abs().max().item() < 1e-4
+
+
 def test_generate_with_triton_kernels_matches_reference(tiny_dir):
     model = m3compile.load(tiny_dir)
     prompts = [torch.randint(0, 256, (29,)).tolist(), torch.randint(0, 256, (9,)).tolist(), [5]]

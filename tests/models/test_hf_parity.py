@@ -82,7 +82,10 @@ def _m3_text_model(block=4, topk=2, local=1):
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None, eos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
-    model = transformers.MiniMaxM3VLForCausalLM(cfg).eval()
+    return _randomise_m3(transformers.MiniMaxM3VLForCausalLM(cfg).eval())
+
+
+def _randomise_m3(model):
     with torch.no_grad():  # non-trivial norms and router bias
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -141,3 +144,60 @@ def test_m3_release_layout_and_vl_wrapper(tmp_path):
     x = torch.randint(0, 64, (1, 29))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), hf(x).logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The index head against the rotary width (issue 21): transformers' indexer applies RoPE with the main table cut to
+# the index width, cos[..., :index_head_dim], and rotate_half pairs channels of that cut width.
+
+
+def m3_index_rope_model(index_dim, partial=None):
+    """Issue 21's config: 6 query / 3 KV heads of 32, `rotary_dim` 16 (which transformers ignores: the table is 32
+    wide unless rope_parameters has partial_rotary_factor), block 16, top-3."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if partial is not None:
+        rope["partial_rotary_factor"] = partial
+    cfg = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=16, dense_intermediate_size=24, shared_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=32, rotary_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, index_n_heads=3, index_head_dim=index_dim, index_block_size=16,
+        index_topk_blocks=3, index_local_blocks=1, layer_types=["full_attention", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse"], bos_token_id=None, eos_token_id=None, rope_parameters=rope,
+    )
+    return _randomise_m3(transformers.MiniMaxM3VLForCausalLM(cfg).eval())
+
+
+@pytest.mark.parametrize("index_dim,partial,rope_dim", [(24, None, 32), (32, None, 32), (40, None, 32), (12, 0.5, 16)],
+                         ids=["below", "equal", "above", "below-partial"])
+def test_m3_index_dim_against_rotary_width_matches_transformers(tmp_path, index_dim, partial, rope_dim):
+    hf = m3_index_rope_model(index_dim, partial)
+    ours = _compare(hf, tmp_path / "m3", tokens=70)  # 70 tokens, 5 blocks of 16, top-3: really sparse
+    assert ours.args.rope_dim == rope_dim and ours.args.msa.index_dim == index_dim
+
+
+def test_m3_narrow_index_head_on_every_path(tmp_path):
+    """Index dim 24 < rotary width 32: the traced graph, the converted checkpoint (config round trip), its
+    standalone module, the Triton-lowered model and the ONNX export all give transformers' logits."""
+    from m3compile.export.onnx import export_onnx
+    from m3compile.graph.tracing import trace
+    from m3compile.ops import apply_index_rope
+
+    hf = m3_index_rope_model(24)
+    hf.save_pretrained(tmp_path / "tf")
+    ours = m3compile.load(tmp_path / "tf", dtype="float32")
+    m3compile.convert_checkpoint(tmp_path / "tf", tmp_path / "conv", m3compile.MSAConfig(block_size=16, topk=3))
+    reloaded = m3compile.load(tmp_path / "conv", dtype="float32")
+    assert reloaded.args == ours.args
+    gm = trace(ours)
+    assert sum(n.target is apply_index_rope for n in gm.graph.nodes) == 2
+    x = torch.randint(0, 64, (2, 70))
+    with torch.no_grad():
+        want = hf(x).logits
+        outputs = {"traced": gm(x), "reloaded": reloaded(x), "lowered": m3compile.lower(reloaded)(x),
+                   "module": m3compile.load_module(tmp_path / "conv", dtype=torch.float32)(x)}
+    import onnxruntime as ort
+    export_onnx(tmp_path / "conv", tmp_path / "onnx")
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    outputs["onnx"] = torch.from_numpy(session.run(None, {"input_ids": x.numpy()})[0])
+    for name, got in outputs.items():
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
