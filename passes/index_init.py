@@ -16,6 +16,10 @@ rotate (partial RoPE) get the same treatment with real numbers, one channel at a
 such channels than the dense head, the channels with the largest sum_g |alpha_g|^2 |beta_g|^2 are kept. Biases are
 dropped (M3's index projections have none) and the index norms start as identity (Gemma-style weight 0).
 `m3c eval` reports the block recall this reaches.
+
+The index dim must be at least the rotary width R: a narrower index head gets the main table cut to its width
+(models.decoder.apply_index_rope, the `transformers` rule), whose channel pairs (p, p + Di/2) mix two
+frequencies, so no per-pair map commutes with it; the converter refuses such an index_dim with an M3CompileError.
 """
 from __future__ import annotations
 
@@ -58,8 +62,9 @@ def init_index_weights(
 
     wq [Hq * D, hidden], wk [Hkv * D, hidden]; q_scale/k_scale [D]: the effective per-channel scale of a QK norm.
     """
-    if index_dim < rope_dim:
-        raise M3CompileError(f"index_dim ({index_dim}) must be at least the rotary dims of the model ({rope_dim})")
+    if index_dim < rope_dim:  # the index RoPE would be the main table cut to index_dim (apply_index_rope): no fit
+        raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({rope_dim}): "
+                             f"conversion needs index_dim >= {rope_dim}")
     hidden, dtype = wq.shape[1], wq.dtype
     if wq.is_meta:
         return (torch.empty(n_kv_heads * index_dim, hidden, device="meta", dtype=dtype),

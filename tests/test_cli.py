@@ -127,6 +127,14 @@ def test_bad_msa_options(small_ckpt, tmp_path):
                          "dense layer 7 does not exist")
 
 
+def test_index_dim_below_the_rotary_width(small_ckpt, tmp_path):
+    """The converter refuses an index head narrower than the rotary width (full RoPE: 8; m3-tiny's partial: 8 of 16)."""
+    assert_clean_failure(*run("convert", small_ckpt, tmp_path / "o", "--index-dim", 4), tmp_path / "o",
+                         "index_dim (4) is below the model's rotary width (8): conversion needs index_dim >= 8")
+    assert_clean_failure(*run("convert", "--preset", "m3-tiny", "--out", tmp_path / "p", "--index-dim", 6), tmp_path / "p",
+                         "index_dim (6) is below the model's rotary width (8)")
+
+
 @pytest.mark.parametrize("make,needle", [
     (lambda p: np.save(p, np.arange(10, dtype=np.int64)), "fewer than one sequence"),
     (lambda p: np.save(p, np.array([1, 2, 999] * 100, dtype=np.int64)), "token id 999 is outside"),
