@@ -29,6 +29,7 @@ from m3compile.tools.attention_map import attention_map as compute_attention_map
 from m3compile.tools.bench import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
+from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 
 EXIT_BAD_INPUT = 2
@@ -224,9 +225,11 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
 @click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
 @click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
+              help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, as_json):
+            resume, force, autocast, as_json):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -236,7 +239,7 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     """
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}")
@@ -287,9 +290,11 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
 @click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
 @click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
+              help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
-          resume, force, as_json):
+          resume, force, autocast, as_json):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -300,7 +305,7 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
     """
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
     _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, as_json,
                   lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
@@ -526,9 +531,21 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--vision-window", default=4, show_default=True, help="--vision: temporal steps per 3D window.")
 @click.option("--vision-heads", default=16, show_default=True, help="--vision: ViT heads (M3: 16).")
 @click.option("--vision-head-dim", default=80, show_default=True, help="--vision: ViT head dim (M3: 80).")
+@click.option("--distill", "distill_model", default=None, metavar="MODEL_DIR|PRESET",
+              help="Instead: distillation and training steps vs the frozen dense forward on this model (a checkpoint "
+                   "directory or a preset: llama3-8b, qwen2.5-7b, smollm2-135m, m3-tiny); writes distill.json. Uses "
+                   "--block/--topk to convert a dense model.")
+@click.option("--distill-seq-len", default="8K", show_default=True, help="--distill: tokens per sequence.")
+@click.option("--distill-batch", default=2, show_default=True, help="--distill: sequences per step.")
+@click.option("--distill-dtype", default="bfloat16", show_default=True, help="--distill: the backbone's weight dtype.")
+@click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
+              help="--distill: as m3c distill --autocast.")
+@click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
+@click.option("--steps", default=5, show_default=True, help="--distill: timed steps (median reported) after 2 untimed.")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
-          vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim):
+          vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
+          distill_batch, distill_dtype, distill_autocast, no_train, steps):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -542,6 +559,9 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     OUT/bench.json and OUT/bench.png.
     """
 
+    if distill_model:
+        return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
+                              distill_dtype, distill_autocast, not no_train, steps, device, out_dir)
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
                                _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
@@ -586,6 +606,29 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                       f"{s['bf16_x']:.2f}", f"{s['fp8_x']:.2f}", f"{s['ideal_bf16']:.2f}", f"{s['ideal_fp8']:.2f}")
         console.print(t)
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+
+
+def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, steps, device, out_dir):
+    cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
+               autocast=autocast, train=train, steps=steps, device=device)
+    console = _console()
+    result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
+    t = Table(title=f"{result['model']}: {result['layers']} layers, {batch} x {seq_len:,} tokens, block "
+                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}")
+    for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
+              "rest fwd", "rest bwd", "optimizer", "host wait"):
+        t.add_column(c, justify="right")
+    for r in result["rows"]:
+        b = r.get("breakdown") or {}
+        cell = (lambda k: f"{b[k]:.1f}" if k in b else "-")
+        attention = f"{b['attention_fwd_ms'] + b['attention_bwd_ms']:.1f}" if b else "-"
+        t.add_row(r["stage"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", r["ratio_to"],
+                  f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
+                  cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"), cell("host_wait_ms"))
+    console.print(t)
+    console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
 
 
 def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, device, rep_ms, out_dir):

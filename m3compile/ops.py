@@ -18,6 +18,7 @@ project's Tracer (m3compile.graph.tracing) keeps every op here a single node, wh
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -33,10 +34,21 @@ __all__ = [
     "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
-    "RECALL_ROWS",
+    "RECALL_ROWS", "visible_blocks",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
+
+
+def _scoped(name: str):
+    """Run the op inside a profiler range `m3c.<name>` (what `m3c bench --distill` attributes GPU time to)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(f"m3c.{name}"):
+                return fn(*args, **kwargs)
+        return run
+    return decorate
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,6 +93,7 @@ def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 @torch.fx.wrap
+@_scoped("msa_select")
 def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
     """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty)."""
     return ref.select_blocks(
@@ -90,6 +103,7 @@ def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, l
 
 
 @torch.fx.wrap
+@_scoped("msa_attention")
 def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
 
@@ -101,6 +115,7 @@ def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool =
 
 
 @torch.fx.wrap
+@_scoped("msa_index_kl")
 def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
     """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
 
@@ -178,6 +193,7 @@ def _all_selected(T: int, block_size: int, topk: int) -> bool:
 
 
 @torch.fx.wrap
+@_scoped("msa_select")
 def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
     """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty)."""
     return indexer.select_blocks(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
@@ -185,6 +201,7 @@ def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int
 
 
 @torch.fx.wrap
+@_scoped("msa_attention")
 def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """Gather-Q block-sparse attention. q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
 
@@ -196,6 +213,7 @@ def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse:
 
 
 @torch.fx.wrap
+@_scoped("msa_attention")
 def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """msa_attention_triton that also returns each head's log-sum-exp over the selected keys ([B, T, Hq] fp32, base
     2, no gradient; None where SDPA or the torch reference runs): lowering wires it into the same layer's KL hook
@@ -205,31 +223,54 @@ def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, spa
     return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale)
 
 
-@torch.fx.wrap
-def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
-    """Mean KL and mean block recall of one MSA layer, as msa_index_kl.
+def visible_blocks(B: int, H: int, T: int, block_size: int, device=None) -> torch.Tensor:
+    """[B, H, T, ceil(T / block_size)] int32: every causally visible block of each query (its own included), -1
+    after: the selection that makes the support every visible key (the warm-up's dense support)."""
+    nb = -(-T // block_size)
+    ids = torch.arange(nb, device=device, dtype=torch.int32)
+    own = torch.arange(T, device=device, dtype=torch.int32) // block_size
+    table = torch.where(ids[None, :] <= own[:, None], ids[None, :], -1)  # [T, nb]
+    return table.expand(B, H, T, nb).contiguous()
 
-    Sparse support on CUDA: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's
-    per-head log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only
-    pass when not given), and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense
-    teacher's mass inside the selected blocks), no T x T tensor and no gradient. lse_all, the dense log-sum-exp over
-    every visible key, is O(T) per query, so recall is measured on `recall_rows`. Warm-up (dense support) and CPU
-    tensors keep the chunked torch reference.
+
+@torch.fx.wrap
+@_scoped("msa_index_kl")
+def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
+    """Mean KL and mean block recall of one MSA layer, as msa_index_kl; Triton on CUDA for both supports.
+
+    Sparse support: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's per-head
+    log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only pass when
+    not given), and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense teacher's mass
+    inside the selected blocks), no T x T tensor and no gradient. lse_all, the dense log-sum-exp over every
+    visible key, is O(T) per query, so recall is measured on `recall_rows`.
+    Dense support (warm-up): the same fused kernel over every visible block (`visible_blocks`), streamed over key
+    blocks like FlashAttention; the dense teacher log-sum-exp comes from one LSE-only pass over those blocks, so
+    recall is exact on every query. CPU tensors keep the chunked torch reference.
     """
     T = q.shape[2]
-    if not sparse or not use_triton(q, k, q_idx, k_idx) or _all_selected(T, block_size, blocks.shape[-1]):
+    if not use_triton(q, k, q_idx, k_idx):
         return msa_index_kl(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
     q, k = q.detach(), k.detach()
+    G = q.shape[1] // k.shape[1]
+    everything = _all_selected(T, block_size, blocks.shape[-1])
     with torch.no_grad():
-        lse_sel = teacher_lse
-        if lse_sel is None:
-            lse_sel = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
-        rows = recall_rows(T, q.device)
-        lse_all = ref.causal_lse(q, k, scale, rows=rows)  # [B, rows, Hq], base 2
-        G = q.shape[1] // k.shape[1]
-        recall = torch.exp2(lse_sel[:, rows] - lse_all).unflatten(2, (k.shape[1], G)).mean(-1)  # [B, rows, Hi]
-    kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=block_size, scale=scale,
-                                   teacher_lse=lse_sel)
+        if sparse and not everything:
+            lse_sel = teacher_lse
+            if lse_sel is None:
+                lse_sel = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
+            rows = recall_rows(T, q.device)
+            lse_all = ref.causal_lse(q, k, scale, rows=rows)  # [B, rows, Hq], base 2
+            recall = torch.exp2(lse_sel[:, rows] - lse_all)
+            support, teacher = blocks, lse_sel
+        else:  # dense support, or a selection that holds every visible block
+            support = visible_blocks(q.shape[0], k.shape[1], T, block_size, q.device)
+            lse_all = _sparse.selected_lse(q, k, support, block_size=block_size, scale=scale)
+            lse_sel = lse_all if everything else _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
+            recall = torch.exp2(lse_sel - lse_all)
+            teacher = lse_all
+        recall = recall.unflatten(2, (k.shape[1], G)).mean(-1)  # [B, rows, Hi]
+    kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, support, block_size=block_size, scale=scale,
+                                   teacher_lse=teacher)
     return kl.mean(), recall.mean()
 
 

@@ -409,11 +409,25 @@ def _m3_args(**overrides) -> ModelArgs:
 
 
 # Named presets. `m3` is M3's real text shapes, dense (the converter adds MSA); build it on the meta device.
+# `llama3-8b`, `qwen2.5-7b` and `smollm2-135m` are those models' dense shapes (random weights: for benchmarks; the
+# first two are 8B / 7.6B parameters, so build them on a GPU).
 PRESETS: dict[str, ModelArgs] = {
     "m3": _m3_args(),
     "m3-tiny": _m3_args(
         vocab_size=256, hidden_size=64, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, intermediate_size=96,
         rotary_dim=8, rope_theta=1e4, n_experts=4, experts_per_tok=2, moe_intermediate_size=32,
         shared_intermediate_size=32, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+    ),
+    "llama3-8b": ModelArgs(
+        vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+        intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0,
+    ),
+    "qwen2.5-7b": ModelArgs(
+        vocab_size=152064, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+        intermediate_size=18944, rms_norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
+    ),
+    "smollm2-135m": ModelArgs(
+        vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
     ),
 }

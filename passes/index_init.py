@@ -77,8 +77,8 @@ def init_index_weights(
     if k_scale is not None:
         b = b * k_scale.double()[None, :, None]
     half = rope_dim // 2
-    wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64)
-    wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64)
+    wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64, device=wq.device)
+    wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64, device=wq.device)
     if half:
         alpha = torch.complex(a[:, :half], a[:, half:rope_dim]).transpose(0, 1)  # [P, G, hidden]
         beta = torch.complex(b[:, :half], b[:, half:rope_dim]).transpose(0, 1)
@@ -94,7 +94,8 @@ def init_index_weights(
         mu, nu = _shared_key(alpha[keep], beta[keep])
         wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
         wk_idx[rope_dim:rope_dim + len(keep)] = nu
-    return wq_idx.reshape(n_kv_heads * index_dim, hidden).to(dtype), wk_idx.to(dtype)
+    out = dict(device=wq.device, dtype=dtype)  # the model's device and dtype, not the scratch's
+    return wq_idx.reshape(n_kv_heads * index_dim, hidden).to(**out), wk_idx.to(**out)
 
 
 def index_branch_weights(wq: torch.Tensor, wk: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int,

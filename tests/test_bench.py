@@ -6,7 +6,7 @@ import torch
 from click.testing import CliRunner
 from torch.nn.attention.flex_attention import flex_attention
 
-from cli import main
+from m3compile.cli import main
 from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
 from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, visible_keys
@@ -87,3 +87,23 @@ def test_bench_backward_smoke_on_cpu(tmp_path):
     row = json.loads((tmp_path / "backward.json").read_text())["rows"][0]
     assert row["T"] == 24 and row["ideal"] > 1 and row["sparse_fwd_bwd_ms"] > 0 and row["kl_fwd_bwd_ms"] > 0
     assert row["kl_given_lse_fwd_bwd_ms"] > 0
+
+
+def test_distill_bench_runs_every_stage_on_cpu(tmp_path):
+    """`m3c bench --distill` on CPU (timings meaningless there): every stage is run and reported, with the ratios
+    against the dense forward (distillation) and the dense training step (MSA training)."""
+    r = CliRunner().invoke(main, ["bench", "--distill", "m3-tiny", "--device", "cpu", "--distill-seq-len", "48",
+                                  "--distill-batch", "1", "--steps", "1", "--block", "8", "--topk", "2",
+                                  "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "distill.json").read_text())
+    stages = [r["stage"] for r in result["rows"]]
+    assert stages == ["dense forward", "distill warm-up", "distill sparse", "dense train", "msa train"]
+    assert result["msa"]["block_size"] == 8 and result["msa"]["topk"] == 2
+    assert [r["ratio_to"] for r in result["rows"]] == ["dense forward"] * 4 + ["dense train"]
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+
+
+def test_distill_bench_refuses_an_unknown_model(tmp_path):
+    r = CliRunner().invoke(main, ["bench", "--distill", "no-such-model", "--device", "cpu", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "neither a checkpoint directory nor a preset" in r.output

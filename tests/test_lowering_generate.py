@@ -131,10 +131,12 @@ def test_generate_rejects_bad_input(tiny_dir):
         m3compile.generate(model, [[1, 2]], 2, index_cache_dtype="int4")
 
 
-def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
-    """Training's graph lowered: the fused sparse KL (teacher LSE taken from the same layer's sparse attention, no
-    LSE pass of its own) and the streamed recall give the reference's per-layer KL and recall, and the same
-    gradients on the index parameters."""
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch, mode):
+    """Training's graph lowered: the fused KL and the streamed recall give the reference's per-layer KL and recall,
+    and the same gradients on the index parameters. Sparse support: the teacher LSE is taken from the same layer's
+    sparse attention (no LSE pass of its own). Warm-up (dense support): the same kernel over every visible block,
+    its teacher LSE from an LSE-only pass."""
     from m3compile.kernels import sparse_attention as sa
     from m3compile.ops import msa_attention_lse_triton, msa_index_kl_triton
     from m3compile.train.distill import index_parameters
@@ -148,8 +150,8 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
     results = []
     for lower in (False, True):
         gm, _ = m3compile.convert(m3compile.from_preset("m3-tiny"), TINY)
-        report = PassManager([KLDistill("sparse")] + ([LowerTriton()] if lower else [])).run(gm)
-        if lower:
+        report = PassManager([KLDistill(mode)] + ([LowerTriton()] if lower else [])).run(gm)
+        if lower and mode == "sparse":
             assert _targets(gm).count(msa_index_kl_triton) == 3
             for kl_node in (n for n in gm.graph.nodes if n.target is msa_index_kl_triton):
                 lse = kl_node.kwargs["teacher_lse"]
@@ -162,7 +164,10 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch):
         grads = torch.autograd.grad(kl.sum(), list(params.values()))
         results.append((kl.detach(), recall.detach(), grads))
     (kl0, r0, g0), (kl1, r1, g1) = results
-    assert stages and "lse" not in stages, stages  # the three layers' attentions ran; no LSE-only pass
+    if mode == "sparse":
+        assert stages and "lse" not in stages, stages  # the three layers' attentions ran; no LSE-only pass
+    else:  # the dense main branch is SDPA; each layer's KL ran its LSE-only passes (all blocks, selected blocks)
+        assert stages.count("lse") == 6, stages
     assert (kl1 - kl0).abs().max().item() < 1e-5 and (r1 - r0).abs().max().item() < 1e-5
     assert 0.0 < r1.min().item() and r1.max().item() < 1.0  # some teacher mass outside the selected blocks
     for a, b in zip(g1, g0):

@@ -35,7 +35,7 @@ from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load
 from m3compile.pipelines import run_pipeline
 
-__all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "distill", "train",
+__all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "DistillStep", "distill", "train",
            "index_parameters"]
 
 STATE_DIR = "distill_state"
@@ -55,6 +55,7 @@ class DistillConfig:
     seed: int = 0
     dtype: str = "float32"
     weight_decay: float = 0.0
+    autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
 
     def __post_init__(self):
         for name in ("steps", "seq_len", "batch", "checkpoint_every"):
@@ -65,6 +66,13 @@ class DistillConfig:
         if not self.lr > 0:
             raise M3CompileError(f"lr must be > 0, got {self.lr}")
         parse_dtype(self.dtype)
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise M3CompileError(f"autocast must be auto, bf16 or none, got {self.autocast!r}")
+
+    def compute_dtype(self, device: str) -> torch.dtype | None:
+        """The autocast dtype on this device, or None (compute in the weights' dtype)."""
+        cuda = str(device).startswith("cuda")
+        return torch.bfloat16 if cuda and self.autocast in ("auto", "bf16") else None
 
     def mode(self, step: int) -> str:
         return "warmup" if step < self.warmup_steps else "sparse"
@@ -72,7 +80,7 @@ class DistillConfig:
     def fingerprint(self, world_size: int) -> dict:
         """What a resumed run must share with the run it continues (steps may grow)."""
         return {"seq_len": self.seq_len, "global_batch": self.batch * world_size, "lr": self.lr,
-                "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype,
+                "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype, "autocast": self.autocast,
                 "weight_decay": self.weight_decay}
 
 
@@ -205,6 +213,61 @@ def train(
     return _launch(model_dir, data, out_dir, config, device, resume, force, progress)
 
 
+class DistillStep:
+    """One optimisation step, shared by the run loop and `m3c bench --distill`: the traced model with its KL hooks
+    (lowered to the Triton kernels on CUDA), the trained parameters, AdamW, and the compute dtype.
+
+    Distillation trains the index branch only: under autocast its parameters are fp32 whatever the backbone's
+    dtype, the backbone has no gradients (and its inputs to the hooks are detached, so no autograd graph is built for it), and
+    on CUDA the forward runs under bf16 autocast. Training (a TrainConfig) trains every parameter on LM + KL.
+    Calls return detached per-layer KL, recall (and LM loss) without synchronising with the host.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1):
+        self.config, self.device = config, device
+        self.training = isinstance(config, TrainConfig)
+        self.amp = config.compute_dtype(device)
+        self.gm = trace(model)
+        # on CUDA: lowered to the fused indexer, sparse attention and fused KL (+ backwards)
+        run_pipeline("distill", self.gm, mode=mode, lowered=str(device).startswith("cuda"))
+        self.params = dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm)
+        for p in self.gm.parameters():
+            p.requires_grad_(False)
+        for p in self.params.values():
+            if not self.training and self.amp is not None:
+                p.data = p.data.float()  # fp32 master weights for the index branch; autocast computes in bf16
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=config.lr, betas=(0.9, 0.95),
+                                     weight_decay=config.weight_decay)
+        self.net = self.gm
+        if world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.gm, device_ids=None if device == "cpu" else [device])
+
+    @property
+    def mode(self) -> str:
+        return self.gm.meta["m3_kl_distill"].mode
+
+    def set_mode(self, mode: str) -> None:
+        if self.mode != mode:
+            run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        with torch.profiler.record_function("m3c.forward"), torch.autocast(
+                "cuda", dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
+            logits, kl, recall = self.net(x)
+            lm = None
+            if self.training:  # next-token loss through the sparse attention + the index KL
+                lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        self.opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("m3c.backward"):
+            loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
+            loss.backward()
+        with torch.profiler.record_function("m3c.optimizer"):
+            self.opt.step()
+        return kl.detach(), recall.detach(), None if lm is None else lm.detach()
+
+
 class _Run:
     def __init__(self, model_dir: Path, data: Path, out_dir: Path, config: DistillConfig, device: str, rank: int,
                  world: int):
@@ -232,20 +295,10 @@ class _Run:
         if state is not None:
             start, history = self._check_resume(state, fingerprint)
 
-        gm = trace(model)
-        # on CUDA: lowered to the fused indexer, sparse attention and sparse-support KL (+ backwards)
-        run_pipeline("distill", gm, mode=cfg.mode(start), lowered=str(self.device).startswith("cuda"))
-        params = dict(gm.named_parameters()) if self.training else index_parameters(gm)
-        for p in gm.parameters():
-            p.requires_grad_(False)
-        for p in params.values():
-            p.requires_grad_(True)
-        opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world)
+        params, opt, gm = stepper.params, stepper.opt, stepper.gm
         if state is not None:
             self._load_state(params, opt)
-        net = gm
-        if self.world > 1:
-            net = torch.nn.parallel.DistributedDataParallel(gm, device_ids=None if self.device == "cpu" else [self.device])
 
         report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history)
         t0 = time.perf_counter()
@@ -253,23 +306,13 @@ class _Run:
         try:
             while step < cfg.steps:
                 mode = cfg.mode(step)
-                if gm.meta["m3_kl_distill"].mode != mode:
-                    run_pipeline("distill", gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
+                stepper.set_mode(mode)
                 ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                 x = wins[ids, :-1].to(self.device)
-                logits, kl, recall = net(x)
-                opt.zero_grad(set_to_none=True)
-                lm = None
-                if self.training:  # next-token loss through the sparse attention + the index KL
-                    y = wins[ids, 1:].to(self.device)
-                    lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    (lm + cfg.loss_coeff * kl.float().sum()).backward()
-                else:
-                    kl.float().sum().backward()
-                opt.step()
+                y = wins[ids, 1:].to(self.device) if self.training else None
+                kl, recall, lm = stepper(x, y)
                 step += 1
-                metrics = self._metrics(step, mode, kl.detach(), recall.detach(), gm.meta["m3_kl_distill"].layers,
-                                        None if lm is None else lm.detach())
+                metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm)
                 report.history.append(metrics)
                 report.tokens += cfg.batch * self.world * cfg.seq_len
                 report.seconds = time.perf_counter() - t0

@@ -1,0 +1,230 @@
+"""`m3c bench --distill MODEL`: distillation and continued training against the frozen dense forward, one run.
+
+On the same random token batch [batch, seq_len] of one model (a checkpoint directory, converted or dense, or a
+shape preset with random weights built on the device):
+    dense forward     the frozen dense model, no autograd (what distillation's teacher costs at the least)
+    distill warm-up   one step of `m3c distill` in warm-up mode (dense support, dense main branch), the same
+                      DistillStep the command runs (lowered to the Triton kernels on CUDA, bf16 autocast)
+    distill sparse    the same step after warm-up (the selected blocks)
+    dense train       forward + backward + AdamW of the dense model on the next-token loss (--train)
+    msa train         one step of `m3c train` (LM + KL, sparse attention, every parameter) (--train)
+Each is timed as the median of repeated steps after warm-up (CUDA events on a GPU), with its peak memory and a
+per-stage breakdown from one profiled step (torch.profiler): selection, sparse attention, KL (forward and
+backward), the rest of the forward (backbone and index projections), the rest of the backward, the optimizer,
+and the host time the GPU waited (wall time minus the kernels' busy time).
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from m3compile.config import MSAConfig, parse_dtype
+from m3compile.errors import M3CompileError
+from m3compile.io.load import from_preset, load
+from m3compile.models.decoder import PRESETS, Decoder
+from m3compile.pipelines import convert
+from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
+
+__all__ = ["DistillBenchConfig", "run_distill_bench"]
+
+_SCOPES = {"select": "m3c.msa_select", "attention": "m3c.msa_attention", "kl": "m3c.msa_index_kl",
+           "forward": "m3c.forward", "backward": "m3c.backward", "optimizer": "m3c.optimizer"}
+
+
+@dataclass(frozen=True)
+class DistillBenchConfig:
+    model: str  # checkpoint directory or preset name
+    seq_len: int = 8192
+    batch: int = 2
+    block: int = 64  # for a dense model or preset: the conversion's block size and top-k
+    topk: int = 8
+    dtype: str = "bfloat16"  # the backbone's weights (index weights are fp32 under autocast)
+    autocast: str = "auto"  # as DistillConfig.autocast
+    train: bool = True
+    steps: int = 5
+    warmup: int = 2
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch", "block", "topk", "steps"):
+            if getattr(self, name) < 1:
+                raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        parse_dtype(self.dtype)
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise M3CompileError("--device cuda: no CUDA device is available (use --device cpu)")
+
+
+def _models(cfg: DistillBenchConfig) -> tuple[Decoder, Decoder, str]:
+    """(dense model, converted model sharing its weights, description)."""
+    dtype = parse_dtype(cfg.dtype)
+    path = Path(cfg.model)
+    if path.is_dir():
+        model = load(path, dtype=dtype, device=cfg.device)
+        what = str(path)
+    elif cfg.model in PRESETS and cfg.model != "m3":
+        with torch.device(cfg.device):
+            model = from_preset(cfg.model).to(dtype)
+        what = f"preset {cfg.model} (random weights)"
+    else:
+        raise M3CompileError(f"{cfg.model}: neither a checkpoint directory nor a preset "
+                             f"({', '.join(p for p in PRESETS if p != 'm3')})")
+    args = model.args
+    if args.msa is None:  # dense: convert in memory
+        gm, _ = convert(model, MSAConfig(block_size=cfg.block, topk=cfg.topk, dense_layers=(0,)))
+        sparse_args = gm.meta["model_args"]
+        state = dict(gm.state_dict())
+        dense = model
+    else:
+        sparse_args, state = args, dict(model.state_dict())
+        with torch.device("meta"):
+            dense = Decoder(args.replace(sparse_layers=None, msa=None))
+        dense.load_state_dict({k: v for k, v in state.items() if ".index_" not in k}, strict=False, assign=True)
+        dense.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq
+    with torch.device("meta"):
+        sparse = Decoder(sparse_args)
+    sparse.load_state_dict({k: v for k, v in state.items() if k in sparse.state_dict()}, strict=False, assign=True)
+    sparse.model.rotary_emb.inv_freq = dense.model.rotary_emb.inv_freq
+    if args.tie_embeddings:
+        for m in (dense, sparse):
+            m.lm_head.weight = m.model.embed_tokens.weight
+    return dense.eval(), sparse.eval(), what
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(fn, cfg: DistillBenchConfig) -> tuple[float, float]:
+    """(median ms, peak memory GB) of fn() over cfg.steps runs after cfg.warmup."""
+    cuda = str(cfg.device).startswith("cuda")
+    for _ in range(cfg.warmup):
+        fn()
+    _sync(cfg.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(cfg.steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
+    return statistics.median(times), peak
+
+
+def _device_us(e) -> float:
+    return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+
+
+def _self_device_us(e) -> float:
+    return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+
+
+def _profile(fn, cfg: DistillBenchConfig) -> dict:
+    """Per-stage GPU milliseconds of one step (see the module doc)."""
+    if not str(cfg.device).startswith("cuda"):
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(cfg.device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(cfg.device)
+    wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    by_name = {e.key: _device_us(e) / 1e3 for e in events}
+    busy = sum(_self_device_us(e) for e in events) / 1e3
+    stage = {k: by_name.get(v, 0.0) for k, v in _SCOPES.items()}
+    kl_bwd = sum(_device_us(e) for e in events if "backward" in e.key.lower() and "KL" in e.key) / 1e3
+    attn_bwd = sum(_device_us(e) for e in events if "backward" in e.key.lower() and "SparseAttention" in e.key) / 1e3
+    out = {
+        "select_ms": stage["select"], "attention_fwd_ms": stage["attention"], "kl_fwd_ms": stage["kl"],
+        "rest_of_forward_ms": stage["forward"] - stage["select"] - stage["attention"] - stage["kl"],
+        "kl_bwd_ms": kl_bwd, "attention_bwd_ms": attn_bwd, "rest_of_backward_ms": stage["backward"] - kl_bwd - attn_bwd,
+        "optimizer_ms": stage["optimizer"], "gpu_busy_ms": busy, "wall_ms": wall, "host_wait_ms": max(0.0, wall - busy),
+    }
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
+    dense, sparse, what = _models(cfg)
+    args = sparse.args
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab_size, (cfg.batch, cfg.seq_len + 1), generator=g).to(cfg.device)
+    x, y = ids[:, :-1], ids[:, 1:]
+    tokens = cfg.batch * cfg.seq_len
+    amp = DistillConfig(steps=1, dtype=cfg.dtype, autocast=cfg.autocast).compute_dtype(cfg.device)
+    rows = []
+
+    def record(name, fn, profiled=True):
+        log(f"{name} ...")
+        ms, peak = _time(fn, cfg)
+        row = {"stage": name, "ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3, 1),
+               "peak_gb": round(peak, 2)}
+        if profiled:
+            row["breakdown"] = _profile(fn, cfg)
+        rows.append(row)
+        log(f"{name}: {ms:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak {peak:.1f} GB")
+
+    def dense_forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            dense(x)
+
+    record("dense forward", dense_forward, profiled=False)
+    step = DistillStep(sparse, DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
+                                             autocast=cfg.autocast),
+                       cfg.device, "warmup")
+    record("distill warm-up", lambda: step(x))
+    step.set_mode("sparse")
+    record("distill sparse", lambda: step(x))
+    del step
+    if cfg.train:
+        opt = torch.optim.AdamW([p for p in dense.parameters()], lr=1e-5, betas=(0.9, 0.95))
+        for p in dense.parameters():
+            p.requires_grad_(True)
+
+        def dense_train():
+            with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                logits = dense(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        record("dense train", dense_train, profiled=False)
+        del opt
+        dense.zero_grad(set_to_none=True)
+        train = DistillStep(sparse, TrainConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
+                                                lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse")
+        record("msa train", lambda: train(x, y))
+    base = {r["stage"]: r for r in rows}
+    for r in rows:
+        ref = base["dense train"] if r["stage"] == "msa train" else base["dense forward"]
+        r["ratio"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
+        r["ratio_to"] = ref["stage"]
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device}
+    if str(cfg.device).startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return {"model": what, "config": asdict(cfg), "layers": args.n_layers, "msa": asdict(args.msa),
+            "autocast": str(amp).replace("torch.", "") if amp else None, "rows": rows, "env": env}
