@@ -259,7 +259,9 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
             if lse_sel is None:
                 lse_sel = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
             rows = recall_rows(T, q.device)
-            lse_all = ref.causal_lse(q, k, scale, rows=rows)  # [B, rows, Hq], base 2
+            # [B, rows, Hq], base 2; in as few chunks as 1 GiB of fp32 scores allows (each chunk costs host time)
+            chunk = ref.query_chunk(q.shape[0] * q.shape[1], T, 1 << 28)
+            lse_all = ref.causal_lse(q, k, scale, rows=rows, chunk=chunk)
             recall = torch.exp2(lse_sel[:, rows] - lse_all)
             support, teacher = blocks, lse_sel
         else:  # dense support, or a selection that holds every visible block

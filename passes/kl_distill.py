@@ -115,7 +115,9 @@ class KLDistill(Pass):
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         state = gm.meta["m3_kl_distill"]
-        assert len(state.layers) == len(msa_nodes(gm)), "every MSA layer has a KL hook"
+        hooks = list(_hooks(gm))  # by the hooks' records: also on a lowered graph
+        assert len(state.layers) == len(hooks), "every MSA layer has a KL hook"
+        assert all(op_args(kl)["sparse"] == (state.mode == "sparse") for _, _, kl in hooks), "hooks in the mode"
 
 
 def _hooks(gm: torch.fx.GraphModule):

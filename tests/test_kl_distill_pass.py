@@ -66,3 +66,20 @@ def test_needs_msa_layers():
         PassManager([KLDistill()]).run(gm)
     with pytest.raises(M3CompileError, match="unknown distillation mode"):
         KLDistill("dense")
+
+
+def test_mode_switch_on_a_lowered_training_graph(converted):
+    """Training lowers the hooked graph first; switching warm-up -> sparse afterwards is the distill pipeline again
+    (kl_distill revisits), which must find the hooks on the lowered ops; adding hooks after lowering is refused."""
+    from m3compile.ops import msa_index_kl_triton, op_args
+    from m3compile.pipelines import run_pipeline
+
+    _, gm = converted
+    run_pipeline("distill", gm, mode="warmup", lowered=True)
+    run_pipeline("distill", gm, mode="sparse")
+    kls = [n for n in gm.graph.nodes if n.target is msa_index_kl_triton]
+    assert len(kls) == 3 and all(op_args(n)["sparse"] for n in kls)
+    _, fresh = converted[0], convert(from_preset("m3-tiny"), MSAConfig(block_size=4, topk=2, dense_layers=(0,)))[0]
+    run_pipeline("lower", fresh)
+    with pytest.raises(M3CompileError, match="before lowering|distil passes come first"):
+        run_pipeline("distill", fresh, mode="sparse")
