@@ -27,6 +27,7 @@ __all__ = [
     "dense_attention",
     "block_recall",
     "oracle_recall",
+    "oracle_blocks",
     "selected_blocks_mask",
     "index_kl",
     "query_chunk",
@@ -285,6 +286,43 @@ def oracle_recall(
         t_pos = torch.arange(start, end, device=q.device)
         best = _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
         out[:, :, start:end] = (p.gather(-1, best.clamp(min=0)) * (best >= 0)).sum(-1)
+    return out
+
+
+def oracle_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Oracle selection: per (KV group, query) the blocks holding most of the group's true attention mass.
+
+    The mass is the dense teacher of MSA_SPEC section 4 (mean over the group's G heads of their causal softmax,
+    fp32), summed per key block; the forced blocks are kept exactly as `select_blocks` keeps them (the
+    `local_blocks` most recent, the first `init_blocks`), and the remaining slots take the earlier blocks of most
+    mass. Slots that cannot be filled hold -1. It is what a perfect index branch would select, so the loss of a
+    model run with it bounds what distillation can reach at this block size and top-k. Query-chunked: memory is
+    O(chunk * T), never T x T.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T, topk] int64.
+    """
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    _check_attention_inputs(q, k, k)
+    B, Hq, T, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, k.shape[1], T, topk, dtype=torch.long, device=q.device)
+    chunk = chunk or query_chunk(B * Hq, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        p = _block_mass(q, k, start, end, block_size, scale)  # [B, Hkv, C, ceil(end / bs)]
+        t_pos = torch.arange(start, end, device=q.device)
+        out[:, :, start:end] = _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
     return out
 
 

@@ -16,14 +16,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from m3compile.kernels.reference import oracle_blocks
 from m3compile.ops import apply_index_rope, apply_rope, msa_attention, msa_select, split_heads
 
-__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS"]
+__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "Selection", "SELECTIONS"]
+
+# How a sparse MSA layer picks its blocks: "index" (the index branch, the model itself) or "oracle" (the blocks of
+# most dense, group-mean attention mass from the layer's own q/k: what a perfect index branch would pick; evaluation)
+Selection = Literal["index", "oracle"]
+SELECTIONS: tuple[Selection, ...] = ("index", "oracle")
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.qk_norm)
         self.msa = args.msa if args.is_sparse(layer) else None
         self.sparse = True  # False runs an MSA layer densely (the "dense loss" of `m3c eval`)
+        self.selection: Selection = "index"  # "oracle": the dense attention's own top-k blocks (`m3c eval`)
         self.probe = None  # evaluation hook: probe(attn, q, k, blocks) sees each sparse forward
         if self.msa is not None:
             m = self.msa
@@ -253,9 +261,13 @@ class Attention(nn.Module):
 
     def _msa(self, x, q, k, v, cos, sin):
         m = self.msa
-        q_idx, k_idx = self.index_branch(x, cos, sin)
-        blocks = msa_select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                            local_blocks=m.local_blocks)
+        if self.selection == "oracle" and self.sparse:
+            blocks = oracle_blocks(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                   local_blocks=m.local_blocks, scale=self.scale)
+        else:
+            q_idx, k_idx = self.index_branch(x, cos, sin)
+            blocks = msa_select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                local_blocks=m.local_blocks)
         if self.probe is not None and self.sparse:
             self.probe(self, q, k, blocks)
         return msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
@@ -392,6 +404,15 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.sparse = enabled
+
+    def set_selection(self, selection: Selection) -> None:
+        """How sparse MSA layers pick their blocks: "index" (the index branch) or "oracle" (each layer's dense
+        attention's own top-k blocks, from that layer's q/k in this forward; MSA_SPEC section 2's forced blocks kept)."""
+        if selection not in SELECTIONS:
+            raise ValueError(f"unknown selection {selection!r} (use one of {', '.join(SELECTIONS)})")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.selection = selection
 
 
 def _m3_args(**overrides) -> ModelArgs:
