@@ -1,0 +1,127 @@
+"""m3c eval: the oracle-selection loss against an independent masked-dense path, the all-blocks identity, the oracle
+beating the untrained index branch on the shared byte model, the tail figures, and the CLI's JSON and table."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m3compile import MSAConfig, convert_checkpoint, evaluate, load
+from m3compile.io.data import load_tokens
+from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs
+from tests.conftest import EVAL_DATA, LLAMA_BYTE
+from tests.test_cli import assert_clean_failure, run, small_ckpt  # noqa: F401 (fixture)
+
+
+def _tiny(block=8, topk=3, init=1, local=1, layers=3):
+    args = ModelArgs(vocab_size=64, hidden_size=32, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=8,
+                     intermediate_size=48, qk_norm="rms", sparse_layers=(False,) + (True,) * (layers - 1),
+                     msa=MSALayerArgs(index_heads=2, index_dim=8, block_size=block, topk=topk, init_blocks=init,
+                                      local_blocks=local))
+    model = Decoder(args).eval()
+    with torch.no_grad():  # sharper attention than the default init, so the selection matters
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return model
+
+
+def _naive_oracle_mask(q, k, block, topk, init):
+    """[B, Hkv, T, T] bool, built with plain sorting on the full T x T matrix (small T): per (group, query) the local
+    block, the first `init` blocks, then the earlier blocks of most group-mean dense attention mass."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    s = torch.einsum("bhgtd,bhjd->bhgtj", q.float().view(B, Hkv, Hq // Hkv, T, D), k.float()) * D**-0.5
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1).mean(2)  # [B, Hkv, T, T]
+    n_blocks = -(-T // block)
+    mass = F.pad(p, (0, n_blocks * block - T)).view(B, Hkv, T, n_blocks, block).sum(-1)
+    chosen = torch.zeros(B, Hkv, T, n_blocks, dtype=torch.bool)
+    for t in range(T):
+        own = t // block
+        forced = {own} | set(range(min(init, own + 1)))
+        free = [b for b in range(own) if b not in forced]
+        for b_, h in np.ndindex(B, Hkv):
+            order = sorted(free, key=lambda b: -float(mass[b_, h, t, b]))
+            for b in list(forced) + order[: max(0, topk - len(forced))]:
+                chosen[b_, h, t, b] = True
+    keys = chosen.repeat_interleave(block, -1)[..., :T]
+    return keys & causal
+
+
+def test_oracle_loss_equals_masked_dense_attention(monkeypatch):
+    model = _tiny()
+    tokens = torch.randint(0, 64, (65,))
+    report = evaluate(model, tokens, seq_len=64)
+    assert report.oracle_loss is not None and report.sparse_loss is not None
+
+    def masked_dense(self, x, q, k, v, cos, sin):  # the independent path: SDPA with an explicit boolean mask
+        m = self.msa
+        mask = _naive_oracle_mask(q, k, m.block_size, m.topk, m.init_blocks)
+        G = self.n_heads // self.n_kv_heads
+        mask = mask.repeat_interleave(G, dim=1)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                              attn_mask=mask, scale=self.scale)
+
+    monkeypatch.setattr(Attention, "_msa", masked_dense)
+    with torch.no_grad():
+        logits = model(tokens[None, :-1])
+    expected = float(F.cross_entropy(logits.flatten(0, 1), tokens[1:]))
+    assert report.oracle_loss == pytest.approx(expected, abs=1e-5)
+    assert report.oracle_loss != pytest.approx(report.sparse_loss, abs=1e-4)  # the oracle did select differently
+
+
+def test_all_blocks_selected_oracle_equals_sparse_equals_dense():
+    model = _tiny(block=8, topk=8, init=0)  # 8 x 8 = 64 >= every prefix
+    report = evaluate(model, torch.randint(0, 64, (129,)), seq_len=64)
+    assert report.sparse_loss == pytest.approx(report.dense_loss, abs=1e-5)
+    assert report.oracle_loss == pytest.approx(report.dense_loss, abs=1e-5)
+    assert report.tail_share == 0 and report.oracle_tail_share == 0
+    assert all(r == pytest.approx(1.0) for r in report.recall_p10.values())
+    assert json.loads(json.dumps(report.to_dict(), allow_nan=False))["oracle_loss_increase"] == pytest.approx(0, abs=1e-5)
+
+
+def test_tail_figures_and_no_oracle():
+    model = _tiny(block=4, topk=2, init=0)
+    report = evaluate(model, torch.randint(0, 64, (129,)), seq_len=64, oracle=False)
+    assert report.oracle_loss is None and report.oracle_tail_share is None
+    d = report.to_dict()
+    assert d["oracle_loss"] is None and d["oracle_loss_increase"] is None
+    assert 0 <= d["tail_share"] <= 1 and set(d["recall_p10"]) == {"1", "2"}
+    assert all(0 <= d["recall_p10"][k] <= d["recall"][k] + 1e-4 for k in d["recall_p10"])  # p10 below the mean
+    assert d["min_recall_p10"] == min(d["recall_p10"].values())
+
+
+@pytest.fixture(scope="module")
+def byte_msa(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "msa"
+    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
+    return out
+
+
+def test_oracle_beats_the_untrained_index_branch(byte_msa):
+    report = evaluate(load(byte_msa, dtype="float32"), load_tokens(EVAL_DATA, 256), seq_len=512, max_windows=2)
+    assert report.dense_loss < report.oracle_loss < report.sparse_loss, report.to_dict()
+    assert report.oracle_tail_share <= report.tail_share
+    assert all(report.oracle_recall[i] >= report.recall[i] - 1e-6 for i in report.recall)
+
+
+def test_cli_eval_json_and_table(small_ckpt, tmp_path):
+    code, output = run("convert", small_ckpt, tmp_path / "m", "--block-size", 8, "--topk", 2)
+    assert code == 0, output
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.randint(0, 256, size=200).astype(np.int32))
+    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json")
+    assert code == 0, output
+    d = json.loads(output)
+    for key in ("oracle_loss", "oracle_loss_increase", "tail_share", "oracle_tail_share", "recall_p10",
+                "min_recall_p10"):
+        assert key in d and d[key] is not None, key
+    assert math.isfinite(d["oracle_loss"])
+    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json", "--no-oracle")
+    assert code == 0 and json.loads(output)["oracle_loss"] is None
+    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64)
+    assert code == 0 and "oracle loss" in output and "recall p10" in output and "tail" in output, output
+    code, output = run("eval", tmp_path / "m", "--data", data, "--task", "nope")
+    assert code == 2 and "nope" in output
