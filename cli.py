@@ -31,6 +31,7 @@ from m3compile.tools.bench import (
 )
 from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
+from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
 
 EXIT_BAD_INPUT = 2
 
@@ -168,29 +169,68 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 @main.command(name="eval")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
-@click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window.")
+@click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window (retrieval: the longest probe).")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all].")
+@click.option("--task", default="loss", show_default=True,
+              help="loss: dense / sparse / oracle loss and recall; retrieval: copy a value planted DISTANCE tokens back.")
+@click.option("--no-oracle", is_flag=True, help="Skip the oracle-selection loss (saves a third forward per window).")
+@click.option("--distances", default="1024,2048,4096,8192", show_default=True,
+              help="Retrieval: comma-separated distances in tokens (those that do not fit --seq-len are skipped).")
+@click.option("--probes", default=16, show_default=True, help="Retrieval: probes per distance.")
+@click.option("--seed", default=0, show_default=True, help="Retrieval: seed of the probes.")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
-    """Dense loss, sparse (MSA) loss and block recall per layer of MODEL_DIR on --data.
+def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, probes, seed, dtype, device, as_json):
+    """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data; or, with
+    --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier.
 
     Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
-    in the blocks the index branch selected. Loss is in nats per token.
+    in the blocks the index branch selected. The oracle loss runs every MSA layer with the blocks of most dense
+    attention mass (same block size and top-k): the best any index branch could do. Loss is in nats per token;
+    the tail is the share of tokens whose loss rises by more than 0.5 nats over dense.
     """
-
-
     if seq_len < 1:
         raise click.BadParameter("--seq-len must be >= 1")
+    if task not in ("loss", "retrieval"):
+        _fail(f"unknown --task {task!r} (use loss or retrieval)")
+    if task == "retrieval":
+        try:
+            dists = tuple(int(d) for d in distances.split(","))
+        except ValueError:
+            _fail(f"--distances: expected comma-separated token counts, got {distances!r}")
+        model = _run(load, model_dir, dtype=dtype, device=device)
+        tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
+        encode = _run(text_encoder, model_dir, model.args.vocab_size)
+        with Progress(transient=True, disable=as_json) as bar:
+            task_id = bar.add_task("retrieval", total=None)
+            result = _run(run_retrieval, model, tokens, encode, seq_len=seq_len, distances=dists, probes=probes,
+                          seed=seed, progress=lambda i, n: bar.update(task_id, completed=i, total=n))
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), indent=2))
+            return
+        console = _console()
+        console.print(f"{result.probes} probes per distance, seed {result.seed}, {result.seconds:.1f} s")
+        table = Table(title="retrieval: exact greedy copy of a planted value")
+        for name in ("distance", "tokens", "dense acc", "sparse acc", "dense logprob", "sparse logprob"):
+            table.add_column(name, justify="right")
+        opt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        for d in result.distances:
+            table.add_row(str(d.distance), str(d.length), f"{d.dense_accuracy:.2f}", opt(d.sparse_accuracy, ".2f"),
+                          f"{d.dense_logprob:.2f}", opt(d.sparse_logprob, ".2f"))
+        console.print(table)
+        if result.skipped:
+            console.print(f"skipped (do not fit --seq-len {seq_len}): {', '.join(map(str, result.skipped))}")
+        return
+
     model = _run(load, model_dir, dtype=dtype, device=device)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
     with Progress(transient=True, disable=as_json) as bar:
-        task = bar.add_task("evaluating", total=None)
+        task_id = bar.add_task("evaluating", total=None)
         report = _run(evaluate, model, tokens, seq_len, max_windows,
-                      progress=lambda i, n: bar.update(task, completed=i, total=n))
+                      progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps(report.to_dict(), indent=2, allow_nan=False))
         return
 
     console = _console()
@@ -199,14 +239,20 @@ def eval_(model_dir, data, seq_len, max_windows, dtype, device, as_json):
     if report.sparse_loss is None:
         console.print("the model has no MSA layers (not converted): no sparse loss or recall")
         return
-    console.print(f"sparse loss {report.sparse_loss:.4f} nats/token ({100 * report.loss_increase:+.2f}%)")
+    console.print(f"sparse loss {report.sparse_loss:.4f} nats/token ({100 * report.loss_increase:+.2f}%), "
+                  f"tail {100 * report.tail_share:.2f}% of tokens > +0.5 nats")
+    if report.oracle_loss is not None:
+        console.print(f"oracle loss {report.oracle_loss:.4f} nats/token ({100 * report.oracle_loss_increase:+.2f}%), "
+                      f"tail {100 * report.oracle_tail_share:.2f}% of tokens > +0.5 nats (selection by dense attention)")
     table = Table(title="block recall per MSA layer")
     table.add_column("layer", justify="right")
     table.add_column("recall", justify="right")
+    table.add_column("recall p10", justify="right")
     table.add_column("oracle (teacher's own top-k)", justify="right")
     for layer, r in report.recall.items():
-        table.add_row(str(layer), f"{r:.3f}", f"{report.oracle_recall[layer]:.3f}")
-    table.add_row("mean", f"{report.mean_recall:.3f}", f"{report.mean_oracle_recall:.3f}")
+        table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", f"{report.oracle_recall[layer]:.3f}")
+    table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}",
+                  f"{report.mean_oracle_recall:.3f}")
     console.print(table)
 
 

@@ -123,5 +123,4 @@ def test_cli_eval_json_and_table(small_ckpt, tmp_path):
     assert code == 0 and json.loads(output)["oracle_loss"] is None
     code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64)
     assert code == 0 and "oracle loss" in output and "recall p10" in output and "tail" in output, output
-    code, output = run("eval", tmp_path / "m", "--data", data, "--task", "nope")
-    assert code == 2 and "nope" in output
+    assert_clean_failure(*run("eval", tmp_path / "m", "--data", data, "--task", "nope"), None, "unknown --task")
