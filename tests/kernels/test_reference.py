@@ -176,3 +176,21 @@ def test_oracle_recall_is_the_teachers_best_choice(T, bs, topk, local):
             blocks[:, :, t, :len(chosen)] = chosen
             best = torch.maximum(torch.as_tensor(best), ref.block_recall(q, k, blocks, block_size=bs)[0, :, t])
         torch.testing.assert_close(oracle[0, :, t], best.expand(2).float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,bs,topk,init,local", [(1, 4, 2, 0, 1), (23, 4, 3, 1, 1), (40, 8, 3, 0, 2)])
+def test_oracle_blocks_reach_the_oracle_recall_and_keep_the_forced_blocks(T, bs, topk, init, local):
+    """oracle_blocks is the selection oracle_recall scores: same recall, forced blocks in, -1 for short prefixes,
+    and the same at any query chunk (no [T, T] tensor is needed)."""
+    torch.manual_seed(T)
+    q, k = torch.randn(2, 6, T, 8), torch.randn(2, 2, T, 8)
+    kw = dict(block_size=bs, topk=topk, init_blocks=init, local_blocks=local)
+    blocks = ref.oracle_blocks(q, k, **kw)
+    assert blocks.shape == (2, 2, T, topk) and blocks.dtype == torch.long
+    torch.testing.assert_close(ref.block_recall(q, k, blocks, block_size=bs), ref.oracle_recall(q, k, **kw))
+    assert torch.equal(ref.oracle_blocks(q, k, chunk=5, **kw).sort(-1).values, blocks.sort(-1).values)  # order: none
+    for t in range(T):
+        qb, row = t // bs, blocks[0, 0, t].tolist()
+        forced = {b for b in range(qb + 1) if b > qb - local or b < init}
+        assert forced <= set(row) and all(-1 <= b <= qb for b in row)
+        assert row.count(-1) == max(0, topk - (qb + 1))
