@@ -207,7 +207,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
             result = _run(run_retrieval, model, tokens, encode, seq_len=seq_len, distances=dists, probes=probes,
                           seed=seed, progress=lambda i, n: bar.update(task_id, completed=i, total=n))
         if as_json:
-            click.echo(json.dumps(result.to_dict(), indent=2))
+            click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
             return
         console = _console()
         console.print(f"{result.probes} probes per distance, seed {result.seed}, {result.seconds:.1f} s")

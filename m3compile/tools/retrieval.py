@@ -13,6 +13,7 @@ binding's block cannot copy a random value, so this separates long-range selecti
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -47,6 +48,11 @@ def text_encoder(model_dir: str | os.PathLike | None, vocab_size: int) -> Callab
     return lambda text: list(text.encode("utf-8"))
 
 
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN or infinity (a log-probability can underflow to -inf): those become null."""
+    return None if x is None or not math.isfinite(x) else x
+
+
 @dataclass
 class DistanceResult:
     """One distance: accuracy = share of probes whose value is reproduced exactly (greedy); logprob = mean over
@@ -61,8 +67,8 @@ class DistanceResult:
 
     def to_dict(self) -> dict:
         return {"distance": self.distance, "length": self.length, "dense_accuracy": self.dense_accuracy,
-                "sparse_accuracy": self.sparse_accuracy, "dense_logprob": self.dense_logprob,
-                "sparse_logprob": self.sparse_logprob}
+                "sparse_accuracy": self.sparse_accuracy, "dense_logprob": _finite(self.dense_logprob),
+                "sparse_logprob": _finite(self.sparse_logprob)}
 
 
 @dataclass
