@@ -13,8 +13,8 @@ from m3compile.tools.retrieval import retrieval, text_encoder
 from tests.conftest import EVAL_DATA
 from tests.test_cli import assert_clean_failure, run
 
-CTX = 6  # tokens of context the induction head matches
-CODE = 64  # width of a token's random code
+CTX = 5  # tokens of context the induction head matches
+CODE = 32  # width of a token's random code
 
 
 def induction_model(msa: MSALayerArgs | None = None) -> Decoder:
@@ -89,7 +89,7 @@ def test_dense_copies_and_recent_blocks_only_fail(tokens):
 
 def test_all_blocks_selected_matches_dense_and_probes_are_seeded(tokens):
     encode = text_encoder(None, 256)
-    full = MSALayerArgs(index_heads=CTX, index_dim=16, block_size=16, topk=16)  # 256 tokens: every block
+    full = MSALayerArgs(index_heads=CTX, index_dim=16, block_size=16, topk=12)  # 192 tokens: every block
     model = induction_model(full)
     a = retrieval(model, tokens, encode, seq_len=192, distances=(120,), probes=3, seed=3)
     b = retrieval(model, tokens, encode, seq_len=192, distances=(120,), probes=3, seed=3)
