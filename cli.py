@@ -243,7 +243,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
                   f"tail {100 * report.tail_share:.2f}% of tokens > +0.5 nats")
     if report.oracle_loss is not None:
         console.print(f"oracle loss {report.oracle_loss:.4f} nats/token ({100 * report.oracle_loss_increase:+.2f}%), "
-                      f"tail {100 * report.oracle_tail_share:.2f}% of tokens > +0.5 nats (selection by dense attention)")
+                      f"tail {100 * report.oracle_tail_share:.2f}% (blocks chosen by dense attention)")
     table = Table(title="block recall per MSA layer")
     table.add_column("layer", justify="right")
     table.add_column("recall", justify="right")
