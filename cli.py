@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,21 +36,51 @@ from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    click.echo(f"error: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
 
 
 def _run(fn, *args, **kwargs):
-    """Call the API; bad input becomes a one-line error and exit status 2."""
+    """Call the API; bad input becomes a one-line error and exit status 2; Ctrl-C or SIGTERM exit status 130."""
     try:
         return fn(*args, **kwargs)
     except M3CompileError as e:
         _fail(str(e))
+    except DistillInterrupted:
+        raise  # the state was saved: the caller says where
     except KeyboardInterrupt:
-        _fail("interrupted; no output was written")
+        _fail("interrupted; no output was written", EXIT_INTERRUPTED)
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt  # the atomic writers remove their temporary directories, as for Ctrl-C
+
+
+class _Group(click.Group):
+    """m3c's group: usage errors as one line `error: <message>` (exit 2), SIGTERM handled as Ctrl-C."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        previous = None
+        try:
+            previous = signal.signal(signal.SIGTERM, _sigterm)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except click.Abort:
+            _fail("interrupted; no output was written", EXIT_INTERRUPTED)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def _console():
@@ -79,7 +111,7 @@ def _parse_size(text: str) -> int:
         raise click.BadParameter(f"expected a size such as 5GB or 500MB, got {text!r}") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="m3compile")
 def main():
     """m3compile: rewrite a dense GQA transformer into MiniMax Sparse Attention (MSA).
@@ -139,6 +171,11 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                   init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
                   vision_window=vision_window)
+    ctx = click.get_current_context()
+    if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
+                               for p in ("block_size", "topk", "index_dim", "index_heads", "init_blocks",
+                                         "local_blocks", "dense_layers", "vision_window")):
+        config = None  # the defaults (MSAConfig()); an MSA source keeps its own settings
 
     console = _console()
     columns = (TextColumn("[bold]convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -229,6 +266,9 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
         task_id = bar.add_task("evaluating", total=None)
         report = _run(evaluate, model, tokens, seq_len, max_windows,
                       progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle)
+    if not report.finite:
+        _fail(f"{model_dir}: the loss is not finite (dense {report.dense_loss}, sparse {report.sparse_loss}): the "
+              f"model holds NaN/Inf weights or overflows {dtype}")
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, allow_nan=False))
         return
@@ -307,7 +347,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
                           progress=show)
         except DistillInterrupted as e:
             click.echo(str(e), err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
     if not rank0:
         return
     if as_json:

@@ -24,7 +24,7 @@ import torch
 
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import atomic_output_dir
+from m3compile.io.checkpoint import atomic_output_dir, check_output_dir
 from m3compile.io.load import load
 from m3compile.models.vision import MultimodalDecoder, VisionExport, onnx_vision_inputs, patchify
 from m3compile.ops import msa_fused
@@ -45,8 +45,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
     from m3compile.export.onnx_msa import translate
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
+    check_output_dir(out_dir, (model_dir,), force)
     model = load(model_dir, dtype="float32")  # raises a one-line error for anything that is not a checkpoint
     if model.args.msa is None and not (model_dir / "conversion_report.json").is_file():
         raise M3CompileError(f"{model_dir} was never converted: run m3c convert first (it has no MSA layers)")
@@ -71,7 +70,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
         proto.functions.append(function.to_function_proto())
         if not any(o.domain == MSA_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid(MSA_DOMAIN, 1))
-    with atomic_output_dir(out_dir, force) as tmp:
+    with atomic_output_dir(out_dir, force, inputs=(model_dir,)) as tmp:
         for name, p in (("model.onnx", proto), ("vision.onnx", vision)):
             if p is not None:
                 onnx.save(p, str(tmp / name))

@@ -9,7 +9,10 @@ Tensors are read through safetensors only; nothing is unpickled.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -38,6 +41,10 @@ __all__ = [
     "plan_shards",
     "write_shard_index",
     "atomic_output_dir",
+    "check_output_dir",
+    "output_lock",
+    "copy_tokenizer_files",
+    "TOKENIZER_FILES",
     "shard_files",
     "internal_names",
     "strip_prefix",
@@ -136,9 +143,74 @@ def read_config(path: str | os.PathLike) -> dict:
     if not cfg_path.is_file():
         raise M3CompileError(f"{path}: no config.json")
     try:
-        return json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise M3CompileError(f"{cfg_path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise M3CompileError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise M3CompileError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+# config.json keys checked by type and range before they are used: (key, kind, minimum, null allowed)
+_CONFIG_TYPES = (
+    ("vocab_size", int, 1, False), ("hidden_size", int, 1, False), ("num_hidden_layers", int, 1, False),
+    ("num_attention_heads", int, 1, False), ("num_key_value_heads", int, 1, True), ("head_dim", int, 1, True),
+    ("intermediate_size", int, 1, False), ("dense_intermediate_size", int, 1, False),
+    ("shared_intermediate_size", int, 1, False), ("max_position_embeddings", int, 1, False),
+    ("sliding_window", int, 1, True), ("num_local_experts", int, 1, False), ("num_experts_per_tok", int, 1, False),
+    ("rotary_dim", int, 1, False), ("index_n_heads", int, 1, False), ("index_head_dim", int, 1, False),
+    ("index_block_size", int, 1, False), ("index_topk_blocks", int, 1, False), ("index_local_blocks", int, 0, False),
+    ("rms_norm_eps", float, 0, False), ("rope_theta", float, 0, False), ("partial_rotary_factor", float, 0, False),
+    ("tie_word_embeddings", bool, None, False), ("attention_bias", bool, None, False),
+    ("use_sliding_window", bool, None, False),
+)
+_SPARSE_TYPES = (
+    ("sparse_num_index_heads", int, 1), ("sparse_index_dim", int, 1), ("sparse_block_size", int, 1),
+    ("sparse_topk_blocks", int, 1), ("sparse_init_block", int, 0), ("sparse_local_block", int, 0),
+    ("use_sparse_attention", bool, None),
+)
+
+
+def _check_value(where: str, key: str, value, kind, minimum, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise M3CompileError(f"config.json {where}{key} must be true or false, got {json.dumps(value)}")
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        ok = (ok or isinstance(value, float)) and math.isfinite(value)
+    if not ok:
+        name = "an integer" if kind is int else "a finite number"
+        raise M3CompileError(f"config.json {where}{key} must be {name}, got {json.dumps(value)}")
+    if minimum is not None and (value < minimum or (kind is float and value <= minimum)):
+        bound = f">= {minimum}" if kind is int else f"> {minimum}"
+        raise M3CompileError(f"config.json {where}{key} must be {bound}, got {json.dumps(value)}")
+
+
+def check_config_types(cfg: dict, where: str = "") -> None:
+    """Every known numeric or boolean key of a (text) config.json has the right JSON type and range."""
+    for key, kind, minimum, nullable in _CONFIG_TYPES:
+        if key in cfg:
+            _check_value(where, key, cfg[key], kind, minimum, nullable)
+    for key in ("rope_parameters", "rope_scaling", "sparse_attention_config"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise M3CompileError(f"config.json {where}{key} must be an object, got {json.dumps(cfg[key])}")
+    rope = cfg.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            _check_value(f"{where}rope_parameters.", key, rope[key], float, 0)
+    sparse = cfg.get("sparse_attention_config") or {}
+    for key, kind, minimum in _SPARSE_TYPES:
+        if key in sparse:
+            _check_value(f"{where}sparse_attention_config.", key, sparse[key], kind, minimum)
+    for key in ("sparse_attention_freq", "moe_layer_freq", "layer_types", "mlp_layer_types"):
+        value = sparse.get(key) if key == "sparse_attention_freq" else cfg.get(key)
+        if value is not None and not isinstance(value, list):
+            raise M3CompileError(f"config.json {where}{key} must be a list, got {json.dumps(value)}")
 
 
 def _rope(cfg: dict) -> tuple[float, float, dict | None]:
@@ -165,6 +237,9 @@ def args_from_config(cfg: dict, attn_impl: str = "sdpa_gqa") -> tuple[ModelArgs,
         if not isinstance(text, dict):
             raise M3CompileError("minimax_m3_vl config.json has no text_config")
         cfg = dict(text, model_type="minimax_m3_vl_text")
+        check_config_types(cfg, "text_config.")
+    else:
+        check_config_types(cfg)
     try:
         return _args_from_config(cfg, attn_impl)
     except KeyError as e:
@@ -254,13 +329,50 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
 # Tensors
 
 
-def shard_files(path: Path) -> list[Path]:
+def read_weight_map(path: Path) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight_map (tensor -> shard file inside `path`), or None without an index."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise M3CompileError(f"{index}: not a valid safetensors index (no weight_map)") from None
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+    except UnicodeDecodeError:
+        raise M3CompileError(f"{index}: not UTF-8 text") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise M3CompileError(f"{index}: not a valid safetensors index (no weight_map)") from None
+    if not isinstance(weight_map, dict):
+        raise M3CompileError(f"{index}: weight_map must be an object of tensor -> file, got {type(weight_map).__name__}")
+    root = path.resolve()
+    for name, f in weight_map.items():
+        if not isinstance(f, str) or not f:
+            raise M3CompileError(f"{index}: weight_map entry {name!r} must name a file, got {json.dumps(f)}")
+        target = (path / f).resolve()
+        if os.path.isabs(f) or target.parent != root:
+            raise M3CompileError(f"{index}: shard {f!r} of tensor {name!r} is outside the checkpoint directory")
+    return weight_map
+
+
+def check_weight_map(path: Path, weight_map: dict[str, str] | None, found: dict[str, list[Path]]) -> None:
+    """The index against what the shards hold: every tensor in exactly one shard, the one the index names."""
+    for name, files in found.items():
+        if len(files) > 1:
+            raise M3CompileError(f"{path}: tensor {name} is in two shards ({files[0].name} and {files[1].name})")
+    if weight_map is None:
+        return
+    index = path / "model.safetensors.index.json"
+    for name, files in found.items():
+        if name not in weight_map:
+            raise M3CompileError(f"{index}: tensor {name} (in {files[0].name}) has no weight_map entry")
+        if weight_map[name] != files[0].name:
+            raise M3CompileError(f"{index}: weight_map puts tensor {name} in {weight_map[name]}, it is in {files[0].name}")
+    for name, f in weight_map.items():
+        if name not in found:
+            raise M3CompileError(f"{index}: weight_map lists tensor {name} in {f}, which does not hold it")
+
+
+def shard_files(path: Path) -> list[Path]:
+    weight_map = read_weight_map(path)
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
         for f in files:
             if not (path / f).is_file():
@@ -276,15 +388,19 @@ def shard_files(path: Path) -> list[Path]:
 
 def _read_tensors(files: list[Path], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
+    found: dict[str, list[Path]] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as h:
                 for name in h.keys():
                     tensors[name] = h.get_tensor(name)
+                    found.setdefault(name, []).append(f)
         except M3CompileError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             raise M3CompileError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]})") from None
+    if files:
+        check_weight_map(files[0].parent, read_weight_map(files[0].parent), found)
     return tensors
 
 
@@ -401,22 +517,116 @@ def to_release_names(state: dict[str, torch.Tensor], prefix: str = "") -> dict[s
     return {k: v.contiguous() for k, v in out.items()}
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, force: bool = False):
-    """Yield a temporary sibling directory that becomes `out` only if the block completes."""
+def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False) -> None:
+    """The one check before any command writes the directory `out` (one-line errors, nothing written):
+    `out` may not equal, contain or lie inside any of `inputs` (with or without force), may not be a file or a
+    dangling symlink, must exist only with `force`, and its nearest existing parent must be a writable directory."""
     out = Path(out)
+    target = Path(os.path.abspath(out)).resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        inp = Path(os.path.abspath(given)).resolve()
+        if target == inp:
+            raise M3CompileError(f"output {out} is the input {given}; write to another directory")
+        if target in inp.parents:
+            raise M3CompileError(f"output {out} contains the input {given}; write to another directory")
+        if inp in target.parents:
+            raise M3CompileError(f"output {out} is inside the input {given}; write to another directory")
+    if out.is_symlink() and not out.exists():
+        raise M3CompileError(f"output {out} is a dangling symlink")
+    if out.exists() and not out.is_dir():
+        raise M3CompileError(f"output {out} is a file, not a directory")
     if out.exists() and not force:
         raise M3CompileError(f"{out} already exists (use --force to replace it)")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise M3CompileError(f"output {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise M3CompileError(f"output {out}: cannot write in {parent} (permission denied)")
+
+
+_HELD_LOCKS: dict[str, list] = {}  # lock file -> [fd, depth]: a process may nest writes of one output
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike):
+    """Exclusive lock of the output `out` (fcntl.flock on `.NAME.lock` beside it) for as long as the block runs;
+    a second writer of the same output, in another process, is refused at once. Reentrant within a process."""
+    out = Path(os.path.abspath(out))
+    lock = out.parent / f".{out.name}.lock"
+    key = str(lock)
+    if key in _HELD_LOCKS:
+        _HELD_LOCKS[key][1] += 1
+        try:
+            yield
+        finally:
+            _HELD_LOCKS[key][1] -= 1
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(lock).st_ino:  # the holder removed it as we opened it: still contended
+            raise BlockingIOError
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        raise M3CompileError(f"{out} is being written by another process (lock {lock} is held)") from None
+    _HELD_LOCKS[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _HELD_LOCKS[key]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
+    """Yield a temporary sibling directory that becomes `out` only if the block completes.
+
+    check_output_dir runs first; the output is locked against a second writer for the duration; stale
+    `.NAME.partial-*` directories of a killed earlier run are removed (the lock says none is live)."""
+    out = Path(out)
+    check_output_dir(out, inputs, force)
+    with output_lock(out):
+        for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        try:
+            yield tmp
+            if out.exists():  # move the old output aside first: a kill at any point leaves one of the two in place
+                old = out.parent / f".{out.name}.partial-old-{os.getpid()}"
+                out.rename(old)
+                try:
+                    tmp.rename(out)
+                except BaseException:
+                    old.rename(out)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "added_tokens.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tokenizer.model", "spiece.model")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer and generation files a checkpoint has (TOKENIZER_FILES) from `src` into `dst`."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[tuple[str, list[str]]]:

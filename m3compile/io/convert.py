@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from m3compile.config import MSAConfig, parse_dtype
-from m3compile.errors import M3CompileError
+from m3compile.io.checkpoint import check_output_dir
 from m3compile.io.load import from_preset
 from m3compile.io.save import save
 from m3compile.io.streaming import convert_streaming
@@ -24,8 +24,7 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
     A checkpoint directory is converted streaming (m3compile.io.streaming): memory holds one layer, not the model.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
+    check_output_dir(out_dir, () if src is None else (src,), force)
     if src is not None:
         return convert_streaming(src, out_dir, config, force=force, dtype=dtype, max_shard_size=max_shard_size,
                                  progress=progress)

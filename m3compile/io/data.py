@@ -47,17 +47,24 @@ def _tokenize(path: Path, tokenizer_dir) -> torch.Tensor:
         raise M3CompileError(f"{path}: text data needs the checkpoint's tokenizer.json, none found in {tokenizer_dir}")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tok_file))
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises its own exception type for malformed files
+        raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise M3CompileError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
     if path.suffix.lower() == ".jsonl":
         texts = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     texts.append(json.loads(line)["text"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise M3CompileError(f"{path}:{i}: expected a JSON object with a 'text' field") from None
     else:
-        texts = [path.read_text()]
+        texts = [text]
     return torch.tensor([i for enc in tok.encode_batch(texts) for i in enc.ids], dtype=torch.long)
 
 

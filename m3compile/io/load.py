@@ -11,12 +11,29 @@ from m3compile.io.checkpoint import check_state, load_state_dict, read_checkpoin
 from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding
 from m3compile.models.vision import MultimodalDecoder, VisionRotary, apply_window
 
-__all__ = ["load", "from_preset"]
+__all__ = ["load", "from_preset", "check_device"]
+
+
+def check_device(device) -> torch.device:
+    """A device this machine has: a one-line error for a malformed name or CUDA without CUDA."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise M3CompileError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise M3CompileError(f"device {device!r} asked for, but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise M3CompileError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise M3CompileError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+    return dev
 
 
 def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
          attn_impl: str = "sdpa_gqa") -> Decoder:
     """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder."""
+    check_device(device)
     ck = read_checkpoint(path, attn_impl)
     with torch.device("meta"):
         model = Decoder(ck.args)

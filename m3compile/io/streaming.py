@@ -27,8 +27,8 @@ from m3compile.config import MSAConfig, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.checkpoint import (
-    VISION_TENSOR, args_from_config, atomic_output_dir, check_state, internal_names, plan_shards, read_config,
-    shard_files, strip_prefix, to_release_names, vision_args_from_config, vision_names, vision_release_names,
+    VISION_TENSOR, args_from_config, atomic_output_dir, check_output_dir, check_state, check_weight_map,
+    copy_tokenizer_files, internal_names, plan_shards, read_config, read_weight_map, shard_files, strip_prefix, to_release_names, vision_args_from_config, vision_names, vision_release_names,
     write_shard_index,
 )
 from m3compile.io.save import output_config, write_extras
@@ -98,12 +98,15 @@ class SourceTensors:
         self.path = path
         self.where: dict[str, Path] = {}
         self.headers: dict[str, tuple[list[int], str]] = {}
+        found: dict[str, list[Path]] = {}
         for f in shard_files(path):
             with self._open(f) as h:
                 for name in h.keys():
                     sl = h.get_slice(name)
                     self.where[name] = f
                     self.headers[name] = (sl.get_shape(), sl.get_dtype())
+                    found.setdefault(name, []).append(f)
+        check_weight_map(path, read_weight_map(path), found)
 
     @staticmethod
     def _open(f: Path):
@@ -142,7 +145,23 @@ class SourceTensors:
                         out[name] = h.get_tensor(name)
                     except Exception as e:
                         raise M3CompileError(f"{f}: cannot read tensor {name} ({str(e).splitlines()[0]})") from None
+                    check_finite(name, out[name], f)
         return out
+
+
+def check_finite(name: str, t: torch.Tensor, where, dtype: torch.dtype | None = None) -> None:
+    """A source tensor must hold finite values, and fit `dtype` (the output dtype) when one is asked for."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = t[~finite].flatten()[0].item()
+        raise M3CompileError(f"{where}: tensor {name} holds non-finite values ({bad}); refusing to convert it")
+    if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        peak = float(t.abs().max())
+        if peak > torch.finfo(dtype).max:
+            raise M3CompileError(f"{where}: tensor {name} holds values up to {peak:.4g}, beyond {dtype}'s range "
+                                 f"(max {torch.finfo(dtype).max:.4g}); keep its dtype (no --dtype) or use bfloat16")
 
 
 def _group_of(name: str) -> tuple[int, str]:
@@ -176,6 +195,9 @@ class _Converter:
         """Output tensors of one group, release names: the source's (cast if asked) plus the new index branch."""
         names = self.groups[g]
         raw = self.source.load(names) if materialise else {n: self.source.meta(n) for n in names}
+        if self.dtype is not None and materialise:
+            for n, t in raw.items():
+                check_finite(n, t, self.source.where[n], self.dtype)
         if self.dtype is not None:
             raw = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in raw.items()}
         if self.vision is not None and all(VISION_TENSOR.match(n) for n in names):  # vision tower: copied through
@@ -221,12 +243,17 @@ def convert_streaming(
     """
     start = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise M3CompileError(f"{out_dir} already exists (use --force to replace it)")
+    check_output_dir(out_dir, (src,), force)
     if max_shard_size < 1:
         raise M3CompileError(f"max shard size must be positive, got {max_shard_size}")
     cfg = read_config(src)
     args, _ = args_from_config(cfg)
+    if config is not None and args.msa is not None:
+        for key in ("block_size", "topk"):
+            have, asked = getattr(args.msa, key), getattr(config, key)
+            if have != asked:
+                raise M3CompileError(f"{src} already has MSA layers with {key} {have}; re-converting it with {key} "
+                                     f"{asked} is not supported (convert the dense source again)")
     with torch.device("meta"):
         model = Decoder(args)
     gm, report = convert(model, config)
@@ -252,7 +279,7 @@ def convert_streaming(
     total = sum(nbytes(p.shape, p.dtype) for p in plan)
 
     written = 0
-    with atomic_output_dir(out_dir, force) as tmp:
+    with atomic_output_dir(out_dir, force, inputs=(src,)) as tmp:
         current, tensors = None, {}
         for fname, names in shards:
             shard = [by_name[n] for n in names]
@@ -274,6 +301,7 @@ def convert_streaming(
         if vision is not None:
             out_cfg["vision_config"]["vit_3d_window"] = (config or MSAConfig()).vision_window
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        copy_tokenizer_files(src, tmp)
         report.seconds = time.perf_counter() - start
         write_extras(tmp, gm, report)
     return report

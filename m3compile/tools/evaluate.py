@@ -85,6 +85,11 @@ class EvalReport:
     def oracle_loss_increase(self) -> float | None:
         return None if self.oracle_loss is None or not self.dense_loss else self.oracle_loss / self.dense_loss - 1.0
 
+    @property
+    def finite(self) -> bool:
+        """Whether every loss is a number (a model with NaN/Inf weights, or one overflowing its dtype, is not)."""
+        return all(math.isfinite(x) for x in (self.dense_loss, self.sparse_loss) if x is not None)
+
     def to_dict(self) -> dict:
         per_layer = lambda d: {str(k): _finite(v) for k, v in d.items()}  # noqa: E731
         return {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,7 +31,9 @@ from safetensors.torch import load_file, save_file
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
+from m3compile.io.checkpoint import (
+    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, to_release_names, write_checkpoint,
+)
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load
 from m3compile.pipelines import run_pipeline
@@ -58,6 +61,13 @@ class DistillConfig:
     autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
 
     def __post_init__(self):
+        for name in ("lr", "weight_decay", "loss_coeff"):
+            value = getattr(self, name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise M3CompileError(f"{name} must be a finite number, got {value!r}")
+        for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("steps", "seq_len", "batch", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -280,9 +290,17 @@ class _Run:
 
     def run(self, resume: bool, force: bool, progress) -> DistillReport:
         cfg, out = self.config, self.out_dir
-        state = self._read_state() if resume else None
-        if not resume and out.exists() and not force:
+        if not resume and out.exists() and out.is_dir() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
+        check_output_dir(out, (self.model_dir, self.data), force or resume)
+        if self.rank == 0:  # one writer of the output for the whole run
+            with output_lock(out):
+                return self._run(resume, progress)
+        return self._run(resume, progress)
+
+    def _run(self, resume: bool, progress) -> DistillReport:
+        cfg, out = self.config, self.out_dir
+        state = self._read_state() if resume else None
         model = load(self.model_dir, dtype=cfg.dtype, device=self.device)
         if model.args.msa is None:
             raise M3CompileError(f"{self.model_dir} has no MSA layers: it was never converted (run m3c convert first)")
@@ -298,7 +316,13 @@ class _Run:
         stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world)
         params, opt, gm = stepper.params, stepper.opt, stepper.gm
         if state is not None:
-            self._load_state(params, opt)
+            try:
+                self._load_state(params, opt)
+            except M3CompileError:
+                raise
+            except Exception as e:  # missing or truncated files, missing tensors, mismatched optimizer state
+                raise M3CompileError(f"--resume: {out / self.state_dir} is corrupt "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r})") from None
 
         report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history)
         t0 = time.perf_counter()
@@ -352,9 +376,13 @@ class _Run:
             raise M3CompileError(f"{self.out_dir} holds no {'training' if self.training else 'distillation'} state "
                                  f"to resume ({path} missing)")
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            raise M3CompileError(f"{path}: not valid JSON") from None
+            state = json.loads(path.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise M3CompileError(f"{path}: not valid JSON (corrupt resume state)") from None
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(
+                state.get("fingerprint"), dict):
+            raise M3CompileError(f"{path}: corrupt resume state (no step or fingerprint)")
+        return state
 
     def _check_resume(self, state: dict, fingerprint: dict) -> tuple[int, list[dict]]:
         saved = state.get("fingerprint", {})
@@ -397,6 +425,7 @@ class _Run:
                 if model.args.tie_embeddings:
                     state.pop("lm_head.weight", None)
                 write_checkpoint(tmp, model.source_config, to_release_names(state))
+                copy_tokenizer_files(self.model_dir, tmp)
                 folder = tmp / self.state_dir
                 folder.mkdir()
                 save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()},
