@@ -290,9 +290,9 @@ class _Run:
 
     def run(self, resume: bool, force: bool, progress) -> DistillReport:
         cfg, out = self.config, self.out_dir
-        if not resume and out.exists() and out.is_dir() and not force:
+        check_output_dir(out, (self.model_dir, self.data), force=True)  # overlap, file, symlink, parent
+        if not resume and out.exists() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
-        check_output_dir(out, (self.model_dir, self.data), force or resume)
         if self.rank == 0:  # one writer of the output for the whole run
             with output_lock(out):
                 return self._run(resume, progress)
