@@ -342,12 +342,11 @@ def read_weight_map(path: Path) -> dict[str, str] | None:
         raise M3CompileError(f"{index}: not a valid safetensors index (no weight_map)") from None
     if not isinstance(weight_map, dict):
         raise M3CompileError(f"{index}: weight_map must be an object of tensor -> file, got {type(weight_map).__name__}")
-    root = path.resolve()
     for name, f in weight_map.items():
         if not isinstance(f, str) or not f:
             raise M3CompileError(f"{index}: weight_map entry {name!r} must name a file, got {json.dumps(f)}")
-        target = (path / f).resolve()
-        if os.path.isabs(f) or target.parent != root:
+        norm = os.path.normpath(f)  # lexically: shards may be symlinks (the Hugging Face cache's are)
+        if os.path.isabs(f) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
             raise M3CompileError(f"{index}: shard {f!r} of tensor {name!r} is outside the checkpoint directory")
     return weight_map
 
