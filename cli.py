@@ -32,6 +32,7 @@ from m3compile.tools.bench import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
 from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
+from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
 
@@ -122,6 +123,7 @@ def main():
     m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
     m3c train MODEL ...    continued training with sparse attention: LM loss + coeff x KL
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
+    m3c generate MODEL ... text from a prompt, streamed (greedy, or sampled with --temperature)
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
     m3c bench              Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
@@ -433,6 +435,52 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     console = _console()
     console.print(table)
     console.print(f"layer {layer}, group {group}: recall {amap.group_recall:.3f}; wrote {out}")
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from this UTF-8 file.")
+@click.option("--max-new-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples from softmax(logits / T).")
+@click.option("--top-p", default=1.0, show_default=True, help="With --temperature: sample from the smallest set of tokens holding this probability.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
+@click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device):
+    """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
+
+    Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
+    without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec.
+    Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json.
+    """
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_bytes().decode("utf-8")
+        except OSError as e:
+            _fail(f"{prompt_file}: cannot read the prompt ({e.strerror})")
+        except UnicodeDecodeError as e:
+            _fail(f"{prompt_file}: not UTF-8 text (invalid byte at offset {e.start})")
+    if max_new_tokens < 1:
+        raise click.BadParameter("--max-new-tokens must be >= 1")
+    model = _run(load, model_dir, dtype=dtype, device=device)
+    codec = _run(TextCodec, model_dir, model.args.vocab_size)
+    ids = codec.encode(prompt)
+    if not ids:
+        _fail("the prompt is empty (no tokens)")
+    stream = codec.stream()
+
+    def show(b, token):
+        text = stream(token)
+        if text:
+            click.echo(text, nl=False)
+            sys.stdout.flush()
+
+    _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
+         temperature=temperature, top_p=top_p, seed=seed, on_token=show)
+    click.echo()
 
 
 @main.command()

@@ -11,7 +11,13 @@ torch references.
 """
 from __future__ import annotations
 
+import codecs
+import json
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +28,7 @@ from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention, Decoder
 
-__all__ = ["generate", "GenerationResult", "PagedCache"]
+__all__ = ["generate", "GenerationResult", "PagedCache", "TextCodec"]
 
 
 class PagedCache:
@@ -138,14 +144,37 @@ def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backen
     return model.lm_head(bb.norm(x[:, 0])).float()
 
 
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, vocab]: argmax at temperature 0, else a sample from the top-p nucleus of
+    softmax(logits / temperature) (drawn on the CPU, so a seed gives the same tokens on any device)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the most likely token always stays
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+
 def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
-             eos_token_id: int | None = None) -> GenerationResult:
-    """Greedy generation with paged caches: prompts of any lengths, one batched decode per new token.
+             eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int | None = None, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+    """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
+    Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
     index_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3 index keys, per-token fp32 scale).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
+    on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise M3CompileError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise M3CompileError(f"top_p must be in (0, 1], got {top_p!r}")
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if not isinstance(model, Decoder):
         raise M3CompileError("generate needs a Decoder (m3compile.load or m3compile.from_preset)")
     if isinstance(prompts, torch.Tensor):
@@ -177,11 +206,13 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     step_logits = []
-    next_tok = torch.stack(prefill_logits).argmax(-1)
+    next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
     for step in range(max_new_tokens):
         for b in range(B):
             if not done[b]:
                 out[b].append(int(next_tok[b]))
+                if on_token is not None:
+                    on_token(b, out[b][-1])
         if eos_token_id is not None:
             done |= next_tok == eos_token_id
             if bool(done.all()):
@@ -190,6 +221,64 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             break
         logits = _decode_step(model, cache, next_tok, backend)
         step_logits.append(logits)
-        next_tok = logits.argmax(-1)
+        next_tok = _pick(logits, temperature, top_p, generator)
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     return GenerationResult(out, prefill_logits, steps)
+
+
+class TextCodec:
+    """Text <-> token ids of a checkpoint: its tokenizer.json, or raw UTF-8 bytes for a byte-level (vocab 256)
+    model without one. `stream()` gives a decoder that turns ids, one at a time, into the new text they complete."""
+
+    def __init__(self, model_dir: str | os.PathLike, vocab_size: int):
+        self.tokenizer = None
+        tok_file = Path(model_dir) / "tokenizer.json"
+        if tok_file.is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                self.tokenizer = Tokenizer.from_file(str(tok_file))
+            except Exception as e:  # tokenizers raises its own exception type for malformed files
+                raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+        elif vocab_size != 256:
+            raise M3CompileError(f"{model_dir}: no tokenizer.json, and the model is not byte-level (vocab "
+                                 f"{vocab_size}, not 256): cannot turn text into tokens")
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return self.tokenizer.encode(text).ids
+
+    def stream(self) -> Callable[[int], str]:
+        if self.tokenizer is None:
+            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            return lambda t: utf8.decode(bytes([t]))
+        ids: list[int] = []
+        shown = [""]
+
+        def push(t: int) -> str:  # decode everything so far, emit what is new (tokens may merge across ids)
+            ids.append(t)
+            text = self.tokenizer.decode(ids)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+                return ""
+            new, shown[0] = text[len(shown[0]):] if text.startswith(shown[0]) else text, text
+            return new
+        return push
+
+
+def eos_token_id(config: dict, model_dir: str | os.PathLike | None = None) -> int | None:
+    """The end-of-sequence id of generation_config.json or config.json (the first, when a list), or None."""
+    sources = []
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        try:
+            sources.append(json.loads((Path(model_dir) / "generation_config.json").read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise M3CompileError(f"{model_dir}/generation_config.json: not valid JSON") from None
+    sources.append(config)
+    for src in sources:
+        value = src.get("eos_token_id") if isinstance(src, dict) else None
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
