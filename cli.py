@@ -50,6 +50,8 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except M3CompileError as e:
+        if _SIGNALLED:  # a library (safetensors) turned the KeyboardInterrupt into an error of its own
+            _fail("interrupted; no output was written", EXIT_INTERRUPTED)
         _fail(str(e))
     except DistillInterrupted:
         raise  # the state was saved: the caller says where
@@ -57,30 +59,43 @@ def _run(fn, *args, **kwargs):
         _fail("interrupted; no output was written", EXIT_INTERRUPTED)
 
 
+_NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+_SIGNALLED: list[int] = []  # SIGINT/SIGTERM received during this invocation
+
+
 def _sigterm(signum, frame):
+    _SIGNALLED.append(signum)
     raise KeyboardInterrupt  # the atomic writers remove their temporary directories, as for Ctrl-C
 
 
 class _Group(click.Group):
-    """m3c's group: usage errors as one line `error: <message>` (exit 2), SIGTERM handled as Ctrl-C."""
+    """m3c's group: usage errors as one line `error: <message>` (exit 2), SIGTERM handled as Ctrl-C (exit 130)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        previous = None
+        previous = {}
+        _SIGNALLED.clear()
         try:
-            previous = signal.signal(signal.SIGTERM, _sigterm)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, _sigterm)
         except ValueError:  # not the main thread: leave signals alone
             pass
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as e:  # bare `m3c`: the help, as click shows it
+            e.show()
+            sys.exit(e.exit_code)
         except click.ClickException as e:
             _fail(e.format_message(), e.exit_code)
         except click.Abort:
             _fail("interrupted; no output was written", EXIT_INTERRUPTED)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 

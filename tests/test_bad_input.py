@@ -285,6 +285,21 @@ def test_sigterm_mid_conversion_leaves_nothing(base, tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler is the CLI's only while it runs
 
 
+def test_sigterm_swallowed_by_a_library_is_still_an_interrupt(base, tmp_path, monkeypatch):
+    """safetensors turns a KeyboardInterrupt raised inside get_tensor into a ValueError (hence our read error):
+    the CLI knows a signal came and still reports the interrupt, exit status 130."""
+    def load(self, names):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt:
+            raise streaming.M3CompileError("x: cannot read tensor y (ValueError: could not determine the shape)") from None
+
+    monkeypatch.setattr(streaming.SourceTensors, "load", load)
+    code, output, stderr, _ = _invoke("convert", base / "dense", tmp_path / "out")
+    assert code == 130 and stderr == "error: interrupted; no output was written\n", output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stale_partials_are_removed(base, tmp_path):
     stale = tmp_path / ".out.partial-abc123"
     stale.mkdir()
@@ -343,3 +358,41 @@ def test_convert_copies_the_tokenizer_and_eval_reads_text(base, tmp_path):
     assert code == 0, output
     assert json.loads(output)["windows"] == 12
     assert (base / "distilled" / "tokenizer.json").is_file()  # distill's output keeps the tokenizer too
+
+
+def test_unwritable_parent(base, tmp_path, monkeypatch):
+    """(Root may write anywhere, so the permission is faked.)"""
+    from m3compile.io import checkpoint
+
+    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: Path(path) != tmp_path)
+    code, output, stderr, _ = _invoke("convert", base / "dense", tmp_path / "out")
+    assert code == 2 and stderr == f"error: output {tmp_path / 'out'}: cannot write in {tmp_path} (permission denied)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bare_m3c_shows_the_help():
+    code, output, stderr, _ = _invoke()
+    assert output.startswith("Usage: ") and "COMMAND" in output and "error:" not in output
+
+
+def test_sigterm_to_the_real_command(tmp_path):
+    """The installed m3c, killed with SIGTERM while it writes: exit 130, no partial directory, no lock."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import LLAMA_BYTE
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "m3compile.cli", "convert", str(LLAMA_BYTE), str(out), "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be interrupted")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted; no output was written"
+    assert list(tmp_path.iterdir()) == []

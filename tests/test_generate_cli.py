@@ -25,16 +25,16 @@ def byte_model():
 
 
 def test_greedy_bytes_match_the_api(byte_model):
-    code, out, err = _invoke("generate", LLAMA_BYTE, "--prompt", PROMPT, "--max-new-tokens", 12)
+    code, out, err = _invoke("generate", LLAMA_BYTE, "--prompt", PROMPT, "--max-new-tokens", 6)
     assert code == 0, err
-    want = generate(byte_model, [list(PROMPT.encode())], 12, eos_token_id=0).tokens[0]
+    want = generate(byte_model, [list(PROMPT.encode())], 6, eos_token_id=0).tokens[0]
     assert out == bytes(want).decode("utf-8", errors="replace") + "\n"
 
 
 def test_sampling_is_seeded(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
-    runs = [_invoke("generate", LLAMA_BYTE, "--prompt-file", prompt, "--max-new-tokens", 6, "--temperature", 1.0,
+    runs = [_invoke("generate", LLAMA_BYTE, "--prompt-file", prompt, "--max-new-tokens", 4, "--temperature", 1.0,
                     "--top-p", 0.9, "--seed", 3) for _ in range(2)]
     assert runs[0][0] == 0 and runs[0] == runs[1]
 
