@@ -289,7 +289,7 @@ class _Run:
         self.report_file = "train_report.json" if self.training else "distill_report.json"
 
     def run(self, resume: bool, force: bool, progress) -> DistillReport:
-        cfg, out = self.config, self.out_dir
+        out = self.out_dir
         check_output_dir(out, (self.model_dir, self.data), force=True)  # overlap, file, symlink, parent
         if not resume and out.exists() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
