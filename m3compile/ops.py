@@ -59,7 +59,9 @@ def _scoped(name: str):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
     r = cos.shape[-1]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    # the tables in x's dtype: under autocast q/k are bf16 while the tables follow fp32 embeddings, and fp32 tables
+    # would promote q/k to fp32 (and every kernel after them)
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     x_rot, x_pass = x[..., :r], x[..., r:]
     half = r // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)

@@ -80,3 +80,14 @@ def test_mixed_model_keeps_existing_msa_layers():
     with pytest.raises(m3compile.M3CompileError, match="mix settings"):
         m3compile.convert(model, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
     assert isinstance(model.model.layers[2].self_attn, Attention)
+
+
+def test_apply_rope_keeps_the_dtype_of_its_input():
+    """Under CUDA autocast q/k are bf16 while the RoPE tables follow the fp32 embeddings: fp32 tables must not
+    promote q/k to fp32 (every later kernel then runs its fp32 path: the likely cause, not re-measured, of a
+    distill run with fp32 weights at ~3.6 s per step where the bench with bf16 weights took 0.26 s)."""
+    x = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    out = apply_rope(x, cos, sin)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, apply_rope(x, cos.bfloat16(), sin.bfloat16()), rtol=0, atol=0)

@@ -125,10 +125,14 @@ def _make_probe(rng: random.Random, tokens: torch.Tensor, encode: Callable[[str]
 
 
 def _score(model: Decoder, probes: list[_Probe], device) -> tuple[float, float]:
-    """(accuracy, mean value log-probability) of same-length probes, in batches."""
+    """(accuracy, mean value log-probability) of the probes, batched by shape: with a BPE tokenizer the same text
+    pattern can take one token more or less, so probes of one distance need not share a length."""
     hits, logprob = 0, 0.0
-    for i in range(0, len(probes), _BATCH):
-        batch = probes[i: i + _BATCH]
+    shapes: dict[tuple[int, int], list[_Probe]] = {}
+    for p in probes:
+        shapes.setdefault((len(p.ids), len(p.answer)), []).append(p)
+    batches = [group[i: i + _BATCH] for group in shapes.values() for i in range(0, len(group), _BATCH)]
+    for batch in batches:
         ids = torch.tensor([p.ids for p in batch], device=device)
         n = len(batch[0].answer)
         logits = model(ids[:, :-1])[:, -n:].float()  # the predictions of the n value tokens
