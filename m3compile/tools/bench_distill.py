@@ -177,7 +177,8 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
     ids = torch.randint(0, args.vocab_size, (cfg.batch, cfg.seq_len + 1), generator=g).to(cfg.device)
     x, y = ids[:, :-1], ids[:, 1:]
     tokens = cfg.batch * cfg.seq_len
-    amp = DistillConfig(steps=1, dtype=cfg.dtype, autocast=cfg.autocast).compute_dtype(cfg.device)
+    compute = DistillConfig(steps=1, dtype=cfg.dtype, autocast=cfg.autocast)
+    amp = compute.compute_dtype(cfg.device)
     rows = []
 
     def record(name, fn, profiled=True):
@@ -191,7 +192,7 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
         log(f"{name}: {ms:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak {peak:.1f} GB")
 
     def dense_forward():
-        with torch.no_grad(), torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with torch.no_grad(), compute.autocast_context(cfg.device):
             dense(x)
 
     record("dense forward", dense_forward, profiled=False)
@@ -208,7 +209,7 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
             p.requires_grad_(True)
 
         def dense_train():
-            with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            with compute.autocast_context(cfg.device):
                 logits = dense(x)
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)

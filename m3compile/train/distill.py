@@ -84,6 +84,11 @@ class DistillConfig:
         cuda = str(device).startswith("cuda")
         return torch.bfloat16 if cuda and self.autocast in ("auto", "bf16") else None
 
+    def autocast_context(self, device: str) -> torch.autocast:
+        """The context the forward runs in: bf16 autocast on CUDA unless turned off, a no-op elsewhere."""
+        amp = self.compute_dtype(device)
+        return torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None)
+
     def mode(self, step: int) -> str:
         return "warmup" if step < self.warmup_steps else "sparse"
 
@@ -228,8 +233,8 @@ class DistillStep:
     (lowered to the Triton kernels on CUDA), the trained parameters, AdamW, and the compute dtype.
 
     Distillation trains the index branch only: under autocast its parameters are fp32 whatever the backbone's
-    dtype, the backbone has no gradients (and its inputs to the hooks are detached, so no autograd graph is built for it), and
-    on CUDA the forward runs under bf16 autocast. Training (a TrainConfig) trains every parameter on LM + KL.
+    dtype, the backbone has no gradients (its inputs to the hooks are detached, so no autograd graph is built for
+    it), and on CUDA the forward runs under bf16 autocast. Training (a TrainConfig) trains every parameter on LM + KL.
     Calls return detached per-layer KL, recall (and LM loss) without synchronising with the host.
     """
 
@@ -263,8 +268,7 @@ class DistillStep:
             run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
-        with torch.profiler.record_function("m3c.forward"), torch.autocast(
-                "cuda", dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
+        with torch.profiler.record_function("m3c.forward"), self.config.autocast_context(self.device):
             logits, kl, recall = self.net(x)
             lm = None
             if self.training:  # next-token loss through the sparse attention + the index KL
