@@ -260,6 +260,20 @@ def block_recall(
     return out
 
 
+def _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
+    """Per query chunk [start, end): the dense group-mean block mass p [B, Hkv, C, ceil(end / bs)] and the oracle's
+    blocks [B, Hkv, C, topk] (forced blocks, then the most mass; -1 where nothing is left)."""
+    _check_attention_inputs(q, k, k)
+    B, Hq, T, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    chunk = chunk or query_chunk(B * Hq, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        p = _block_mass(q, k, start, end, block_size, scale)
+        t_pos = torch.arange(start, end, device=q.device)
+        yield start, end, p, _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
+
+
 def oracle_recall(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -275,16 +289,9 @@ def oracle_recall(
 
     q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T] fp32 in [0, 1].
     """
-    _check_attention_inputs(q, k, k)
-    B, Hq, T, D = q.shape
-    scale = D**-0.5 if scale is None else scale
+    B, _, T, _ = q.shape
     out = torch.empty(B, k.shape[1], T, dtype=torch.float32, device=q.device)
-    chunk = chunk or query_chunk(B * Hq, T)
-    for start in range(0, T, chunk):
-        end = min(T, start + chunk)
-        p = _block_mass(q, k, start, end, block_size, scale)
-        t_pos = torch.arange(start, end, device=q.device)
-        best = _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
+    for start, end, p, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
         out[:, :, start:end] = (p.gather(-1, best.clamp(min=0)) * (best >= 0)).sum(-1)
     return out
 
@@ -313,16 +320,10 @@ def oracle_blocks(
     """
     if topk < 1 or block_size < 1:
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
-    _check_attention_inputs(q, k, k)
-    B, Hq, T, D = q.shape
-    scale = D**-0.5 if scale is None else scale
+    B, _, T, _ = q.shape
     out = torch.empty(B, k.shape[1], T, topk, dtype=torch.long, device=q.device)
-    chunk = chunk or query_chunk(B * Hq, T)
-    for start in range(0, T, chunk):
-        end = min(T, start + chunk)
-        p = _block_mass(q, k, start, end, block_size, scale)  # [B, Hkv, C, ceil(end / bs)]
-        t_pos = torch.arange(start, end, device=q.device)
-        out[:, :, start:end] = _select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
+    for start, end, _, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
+        out[:, :, start:end] = best
     return out
 
 
