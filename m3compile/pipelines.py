@@ -1,6 +1,7 @@
 """The pipelines, declared once: which registered passes run, in which order, for each job.
 
-    convert   gqa_to_msa                                   dense GQA attention -> MSA (index branch + selection)
+    convert   gqa_to_msa                                   dense GQA attention -> MSA (index branch + selection;
+                                                           calibrated init when given attention-input moments)
     vision    vit_3d_window                                a ViT's per-frame attention -> 3D windows
     distill   kl_distill [-> lower_triton on CUDA]         KL hooks for the index branch, then the Triton kernels
     lower     lower_triton                                 reference MSA ops -> Triton-backed ops (last)
@@ -24,11 +25,12 @@ from m3compile.graph.pass_manager import Pass, PassManager, PassReport
 from m3compile.graph.tracing import trace
 from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
 from m3compile.passes import FuseMSA, GQAToMSA, KLDistill, LowerTriton, StripKLDistill, ViT3DWindow
+from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration, CalibrationInfo
 
 __all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]
 
 PIPELINES: dict[str, Callable[..., list[Pass]]] = {
-    "convert": lambda config=None: [GQAToMSA(config)],
+    "convert": lambda config=None, moments=None: [GQAToMSA(config, moments)],
     "vision": lambda window=4: [ViT3DWindow(window)],
     "distill": lambda mode="warmup", lowered=False: [KLDistill(mode)] + ([LowerTriton()] if lowered else []),
     "lower": lambda: [LowerTriton()],
@@ -58,6 +60,7 @@ class ConversionReport:
     params_before: int
     params_after: int
     seconds: float = 0.0
+    index_init: CalibrationInfo = CalibrationInfo("weight-only")
 
     @property
     def index_params(self) -> int:
@@ -68,6 +71,7 @@ class ConversionReport:
             "model": self.model, "config": self.config.to_dict(), "layers": self.layers,
             "passes": [p.to_dict() for p in self.passes], "params_before": self.params_before,
             "params_after": self.params_after, "index_params": self.index_params, "seconds": round(self.seconds, 3),
+            "index_init": self.index_init.to_dict(),
         }
 
 
@@ -75,10 +79,15 @@ def _count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
-def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None) -> tuple[torch.fx.GraphModule, ConversionReport]:
+def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *, calib: torch.Tensor | None = None,
+            calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, calib_device: str | torch.device | None = None,
+            ) -> tuple[torch.fx.GraphModule, ConversionReport]:
     """Trace `model`, rewrite its causal GQA attention into MSA; returns (GraphModule, report).
 
     The model's own weights are shared with the GraphModule, not copied; the index-branch weights are new.
+    calib: 1-D token ids of calibration data; the index branch is then fitted to the data's hidden states
+    (passes/calibration.py, passes/index_init.py) instead of the weights alone. Needs a Decoder (`m3compile.load`).
+    calib_device: where the calibration forward runs [default: the model's device].
     """
     config = config or MSAConfig()
     start = time.perf_counter()
@@ -87,9 +96,17 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None) -
         bad = [i for i in config.dense_layers if i >= args.n_layers]
         if bad:
             raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
+    moments, info = None, CalibrationInfo("weight-only")
+    if calib is not None:
+        if not isinstance(model, Decoder):
+            raise M3CompileError(f"calibration needs an m3compile Decoder (m3compile.load), got {type(model).__name__}")
+        device = calib_device or next(model.parameters()).device
+        calibration = Calibration(args, calib, calib_seq_len, device)
+        todo = [i for i in range(args.n_layers) if i not in config.dense_layers and not args.is_sparse(i)]
+        moments, info = calibration.model_moments(model.model, todo), calibration.info
     params_before = _count(model)
     gm = trace(model)
-    manager = pipeline("convert", config=config)
+    manager = pipeline("convert", config=config, moments=moments)
     reports = manager.run(gm)
     gqa = manager.passes[0]
     if args is not None:
@@ -99,7 +116,8 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None) -
     for i in range(out_args.n_layers if out_args else 0):
         layers.append({"layer": i, "attention": "msa" if out_args.is_sparse(i) else "dense",
                        "converted": i in gqa.layer_settings})
-    report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm))
+    report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm),
+                              index_init=info)
     report.seconds = time.perf_counter() - start
     return gm, report
 

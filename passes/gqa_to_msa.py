@@ -28,13 +28,16 @@ class GQAToMSA(Pass):
     (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
     branch's RoPE table cut to the index width (apply_index_rope), and `msa_select` picks top-k blocks per KV
     group; `msa_attention` replaces the attention op.
-    Layers listed in `dense_layers` keep dense attention. Requires: shapes propagated (done if missing).
+    Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
+    of the layers' attention inputs on calibration data (passes/calibration.py), for the calibrated init; a layer
+    without one gets the weight-only init. Requires: shapes propagated (done if missing).
     """
 
     name = "gqa_to_msa"
 
-    def __init__(self, config: MSAConfig | None = None):
+    def __init__(self, config: MSAConfig | None = None, moments: dict[int, torch.Tensor] | None = None):
         self.config = config or MSAConfig()
+        self.moments = moments or {}
         self.layer_settings: dict[int, MSALayerArgs] = {}
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
@@ -83,7 +86,7 @@ class GQAToMSA(Pass):
         index_dim = cfg.index_dim or m.head_dim
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks)
         self.layer_settings[m.layer] = settings
-        weights = self._index_weights(gm, m, index_dim)
+        weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
         like = weights["index_q_proj.weight"]
         names = {}
@@ -116,14 +119,15 @@ class GQAToMSA(Pass):
         m.output.replace_all_uses_with(out)
 
     @staticmethod
-    def _index_weights(gm: torch.fx.GraphModule, m: AttentionMatch, index_dim: int) -> dict[str, torch.Tensor]:
+    def _index_weights(gm: torch.fx.GraphModule, m: AttentionMatch, index_dim: int,
+                       moment: torch.Tensor | None) -> dict[str, torch.Tensor]:
         norms = [gm.get_submodule(t) if t else None for t in (m.q_norm, m.k_norm)]
         style = next((getattr(n, "style", "rms") for n in norms if n is not None), "rms")
         return index_branch_weights(
             gm.get_submodule(m.q_proj).weight, gm.get_submodule(m.k_proj).weight, n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, rope_dim=m.rope_dim, index_dim=index_dim,
             q_norm=None if norms[0] is None else norms[0].weight, k_norm=None if norms[1] is None else norms[1].weight,
-            norm_style=style,
+            norm_style=style, x_moment=moment,
         )
 
 

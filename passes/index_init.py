@@ -17,6 +17,15 @@ such channels than the dense head, the channels with the largest sum_g |alpha_g|
 dropped (M3's index projections have none) and the index norms start as identity (Gemma-style weight 0).
 `m3c eval` reports the block recall this reaches.
 
+Calibrated: the weight-space fit above treats every direction of the hidden state alike, but real hidden states are
+far from isotropic (a few directions carry most of their energy), and the fit spends its one shared key on
+directions the data never visits. Given the second moment C = E[x x^T] of the layer's attention input on calibration
+tokens, the error that matters is the expected one over the data, E |x_i^T (A_g - M_g) x_j|^2 for independent
+tokens i, j, which is || C^1/2 (A_g - M_g) C^1/2 ||_F^2: the same problem in whitened coordinates. So the rows are
+mapped by C^1/2, fitted as above, and mapped back by C^-1/2 (C regularised by 1e-3 of its mean diagonal). On
+SmolLM2-135M at 4K tokens this lifts layer 3's block recall from 0.53 to 0.80 (oracle 0.83), as much as 100 steps of
+KL fitting on the same data; 256 calibration tokens already give it (passes/calibration.py collects C).
+
 The index dim must be at least the rotary width R: a narrower index head gets the main table cut to its width
 (models.decoder.apply_index_rope, the `transformers` rule), whose channel pairs (p, p + Di/2) mix two
 frequencies, so no per-pair map commutes with it; the converter refuses such an index_dim with an M3CompileError.
@@ -46,6 +55,18 @@ def _shared_key(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, 
     return mu, nu * scale[:, None]
 
 
+WHITENING_RIDGE = 1e-3  # the calibration moment is regularised by this share of its mean diagonal
+
+
+def _whitening(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C^1/2, C^-1/2) of the symmetric second moment C (float64), ridge-regularised so C^-1/2 stays bounded."""
+    moment = (moment + moment.T) / 2
+    ridge = WHITENING_RIDGE * moment.diagonal().mean().clamp_min(1e-30)
+    vals, vecs = torch.linalg.eigh(moment + ridge * torch.eye(moment.shape[0], dtype=moment.dtype, device=moment.device))
+    vals = vals.clamp_min(ridge)
+    return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
+
+
 def init_index_weights(
     wq: torch.Tensor,
     wk: torch.Tensor,
@@ -57,10 +78,13 @@ def init_index_weights(
     index_dim: int,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    x_moment: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index_q_proj.weight [Hkv * Di, hidden], index_k_proj.weight [Di, hidden]) from q_proj/k_proj weights.
 
-    wq [Hq * D, hidden], wk [Hkv * D, hidden]; q_scale/k_scale [D]: the effective per-channel scale of a QK norm.
+    wq [Hq * D, hidden], wk [Hkv * D, hidden]; q_scale/k_scale [D]: the effective per-channel scale of a QK norm;
+    x_moment [hidden, hidden]: the second moment of the attention input on calibration data (the calibrated fit of
+    the module docstring), None for the weight-only fit.
     """
     if index_dim < rope_dim:  # the index RoPE would be the main table cut to index_dim (apply_index_rope): no fit
         raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({rope_dim}): "
@@ -72,6 +96,12 @@ def init_index_weights(
     G = n_heads // n_kv_heads
     a = wq.double().view(n_kv_heads, G, head_dim, hidden).mean(1)  # [Hkv, D, hidden]
     b = wk.double().view(n_kv_heads, head_dim, hidden)
+    unwhiten = None
+    if x_moment is not None:
+        if x_moment.shape != (hidden, hidden):
+            raise M3CompileError(f"calibration moment {tuple(x_moment.shape)} does not match hidden size {hidden}")
+        root, unwhiten = _whitening(x_moment.to(device=wq.device, dtype=torch.float64))
+        a, b = a @ root, b @ root
     if q_scale is not None:
         a = a * q_scale.double()[None, :, None]
     if k_scale is not None:
@@ -94,17 +124,21 @@ def init_index_weights(
         mu, nu = _shared_key(alpha[keep], beta[keep])
         wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
         wk_idx[rope_dim:rope_dim + len(keep)] = nu
+    if unwhiten is not None:
+        wq_idx, wk_idx = wq_idx @ unwhiten, wk_idx @ unwhiten
     out = dict(device=wq.device, dtype=dtype)  # the model's device and dtype, not the scratch's
     return wq_idx.reshape(n_kv_heads * index_dim, hidden).to(**out), wk_idx.to(**out)
 
 
 def index_branch_weights(wq: torch.Tensor, wk: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int,
                          rope_dim: int, index_dim: int, q_norm: torch.Tensor | None = None,
-                         k_norm: torch.Tensor | None = None, norm_style: str = "rms") -> dict[str, torch.Tensor]:
+                         k_norm: torch.Tensor | None = None, norm_style: str = "rms",
+                         x_moment: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The four index-branch tensors of one layer, by their names under the attention block (M3's names):
-    index_q_proj / index_k_proj from `init_index_weights`, and index_q_norm / index_k_norm zero (Gemma-style norms
-    start as identity). q_norm / k_norm: the layer's QK-norm weights, if any, in `norm_style` ("rms": w * x,
-    "gemma": x * (1 + w)). gqa_to_msa and the streaming converter both take their index branch from here."""
+    index_q_proj / index_k_proj from `init_index_weights` (calibrated when `x_moment` is given), and
+    index_q_norm / index_k_norm zero (Gemma-style norms start as identity). q_norm / k_norm: the layer's QK-norm
+    weights, if any, in `norm_style` ("rms": w * x, "gemma": x * (1 + w)). gqa_to_msa and the streaming converter
+    both take their index branch from here."""
 
     def scale(w):
         if w is None:
@@ -114,7 +148,7 @@ def index_branch_weights(wq: torch.Tensor, wk: torch.Tensor, *, n_heads: int, n_
     with torch.no_grad():
         wq_idx, wk_idx = init_index_weights(
             wq.detach(), wk.detach(), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dim=rope_dim,
-            index_dim=index_dim, q_scale=scale(q_norm), k_scale=scale(k_norm),
+            index_dim=index_dim, q_scale=scale(q_norm), k_scale=scale(k_norm), x_moment=x_moment,
         )
     zeros = torch.zeros(index_dim, dtype=wq.dtype, device=wq.device)
     return {"index_q_proj.weight": wq_idx, "index_k_proj.weight": wk_idx, "index_q_norm.weight": zeros,

@@ -32,8 +32,9 @@ from m3compile.io.checkpoint import (
     write_shard_index,
 )
 from m3compile.io.save import output_config, write_extras
-from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
+from m3compile.models.decoder import Decoder, DecoderLayer, ModelArgs, MSALayerArgs
 from m3compile.models.vision import Projector, VisionTower
+from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration
 from m3compile.passes.index_init import index_branch_weights
 from m3compile.pipelines import ConversionReport, convert, run_pipeline
 
@@ -187,6 +188,7 @@ class _Converter:
         self.source = SourceTensors(src)
         self.args, self.settings, self.dtype = args, settings, dtype
         self.vision = None  # VisionArgs when the vision tower is kept
+        self.calibration: Calibration | None = None  # the calibrated init: fed each group as it is written
         self.groups: dict[tuple[int, str], list[str]] = {}
         for name in self.source.where:
             self.groups.setdefault(_group_of(name), []).append(name)
@@ -203,19 +205,39 @@ class _Converter:
         if self.vision is not None and all(VISION_TENSOR.match(n) for n in names):  # vision tower: copied through
             return vision_release_names(vision_names(raw))
         state, _ = internal_names(raw, self.args)
+        moment = self._calibrate(g[0], state) if materialise and self.calibration is not None else None
         if g[0] in self.settings:
-            state.update(self._index_branch(g[0], state))
+            state.update(self._index_branch(g[0], state, moment))
         if self.args.tie_embeddings:
             state.pop("lm_head.weight", None)
         return to_release_names(state)
 
-    def _index_branch(self, layer: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _calibrate(self, layer: int, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Feed the calibration forward: the embeddings, then each layer (up to the last converted one) in order;
+        the moment of a converted layer's attention input."""
+        cal = self.calibration
+        if "model.embed_tokens.weight" in state:
+            cal.embed(state["model.embed_tokens.weight"])
+        if layer < 0 or layer > max(self.settings, default=-1):
+            return None
+        with torch.device("meta"):
+            module = DecoderLayer(self.args, layer)
+        prefix = f"model.layers.{layer}."
+        module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True,
+                               assign=True)
+        if layer in self.settings:
+            return cal.moment(layer, module)
+        cal.advance(layer, module)
+        return None
+
+    def _index_branch(self, layer: int, state: dict[str, torch.Tensor],
+                      moment: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         a, s = self.args, self.settings[layer]
         pre = f"model.layers.{layer}.self_attn"
         weights = index_branch_weights(
             state[f"{pre}.q_proj.weight"], state[f"{pre}.k_proj.weight"], n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
             head_dim=a.head_dim, rope_dim=a.rope_dim, index_dim=s.index_dim, q_norm=state.get(f"{pre}.q_norm.weight"),
-            k_norm=state.get(f"{pre}.k_norm.weight"), norm_style=a.qk_norm or "rms",
+            k_norm=state.get(f"{pre}.k_norm.weight"), norm_style=a.qk_norm or "rms", x_moment=moment,
         )
         return {f"{pre}.{name}": t for name, t in weights.items()}
 
@@ -236,10 +258,17 @@ def convert_streaming(
     dtype: str | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: Callable[[int, int, str], None] | None = None,
+    calib: torch.Tensor | None = None,
+    calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN,
+    calib_device: str = "cpu",
+    calib_source: str | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint directory `src` into `out_dir` with memory bounded by one layer (see module doc).
 
-    progress(bytes_written, total_bytes, what) is called after every tensor.
+    progress(bytes_written, total_bytes, what) is called after every tensor. calib: 1-D token ids for the
+    calibrated index init (passes/calibration.py), run layer by layer on `calib_device` as the layers are written
+    (memory: the calibration hidden states plus one layer in fp32); the index branches equal those of
+    `pipelines.convert(load(src), config, calib=...)`.
     """
     start = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
@@ -261,6 +290,9 @@ def convert_streaming(
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     conv = _Converter(src, args, settings, parse_dtype(dtype))
+    if calib is not None and settings:
+        conv.calibration = Calibration(args, calib, calib_seq_len, calib_device, calib_source)
+        report.index_init = conv.calibration.info
     has_vision = any(VISION_TENSOR.match(n) for n in conv.source.where)
     vision = vision_args_from_config(cfg) if has_vision else None
     if has_vision and vision is None:
