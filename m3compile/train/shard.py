@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.fx
 
 from m3compile.errors import M3CompileError
+from m3compile.io.load import check_device
 
 __all__ = ["ShardedGraph", "process_group", "shard_groups", "shard_graph", "materialize", "copy_rows",
            "full_tensor", "local_bytes", "needs_sharding"]
@@ -50,14 +51,18 @@ def process_group(device: str, single: bool = False):
     if dist.is_available() and dist.is_initialized():
         yield dist.get_rank(), dist.get_world_size()
         return
-    backend = "nccl" if str(device).startswith("cuda") else "gloo"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (single and "MASTER_ADDR" in os.environ):
-        dist.init_process_group(backend)
-    elif single:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not multi and not single:
         yield 0, 1
         return
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # before NCCL's first collective picks its device
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if multi or "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.get_rank(), dist.get_world_size()
     finally:
@@ -119,7 +124,7 @@ def shard_graph(gm: torch.fx.GraphModule, device: str) -> ShardedGraph:
     from torch.distributed.fsdp import fully_shard
 
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     for key, names in shard_groups(gm):
