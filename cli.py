@@ -346,24 +346,30 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
 @click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@click.option("--shard/--no-shard", default=None,
+              help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
+                   "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
+                   "fit the device].")
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, autocast, as_json):
+            resume, force, autocast, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
     over each KV group's heads; the student is the index branch's softmax over the same support (all visible
     keys during --warmup-steps, the selected blocks after). Ctrl-C saves a resumable state in --out. Runs under
-    torchrun for data parallelism (gloo on CPU, NCCL on CUDA).
+    torchrun for data parallelism (gloo on CPU, NCCL on CUDA): a replica per process (DistributedDataParallel), or
+    with --shard each process's shard of the model (FSDP2). Sharded or not, --out holds whole tensors, and either
+    kind of run resumes it.
     """
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
-    _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, as_json,
+    _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}")
 
 
-def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, force, as_json, info, summary):
+def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, force, shard, as_json, info, summary):
     """Progress bar, Ctrl-C (exit 130) and the closing summary shared by distill and train (rank 0 prints)."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     columns = (TextColumn(f"[bold]{verb}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -376,7 +382,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
 
         try:
             report = _run(fn, model_dir, data, out_dir, config, device=device, resume=resume, force=force,
-                          progress=show)
+                          shard=shard, progress=show)
         except DistillInterrupted as e:
             click.echo(str(e), err=True)
             sys.exit(EXIT_INTERRUPTED)
@@ -387,8 +393,10 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
         return
     first, last = report.history[0], report.history[-1]
     console = _console()
-    console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es), "
-                  f"{report.tokens:,} tokens in {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s)")
+    console.print(f"steps {report.start_step} -> {report.steps} on {report.world_size} process(es)"
+                  f"{' (sharded)' if report.sharded else ''}, {report.tokens:,} tokens in {report.seconds:.1f} s "
+                  f"({report.tokens_per_s:,.0f} tok/s); parameters per process "
+                  f"{max(report.param_bytes_per_rank) / 2**20:,.1f} MiB")
     console.print(f"{summary(first, last)}   (step {first['step']} -> {last['step']})")
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
@@ -411,20 +419,24 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
 @click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@click.option("--shard/--no-shard", default=None,
+              help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
+                   "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
+                   "fit the device].")
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
-          resume, force, autocast, as_json):
+          resume, force, autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
     (teacher: the group-mean attention over the selected blocks) keeps the index branch aligned and reaches only
     the index branch (its input is detached; top-k passes no gradient). On CUDA the MSA ops run as the Triton
-    kernels, forward and backward. Checkpoints, Ctrl-C, --resume and torchrun work as in m3c distill; the state is
-    in OUT/train_state/.
+    kernels, forward and backward. Checkpoints, Ctrl-C, --resume, torchrun and --shard work as in m3c distill; the
+    state is in OUT/train_state/.
     """
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
-    _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, as_json,
+    _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
                                f"recall {a['recall']:.3f} -> {b['recall']:.3f}")
@@ -705,11 +717,14 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="--distill: as m3c distill --autocast.")
 @click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
+@click.option("--distill-shard", is_flag=True,
+              help="--distill: the distillation and MSA training steps sharded with FSDP2 as m3c distill --shard "
+                   "(under torchrun, or in a process group of one).")
 @click.option("--steps", default=5, show_default=True, help="--distill: timed steps (median reported) after 2 untimed.")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
-          distill_batch, distill_dtype, distill_autocast, no_train, steps):
+          distill_batch, distill_dtype, distill_autocast, no_train, distill_shard, steps):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -725,7 +740,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
-                              distill_dtype, distill_autocast, not no_train, steps, device, out_dir)
+                              distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir)
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
                                _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
@@ -772,15 +787,16 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 
-def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, steps, device, out_dir):
+def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir):
     cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
-               autocast=autocast, train=train, steps=steps, device=device)
+               autocast=autocast, train=train, shard=shard, steps=steps, device=device)
     console = _console()
     result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
     t = Table(title=f"{result['model']}: {result['layers']} layers, {batch} x {seq_len:,} tokens, block "
-                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}")
+                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
+                    f"{', sharded over ' + str(result['world_size']) + ' process(es)' if shard else ''}")
     for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
               "rest fwd", "rest bwd", "optimizer", "host wait"):
         t.add_column(c, justify="right")

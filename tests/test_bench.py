@@ -89,14 +89,17 @@ def test_bench_backward_smoke_on_cpu(tmp_path):
     assert row["kl_given_lse_fwd_bwd_ms"] > 0
 
 
-def test_distill_bench_runs_every_stage_on_cpu(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replica", "sharded"])
+def test_distill_bench_runs_every_stage_on_cpu(tmp_path, shard):
     """`m3c bench --distill` on CPU (timings meaningless there): every stage is run and reported, with the ratios
-    against the dense forward (distillation) and the dense training step (MSA training)."""
+    against the dense forward (distillation) and the dense training step (MSA training); also sharded (FSDP2 in a
+    process group of one)."""
     r = CliRunner().invoke(main, ["bench", "--distill", "m3-tiny", "--device", "cpu", "--distill-seq-len", "48",
                                   "--distill-batch", "1", "--steps", "1", "--block", "8", "--topk", "2",
-                                  "--out", str(tmp_path)])
+                                  "--out", str(tmp_path)] + (["--distill-shard"] if shard else []))
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "distill.json").read_text())
+    assert result["config"]["shard"] == shard and result["world_size"] == 1
     stages = [r["stage"] for r in result["rows"]]
     assert stages == ["dense forward", "distill warm-up", "distill sparse", "dense train", "msa train"]
     assert result["msa"]["block_size"] == 8 and result["msa"]["topk"] == 2

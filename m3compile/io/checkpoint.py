@@ -34,6 +34,7 @@ __all__ = [
     "read_config",
     "args_from_config",
     "read_checkpoint",
+    "checkpoint_dtype",
     "load_state_dict",
     "check_state",
     "to_release_names",
@@ -464,11 +465,17 @@ def read_checkpoint(path: str | os.PathLike, attn_impl: str = "sdpa_gqa") -> Che
     args, _ = args_from_config(cfg, attn_impl)
     raw = _read_tensors(shard_files(path))
     state, layout = internal_names(raw, args)
-    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    dtype = torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    dtype = checkpoint_dtype(state.values())
     vision = vision_names(raw)
     vision_args = vision_args_from_config(cfg) if vision else None
     return Checkpoint(path, cfg, args, state, layout, dtype, vision_args, vision if vision_args else None)
+
+
+def checkpoint_dtype(tensors) -> torch.dtype:
+    """A checkpoint's dtype from its text-model tensors (real or meta): bf16 if any is, else the one floating dtype
+    they share, else fp32."""
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    return torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes.pop() if len(dtypes) == 1 else torch.float32)
 
 
 def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: Path | str,

@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.io.checkpoint import check_state, load_state_dict, read_checkpoint
+from m3compile.io.checkpoint import (
+    VISION_TENSOR, args_from_config, check_state, checkpoint_dtype, internal_names, load_state_dict, read_checkpoint,
+    read_config,
+)
+from m3compile.io.streaming import SourceTensors
 from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding
 from m3compile.models.vision import MultimodalDecoder, VisionRotary, apply_window
 
-__all__ = ["load", "from_preset", "check_device"]
+__all__ = ["load", "load_meta", "weights_by_layer", "from_preset", "check_device"]
 
 
 def check_device(device) -> torch.device:
@@ -61,6 +67,33 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
         mm.source_config, mm.source_dtype = ck.config, ck.dtype
         model = mm
     return model.to(parse_dtype(dtype) or ck.dtype).eval()
+
+
+def load_meta(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+              attn_impl: str = "sdpa_gqa") -> Decoder:
+    """What `load` returns, on the meta device: no tensor data is read, the tensors' names and shapes are checked
+    against config.json from the safetensors headers. `weights_by_layer` gives the weights to fill it with, one layer
+    at a time (the sharded training path copies each rank's rows from them). Text checkpoints only."""
+    path = Path(path)
+    cfg = read_config(path)
+    args, _ = args_from_config(cfg, attn_impl)
+    source = SourceTensors(path)
+    if any(VISION_TENSOR.match(n) for n in source.where):
+        raise M3CompileError(f"{path} has a vision tower: loading without the whole model in memory (sharded "
+                             f"training) supports text checkpoints only")
+    source.check(args)
+    metas, _ = internal_names({n: source.meta(n) for n in source.where}, args)
+    with torch.device("meta"):
+        model = Decoder(args)
+    model.source_config = cfg
+    model.source_dtype = checkpoint_dtype(metas.values())
+    return model.to(parse_dtype(dtype) or model.source_dtype).eval()
+
+
+def weights_by_layer(path: str | os.PathLike, args) -> Iterator[dict[str, torch.Tensor]]:
+    """The text model's tensors of a checkpoint directory under our names, one layer at a time (read from the
+    memory-mapped shards; memory holds one layer's tensors)."""
+    return SourceTensors(Path(path)).by_layer(args)
 
 
 def from_preset(name: str, seed: int = 0, attn_impl: str = "sdpa_gqa") -> Decoder:

@@ -18,7 +18,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -38,7 +38,8 @@ from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration
 from m3compile.passes.index_init import index_branch_weights
 from m3compile.pipelines import ConversionReport, convert, run_pipeline
 
-__all__ = ["convert_streaming", "SafetensorsWriter", "SourceTensors", "nbytes", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["convert_streaming", "SafetensorsWriter", "CheckpointWriter", "SourceTensors", "nbytes",
+           "DEFAULT_MAX_SHARD_SIZE"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as Hugging Face counts
 
@@ -80,6 +81,49 @@ class SafetensorsWriter:
         self.file.close()
         if self.done != len(self.expected):
             raise AssertionError(f"{self.done} of {len(self.expected)} tensors written")
+
+
+class CheckpointWriter:
+    """A checkpoint's safetensors shards (and their index) written tensor by tensor in a planned order.
+
+    `entries` is every tensor's (name, shape, dtype) in the order `write` will get them; the shards are cut from that
+    order as `plan_shards` does (at most `max_shard_size` bytes each, a larger tensor alone). Memory holds one
+    tensor, whatever the checkpoint's size. `close` checks that every planned tensor came and writes the index."""
+
+    def __init__(self, out_dir: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+        self.out_dir = Path(out_dir)
+        self.entries = {n: (n, tuple(s), d) for n, s, d in entries}
+        self.total = sum(nbytes(s, d) for _, s, d in entries)
+        self.shards = plan_shards([(n, nbytes(s, d)) for n, s, d in entries], max_shard_size)
+        self.pending = list(reversed(self.shards))  # shards not yet opened, the next last
+        self.writer: SafetensorsWriter | None = None
+        self.left = 0  # tensors still due in the open shard
+
+    def write(self, name: str, t: torch.Tensor) -> int:
+        """Write the next planned tensor; returns its bytes."""
+        if self.left == 0:
+            if self.writer is not None:
+                self.writer.close()
+            if not self.pending:
+                raise AssertionError(f"writing {name}: every planned tensor was written")
+            fname, names = self.pending.pop()
+            self.writer = SafetensorsWriter(self.out_dir / fname, [self.entries[n] for n in names])
+            self.left = len(names)
+        self.left -= 1
+        return self.writer.write(name, t)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.pending or self.left:
+            raise AssertionError(f"{len(self.pending)} shard(s) of {len(self.shards)} not written")
+        write_shard_index(self.out_dir, self.shards, self.total)
+
+    def abort(self) -> None:
+        """Close the open file after a failure (the caller removes the directory)."""
+        if self.writer is not None:
+            self.writer.file.close()
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:
@@ -148,6 +192,17 @@ class SourceTensors:
                         raise M3CompileError(f"{f}: cannot read tensor {name} ({str(e).splitlines()[0]})") from None
                     check_finite(name, out[name], f)
         return out
+
+    def by_layer(self, args: ModelArgs) -> Iterator[dict[str, torch.Tensor]]:
+        """The text model's tensors under our names, one layer at a time (embeddings first, then the layers in
+        order, then the final norm and the head): memory holds one layer's tensors, never the model."""
+        groups: dict[tuple[int, str], list[str]] = {}
+        for name in self.where:
+            if not VISION_TENSOR.match(name):
+                groups.setdefault(_group_of(name), []).append(name)
+        for g in sorted(groups):
+            state, _ = internal_names(self.load(groups[g]), args)
+            yield state
 
 
 def check_finite(name: str, t: torch.Tensor, where, dtype: torch.dtype | None = None) -> None:
@@ -306,29 +361,25 @@ def convert_streaming(
     plan: list[_Planned] = []
     for g in sorted(conv.groups):
         plan += [_Planned(g, n, tuple(t.shape), t.dtype) for n, t in conv.group(g, materialise=False).items()]
-    by_name = {p.name: p for p in plan}
-    shards = plan_shards([(p.name, nbytes(p.shape, p.dtype)) for p in plan], max_shard_size)
     total = sum(nbytes(p.shape, p.dtype) for p in plan)
 
     written = 0
     with atomic_output_dir(out_dir, force, inputs=(src,)) as tmp:
+        writer = CheckpointWriter(tmp, [(p.name, p.shape, p.dtype) for p in plan], max_shard_size)
+        fnames = {n: fname for fname, names in writer.shards for n in names}
         current, tensors = None, {}
-        for fname, names in shards:
-            shard = [by_name[n] for n in names]
-            writer = SafetensorsWriter(tmp / fname, [(p.name, p.shape, p.dtype) for p in shard])
-            try:
-                for p in shard:
-                    if p.group != current:
-                        current, tensors = p.group, None
-                        tensors = conv.group(p.group, materialise=True)
-                    written += writer.write(p.name, tensors.pop(p.name))
-                    if progress:
-                        progress(written, total, f"{p.group[1] or 'layer ' + str(p.group[0])} -> {fname}")
-            except BaseException:
-                writer.file.close()
-                raise
-            writer.close()
-        write_shard_index(tmp, shards, total)
+        try:
+            for p in plan:
+                if p.group != current:
+                    current, tensors = p.group, None
+                    tensors = conv.group(p.group, materialise=True)
+                written += writer.write(p.name, tensors.pop(p.name))
+                if progress:
+                    progress(written, total, f"{p.group[1] or 'layer ' + str(p.group[0])} -> {fnames[p.name]}")
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
         out_cfg = output_config(cfg, out_args, report.config)
         if vision is not None:
             out_cfg["vision_config"]["vit_3d_window"] = (config or MSAConfig()).vision_window

@@ -8,6 +8,9 @@ shape preset with random weights built on the device):
     distill sparse    the same step after warm-up (the selected blocks)
     dense train       forward + backward + AdamW of the dense model on the next-token loss (--train)
     msa train         one step of `m3c train` (LM + KL, sparse attention, every parameter) (--train)
+With `shard` the two distillation steps and the MSA training step run sharded with FSDP2 (as `m3c distill --shard`;
+under torchrun each process times its own step on the same batch, else in a process group of one), so two runs,
+with and without, give the sharded path's overhead.
 Each is timed as the median of repeated steps after warm-up (CUDA events on a GPU), with its peak memory and a
 per-stage breakdown from one profiled step (torch.profiler): selection, sparse attention, KL (forward and
 backward), the rest of the forward (backbone and index projections), the rest of the backward, the optimizer,
@@ -15,6 +18,7 @@ and the host time the GPU waited (wall time minus the kernels' busy time).
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import time
@@ -29,6 +33,7 @@ from m3compile.io.load import from_preset, load
 from m3compile.models.decoder import PRESETS, Decoder
 from m3compile.pipelines import convert
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
+from m3compile.train.shard import process_group
 
 __all__ = ["DistillBenchConfig", "run_distill_bench"]
 
@@ -46,6 +51,7 @@ class DistillBenchConfig:
     dtype: str = "bfloat16"  # the backbone's weights (index weights are fp32 under autocast)
     autocast: str = "auto"  # as DistillConfig.autocast
     train: bool = True
+    shard: bool = False  # FSDP2 for the distillation and MSA training steps
     steps: int = 5
     warmup: int = 2
     device: str = "cuda"
@@ -171,6 +177,11 @@ def _profile(fn, cfg: DistillBenchConfig) -> dict:
 
 
 def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
+    with process_group(cfg.device, single=True) if cfg.shard else contextlib.nullcontext((0, 1)) as (_, world):
+        return {**_bench(cfg, log), "world_size": world}
+
+
+def _bench(cfg: DistillBenchConfig, log) -> dict:
     dense, sparse, what = _models(cfg)
     args = sparse.args
     g = torch.Generator().manual_seed(0)
@@ -198,7 +209,7 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
     record("dense forward", dense_forward, profiled=False)
     step = DistillStep(sparse, DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                              autocast=cfg.autocast),
-                       cfg.device, "warmup")
+                       cfg.device, "warmup", shard=cfg.shard)
     record("distill warm-up", lambda: step(x))
     step.set_mode("sparse")
     record("distill sparse", lambda: step(x))
@@ -219,8 +230,11 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
         record("dense train", dense_train, profiled=False)
         del opt
         dense.zero_grad(set_to_none=True)
+        if cfg.shard:  # the distillation step sharded this model's modules: a fresh one
+            sparse = _models(cfg)[1]
         train = DistillStep(sparse, TrainConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
-                                                lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse")
+                                                lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse",
+                            shard=cfg.shard)
         record("msa train", lambda: train(x, y))
     base = {r["stage"]: r for r in rows}
     for r in rows:

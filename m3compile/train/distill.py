@@ -6,12 +6,14 @@ dense model attends to.
 
 Only the index projections and norms learn (the backbone is frozen and bit-identical afterwards). The first
 `warmup_steps` use dense support with a dense main branch, then the support becomes the selected blocks. Data
-order is a pure function of (seed, step), so a resumed run continues bit for bit. Under `torchrun` the index
-parameters are wrapped in DistributedDataParallel and each rank takes its slice of the global batch.
+order is a pure function of (seed, step), so a resumed run continues bit for bit. Under `torchrun` each rank takes
+its slice of the global batch and either holds a replica (DistributedDataParallel) or, with `shard` (or when a
+replica would not fit), its shard of every parameter, gradient and AdamW moment (FSDP2, see train/shard.py): the
+model is then streamed from the checkpoint into the shards and saved tensor by tensor, so no rank ever holds it.
 
 Output directory: a loadable converted checkpoint (config.json, safetensors in the source dtype) plus
 `distill_state/` (fp32 index weights, optimizer state, run fingerprint; all safetensors and JSON) and
-`distill_report.json`.
+`distill_report.json`. Sharded or not, the files are the same (whole tensors), so either kind of run resumes either.
 """
 from __future__ import annotations
 
@@ -26,17 +28,22 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.checkpoint import (
-    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, to_release_names, write_checkpoint,
+    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, to_release_names,
 )
 from m3compile.io.data import load_tokens, windows
-from m3compile.io.load import load
+from m3compile.io.load import load, load_meta, weights_by_layer
+from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
+from m3compile.models.decoder import RotaryEmbedding
 from m3compile.pipelines import run_pipeline
+from m3compile.train.shard import (
+    copy_rows, full_tensor, local_bytes, materialize, needs_sharding, process_group, shard_graph,
+)
 
 __all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "DistillStep", "distill", "train",
            "index_parameters"]
@@ -126,6 +133,8 @@ class DistillReport:
     seconds: float = 0.0
     history: list[dict] = field(default_factory=list)  # per step: step, mode, kl, recall, per-layer lists
     interrupted: bool = False
+    sharded: bool = False  # FSDP2: each rank held its shard of the parameters (else a replica)
+    param_bytes_per_rank: list[int] = field(default_factory=list)  # parameter storage each rank kept between steps
 
     @property
     def tokens_per_s(self) -> float:
@@ -166,16 +175,6 @@ def _batch_ids(step: int, rank: int, batch: int, world: int, n_windows: int, see
     return out
 
 
-def _init_distributed(device: str) -> tuple[int, int, bool]:
-    """(rank, world size, whether this call created the process group). Reads torchrun's environment."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if str(device).startswith("cuda") else "gloo")
-        return dist.get_rank(), dist.get_world_size(), True
-    return 0, 1, False
-
-
 def distill(
     model_dir: str | os.PathLike,
     data: str | os.PathLike,
@@ -185,27 +184,27 @@ def distill(
     device: str = "cpu",
     resume: bool = False,
     force: bool = False,
+    shard: bool | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> DistillReport:
     """Distil the index branch of the converted model in `model_dir` on token `data`; write to `out_dir`.
 
+    `shard`: True = FSDP2 (each rank holds its shard of the model; also in one process), False = a replica per
+    rank, None = shard under torchrun when a replica would not fit the device (see train/shard.needs_sharding).
     Raises M3CompileError (nothing written) on bad input: an unconverted model, data shorter than one sequence,
     token ids outside the vocabulary, an existing `out_dir` without `force`/`resume`, or `resume` from a run with
     other settings. Ctrl-C saves the state after the last finished step and raises DistillInterrupted.
     """
-    return _launch(model_dir, data, out_dir, config, device, resume, force, progress)
+    return _launch(model_dir, data, out_dir, config, device, resume, force, shard, progress)
 
 
-def _launch(model_dir, data, out_dir, config, device, resume, force, progress) -> DistillReport:
-    """One rank's run (torchrun's environment read here); the process group it created is destroyed after."""
+def _launch(model_dir, data, out_dir, config, device, resume, force, shard, progress) -> DistillReport:
+    """One rank's run (torchrun's environment read here); a process group it created is destroyed after."""
     if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ and ":" not in str(device):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
-    rank, world, own_group = _init_distributed(device)
-    try:
-        return _Run(Path(model_dir), Path(data), Path(out_dir), config, device, rank, world).run(resume, force, progress)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    with process_group(device, single=shard is True) as (rank, world):
+        run = _Run(Path(model_dir), Path(data), Path(out_dir), config, device, rank, world)
+        return run.run(resume, force, shard, progress)
 
 
 def train(
@@ -217,15 +216,16 @@ def train(
     device: str = "cpu",
     resume: bool = False,
     force: bool = False,
+    shard: bool | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> DistillReport:
     """Continue training the converted model in `model_dir`: LM loss through the sparse attention plus
-    `loss_coeff` x the index KL. Same data order, checkpoints (`train_state/`: fp32 parameters, AdamW state),
-    Ctrl-C, resume and torchrun behaviour as `distill`. On CUDA the MSA ops are lowered to the Triton kernels
-    (forward and backward)."""
+    `loss_coeff` x the index KL. Same data order, checkpoints (`train_state/`: the parameters, AdamW state),
+    Ctrl-C, resume, torchrun and `shard` behaviour as `distill`. On CUDA the MSA ops are lowered to the Triton
+    kernels (forward and backward)."""
     if not isinstance(config, TrainConfig):
         raise M3CompileError("train needs a TrainConfig")
-    return _launch(model_dir, data, out_dir, config, device, resume, force, progress)
+    return _launch(model_dir, data, out_dir, config, device, resume, force, shard, progress)
 
 
 class DistillStep:
@@ -236,28 +236,42 @@ class DistillStep:
     dtype, the backbone has no gradients (its inputs to the hooks are detached, so no autograd graph is built for
     it), and on CUDA the forward runs under bf16 autocast. Training (a TrainConfig) trains every parameter on LM + KL.
     Calls return detached per-layer KL, recall (and LM loss) without synchronising with the host.
+
+    With `world` > 1 the graph is wrapped in DistributedDataParallel; with `shard` it is sharded with FSDP2 instead
+    (train/shard.py; a process group must exist). A `model` on the meta device (`load_meta`) is then allocated
+    shard by shard and filled from `weights` (`weights_by_layer` of its checkpoint).
     """
 
-    def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1):
-        self.config, self.device = config, device
+    def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1,
+                 shard: bool = False, weights=None):
+        self.config, self.device, self.sharded = config, device, shard
         self.training = isinstance(config, TrainConfig)
         self.amp = config.compute_dtype(device)
         self.gm = trace(model)
         # on CUDA: lowered to the fused indexer, sparse attention and fused KL (+ backwards)
         run_pipeline("distill", self.gm, mode=mode, lowered=str(device).startswith("cuda"))
-        self.params = dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm)
+        names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
-        for p in self.params.values():
-            if not self.training and self.amp is not None:
-                p.data = p.data.float()  # fp32 master weights for the index branch; autocast computes in bf16
-            p.requires_grad_(True)
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=config.lr, betas=(0.9, 0.95),
-                                     weight_decay=config.weight_decay)
+        for name, p in self.gm.named_parameters():
+            if name in names:
+                if not self.training and self.amp is not None:
+                    p.data = p.data.float()  # fp32 master weights for the index branch; autocast computes in bf16
+                p.requires_grad_(True)
         self.net = self.gm
-        if world > 1:
+        if shard:
+            buffers = {n: RotaryEmbedding.frequencies(model.args) for n, b in self.gm.named_buffers()
+                       if b.is_meta and n.endswith("rotary_emb.inv_freq")}
+            self.net = shard_graph(self.gm, device)
+            if weights is not None:
+                materialize(self.net, self.gm, weights, device, buffers)
+        elif world > 1:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.gm, device_ids=None if device == "cpu" else [device])
+        params = dict(self.gm.named_parameters())  # read after sharding: FSDP registers new parameters
+        self.params = {n: params[n] for n in names}
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=config.lr, betas=(0.9, 0.95),
+                                     weight_decay=config.weight_decay)
 
     @property
     def mode(self) -> str:
@@ -267,7 +281,9 @@ class DistillStep:
         if self.mode != mode:
             run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
+    def backward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        """Forward and backward of one batch: the trained parameters' .grad (the mean over ranks, sharded as the
+        parameters are); returns detached (kl, recall, lm)."""
         with torch.profiler.record_function("m3c.forward"), self.config.autocast_context(self.device):
             logits, kl, recall = self.net(x)
             lm = None
@@ -277,9 +293,13 @@ class DistillStep:
         with torch.profiler.record_function("m3c.backward"):
             loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
             loss.backward()
+        return kl.detach(), recall.detach(), None if lm is None else lm.detach()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        out = self.backward(x, y)
         with torch.profiler.record_function("m3c.optimizer"):
             self.opt.step()
-        return kl.detach(), recall.detach(), None if lm is None else lm.detach()
+        return out
 
 
 class _Run:
@@ -292,20 +312,41 @@ class _Run:
         self.weights_file = "params.safetensors" if self.training else "index.safetensors"
         self.report_file = "train_report.json" if self.training else "distill_report.json"
 
-    def run(self, resume: bool, force: bool, progress) -> DistillReport:
+    def run(self, resume: bool, force: bool, shard: bool | None, progress) -> DistillReport:
         out = self.out_dir
         check_output_dir(out, (self.model_dir, self.data), force=True)  # overlap, file, symlink, parent
         if not resume and out.exists() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
         if self.rank == 0:  # one writer of the output for the whole run
             with output_lock(out):
-                return self._run(resume, progress)
-        return self._run(resume, progress)
+                return self._run(resume, shard, progress)
+        return self._run(resume, shard, progress)
 
-    def _run(self, resume: bool, progress) -> DistillReport:
+    def _load(self, shard: bool | None):
+        """(model, sharded): on the meta device when sharded (streamed into the shards later), else loaded whole."""
+        cfg = self.config
+        if shard is False or (shard is None and self.world == 1):
+            return load(self.model_dir, dtype=cfg.dtype, device=self.device), False
+        try:
+            model = load_meta(self.model_dir, dtype=cfg.dtype)
+        except M3CompileError:
+            if shard:
+                raise
+            return load(self.model_dir, dtype=cfg.dtype, device=self.device), False  # e.g. a vision tower: no sharding
+        if shard is None:
+            trained = dict(model.named_parameters()) if self.training else index_parameters(model)
+            amp = cfg.compute_dtype(self.device) if not self.training else None
+            flags = torch.tensor([needs_sharding(model, trained, self.device, amp)], dtype=torch.int64,
+                                 device=self.device)
+            dist.all_reduce(flags)  # one decision for all ranks: shard if any rank lacks the room
+            if not flags.item():
+                return load(self.model_dir, dtype=cfg.dtype, device=self.device), False
+        return model, True
+
+    def _run(self, resume: bool, shard: bool | None, progress) -> DistillReport:
         cfg, out = self.config, self.out_dir
         state = self._read_state() if resume else None
-        model = load(self.model_dir, dtype=cfg.dtype, device=self.device)
+        model, sharded = self._load(shard)
         if model.args.msa is None:
             raise M3CompileError(f"{self.model_dir} has no MSA layers: it was never converted (run m3c convert first)")
         tokens = load_tokens(self.data, model.args.vocab_size, self.model_dir)
@@ -317,8 +358,10 @@ class _Run:
         if state is not None:
             start, history = self._check_resume(state, fingerprint)
 
-        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world)
+        weights = weights_by_layer(self.model_dir, model.args) if sharded else None
+        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world, shard=sharded, weights=weights)
         params, opt, gm = stepper.params, stepper.opt, stepper.gm
+        self.sharded = sharded
         if state is not None:
             try:
                 self._load_state(params, opt)
@@ -328,7 +371,8 @@ class _Run:
                 raise M3CompileError(f"--resume: {out / self.state_dir} is corrupt "
                                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r})") from None
 
-        report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history)
+        report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history,
+                               sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
         t0 = time.perf_counter()
         step = start
         try:
@@ -402,45 +446,106 @@ class _Run:
         history = json.loads(report.read_text())["history"] if report.is_file() else []
         return step, [h for h in history if h["step"] <= step]
 
+    def _gather_ints(self, value: int) -> list[int]:
+        """`value` of every rank, in rank order."""
+        if self.world == 1:
+            return [value]
+        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(out, torch.tensor([value], dtype=torch.int64, device=self.device))
+        return [int(t.item()) for t in out]
+
     def _load_state(self, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+        """Parameters and AdamW state from the saved whole tensors; a sharded run reads only its rows of each."""
         folder = self.out_dir / self.state_dir
-        weights = load_file(str(folder / self.weights_file))
-        if set(weights) != set(params):
-            raise M3CompileError(f"--resume: {folder} holds other tensors than this model trains")
-        with torch.no_grad():
+        with safe_open(str(folder / self.weights_file), framework="pt") as h:
+            if set(h.keys()) != set(params):
+                raise M3CompileError(f"--resume: {folder} holds other tensors than this model trains")
             for name, p in params.items():
-                p.copy_(weights[name])
-        tensors = load_file(str(folder / "optimizer.safetensors"))
+                copy_rows(p, h.get_slice(name))
         meta = json.loads((folder / "state.json").read_text())
         order = list(params)
         sd = {"state": {}, "param_groups": meta["param_groups"]}
-        for key, t in tensors.items():
-            i, name = key.split(".", 1)
-            sd["state"].setdefault(order.index(meta["param_names"][int(i)]), {})[name] = t
+        with safe_open(str(folder / "optimizer.safetensors"), framework="pt") as h:
+            for key in h.keys():
+                i, name = key.split(".", 1)
+                param = params[meta["param_names"][int(i)]]
+                if h.get_slice(key).get_shape() == list(param.shape):  # a moment: sharded as its parameter is
+                    t = torch.zeros_like(param)
+                    copy_rows(t, h.get_slice(key))
+                else:  # the step count
+                    t = h.get_tensor(key)
+                sd["state"].setdefault(order.index(meta["param_names"][int(i)]), {})[name] = t
         for g in sd["param_groups"]:
             g["betas"] = tuple(g["betas"])
         opt.load_state_dict(sd)
 
     def _save(self, model, params, opt, step: int, fingerprint: dict, report: DistillReport) -> None:
+        """Rank 0 writes the checkpoint and the resume state. Sharded, every rank takes part: each tensor is gathered
+        whole in turn (only rank 0 keeps it, to write it), so no rank holds more than its shards plus one tensor."""
         if self.rank == 0:
             with atomic_output_dir(self.out_dir, force=True) as tmp:
-                dtype = model.source_dtype
-                state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-                if model.args.tie_embeddings:
-                    state.pop("lm_head.weight", None)
-                write_checkpoint(tmp, model.source_config, to_release_names(state))
-                copy_tokenizer_files(self.model_dir, tmp)
-                folder = tmp / self.state_dir
-                folder.mkdir()
-                save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()},
-                          str(folder / self.weights_file))
-                sd = opt.state_dict()
-                names = list(params)
-                save_file({f"{i}.{k}": v.detach().to("cpu").contiguous() for i, s in sd["state"].items()
-                           for k, v in s.items()}, str(folder / "optimizer.safetensors"))
-                groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in sd["param_groups"]]
-                (folder / "state.json").write_text(json.dumps(
-                    {"step": step, "fingerprint": fingerprint, "param_names": names, "param_groups": groups}, indent=2))
-                (tmp / self.report_file).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+                self._write(tmp, model, params, opt, step, fingerprint, report)
+        elif self.sharded:
+            self._write(None, model, params, opt, step, fingerprint, report)
         if self.world > 1:
             dist.barrier()
+
+    def _write(self, tmp: Path | None, model, params, opt, step: int, fingerprint: dict,
+               report: DistillReport) -> None:
+        """Write into `tmp` (None: a rank that only takes part in the gathers)."""
+        dtype = model.source_dtype
+        state = model.state_dict()
+        if model.args.tie_embeddings:
+            state.pop("lm_head.weight", None)
+        release = {name: to_release_names({name: torch.empty(t.shape, dtype=dtype, device="meta")})
+                   for name, t in state.items()}  # MoE experts: one tensor of ours -> one per expert
+        writer = None
+        if tmp is not None:
+            writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for r in release.values() for n, t in r.items()])
+        try:
+            for name, t in state.items():
+                whole = full_tensor(t).detach().to("cpu", dtype)
+                if writer is not None:
+                    for n, piece in to_release_names({name: whole}).items():
+                        writer.write(n, piece)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        folder = None
+        if tmp is not None:
+            writer.close()
+            (tmp / "config.json").write_text(json.dumps(model.source_config, indent=2, sort_keys=True) + "\n")
+            copy_tokenizer_files(self.model_dir, tmp)
+            folder = tmp / self.state_dir
+            folder.mkdir()
+        _write_tensors(folder, self.weights_file, dict(params))
+        sd = opt.state_dict()
+        _write_tensors(folder, "optimizer.safetensors",
+                       {f"{i}.{k}": v for i, s in sd["state"].items() for k, v in s.items()})
+        if tmp is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]}
+                      for g in sd["param_groups"]]
+            (folder / "state.json").write_text(json.dumps(
+                {"step": step, "fingerprint": fingerprint, "param_names": list(params), "param_groups": groups},
+                indent=2))
+            (tmp / self.report_file).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+def _write_tensors(folder: Path | None, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file of whole tensors, gathered one at a time where sharded (every rank calls this in the
+    same order; only a rank with a `folder` writes)."""
+    writer = None
+    if folder is not None:
+        writer = SafetensorsWriter(folder / name, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    try:
+        for n, t in tensors.items():
+            whole = full_tensor(t).detach().to("cpu")
+            if writer is not None:
+                writer.write(n, whole)
+    except BaseException:
+        if writer is not None:
+            writer.file.close()
+        raise
+    if writer is not None:
+        writer.close()
