@@ -463,7 +463,8 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device):
+@click.option("--eager", is_flag=True, help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
@@ -495,7 +496,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             sys.stdout.flush()
 
     _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
-         temperature=temperature, top_p=top_p, seed=seed, on_token=show)
+         temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None)
     click.echo()
 
 
