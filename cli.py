@@ -463,7 +463,8 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--eager", is_flag=True, help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
+@click.option("--eager", is_flag=True,
+              help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
 def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
@@ -692,7 +693,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="--distill: as m3c distill --autocast.")
 @click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
-@click.option("--steps", default=5, show_default=True, help="--distill: timed steps (median reported) after 2 untimed; --model: timed prefill runs per figure, at most.")
+@click.option("--steps", default=5, show_default=True,
+              help="--distill: timed steps (median reported) after 2 untimed; --model: timed prefill runs per figure, "
+                   "at most.")
 @click.option("--model", "model_name", default=None, metavar="MODEL_DIR|PRESET",
               help="Instead: the whole model, dense vs converted and lowered (a checkpoint directory, or a preset with "
                    "random weights: llama3-8b, qwen2.5-7b, ...): time to first token at --prefill-lengths (default "
@@ -728,9 +731,9 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     if model_name:
         source = click.get_current_context().get_parameter_source
         given = lambda name, text: text if source(name) != click.core.ParameterSource.DEFAULT else None  # noqa: E731
-        return _bench_model(model_name, given("prefill_lengths", prefill_lengths), given("decode_lengths", decode_lengths),
-                            batch, block, topk, dense_max, msa_max, model_dtype, index_cache, steps, decode_steps,
-                            figure_seconds, device, out_dir)
+        return _bench_model(model_name, given("prefill_lengths", prefill_lengths),
+                            given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
+                            model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, steps, device, out_dir)
@@ -846,7 +849,8 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
                       f"{s['speedup']:.2f}x", f"{s['ceiling']:.2f}x", f"{s['dense_attention_share']:.0%}")
         console.print(t)
         console.print("* extrapolated per stage from the longest timed length (attention and selection as T^2, "
-                      "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside attention")
+                      "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside "
+                      "attention")
     if result["decode"]:
         t = Table(title="decode, ms per step (all sequences) and tokens/s")
         for c in ("T", "batch", "dense eager", "dense graph", "MSA eager", "MSA graph", "dense tok/s", "MSA tok/s",

@@ -1,14 +1,14 @@
-"""m3c bench --model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its extrapolation laws
-and the decode batch that fits in memory."""
+"""m3c bench --model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
+extrapolation laws, the decode batch that fits in memory, and its outputs."""
 import json
 
-import pytest
 import torch
 from click.testing import CliRunner
 
 from m3compile.cli import main
+from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
-from m3compile.tools.bench_model import GROUPS, STAGES, cache_bytes, decode_batch, extrapolate
+from m3compile.tools.bench_model import GROUPS, STAGES, cache_bytes, decode_batch, extrapolate, write_model_outputs
 from tests.conftest import LLAMA_BYTE
 
 
@@ -17,10 +17,13 @@ def _close(a, b, rel=2e-3, abs_=2e-3):
 
 
 def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
-    """A dense checkpoint directory, converted in memory: prefill rows timed up to --dense-max / --msa-max and extrapolated (marked) beyond; each breakdown sums to its
-    total; extrapolated stages follow their laws from the longest timed row; decode rows with their batch, eager
-    timings (no CUDA graph on a CPU) and breakdown; the conversion kept the model's device and dtype."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch references on CPU: the interpreted kernels are tested elsewhere
+    """A dense checkpoint directory, converted in memory: prefill rows timed up to --dense-max / --msa-max and
+    extrapolated (marked) beyond; each breakdown sums to its total; extrapolated stages follow their laws from the
+    longest timed row; decode rows with their batch, eager timings (no CUDA graph on a CPU) and breakdown; the
+    conversion kept the model's device and dtype."""
+    # torch references on CPU (the interpreted kernels are tested elsewhere); not through the environment: Triton
+    # reads TRITON_INTERPRET once, and a kernel module imported meanwhile would stay compiled-mode for the session
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
     out = tmp_path / "bench"
     r = CliRunner().invoke(main, [
         "bench", "--model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths",
@@ -111,3 +114,27 @@ def test_model_bench_refuses_bad_input(tmp_path):
         r = CliRunner().invoke(main, ["bench", "--model", "m3-tiny", "--out", str(tmp_path / "o")])
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
         assert not (tmp_path / "o").exists()
+
+
+def test_a_decode_only_run_keeps_the_earlier_prefill(tmp_path):
+    """Prefill and decode can run as two commands into one OUT: the second keeps the first's other part (same model
+    and MSA settings only); the plot draws every model bench JSON of OUT."""
+    def result(model, prefill, decode, msa=None):
+        return {"bench": "model", "model": model, "name": model, "msa": msa or {"block_size": 128, "topk": 16},
+                "env": {"device": "cpu", "torch": "x", "triton": None},
+                "config": {"prefill_lengths": [8192] if prefill else [], "decode_lengths": [32768] if decode else []},
+                "prefill": [{"T": 8192}] if prefill else [],
+                "prefill_summary": [{"T": 8192, "speedup": 1.5, "ceiling": 3.0, "dense": "timed", "msa": "timed"}]
+                if prefill else [],
+                "decode": [{"T": 32768, "batch": 8, "speedup": 2.0, "speedup_eager": 1.2}] if decode else []}
+
+    write_model_outputs(result("a", True, False), tmp_path)
+    path, png = write_model_outputs(result("a", False, True), tmp_path)
+    data = json.loads(path.read_text())
+    assert data["prefill"] == [{"T": 8192}] and data["decode"][0]["T"] == 32768
+    assert [k["part"] for k in data["kept_from_earlier_run"]] == ["prefill"]
+    write_model_outputs(result("a", False, True, msa={"block_size": 64, "topk": 8}), tmp_path)  # other settings
+    assert json.loads(path.read_text())["prefill"] == []
+    write_model_outputs(result("b", True, True), tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.glob("*.json")) == \
+        ["a.json", "b.json"]

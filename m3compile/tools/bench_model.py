@@ -393,8 +393,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     t0 = time.perf_counter()
     dense, sparse, what, check = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
                                               topk=cfg.topk)
-    log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: "
-        + ("converted checkpoint" if check is None else ("ok" if check["ok"] else f"MISMATCH {check['mismatched'][:3]}")))
+    verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else f"MISMATCH {check['mismatched'][:3]}"
+    log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")
     args = sparse.args
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
            "date": time.strftime("%Y-%m-%d")}
@@ -428,9 +428,11 @@ def _slug(model: str) -> str:
 
 def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
     """OUT/<model>.json, then OUT/model_speedup.png drawn from every model bench JSON in OUT (run the bench for two
-    models into one OUT to plot both), each written atomically."""
+    models into one OUT to plot both), each written atomically. A run of only prefill or only decode keeps the
+    other part of an earlier run of the same model in OUT (`_merge_earlier`)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result['name']}.json"
+    result = _merge_earlier(result, path)
     tmp = out / f".{path.name}.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)
@@ -445,6 +447,25 @@ def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
     png = out / "model_speedup.png"
     _plot(results, png)
     return path, png
+
+
+def _merge_earlier(result: dict, path: Path) -> dict:
+    """A run with only prefill (or only decode) lengths keeps the other part of an earlier run in the same file when
+    that run benched the same model with the same MSA settings (so the two parts can run as two shorter commands)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return result
+    if not isinstance(old, dict) or old.get("bench") != "model" or old.get("model") != result["model"] \
+            or old.get("msa") != result["msa"]:
+        return result
+    merged = dict(result)
+    for part, keys in (("prefill_lengths", ("prefill", "prefill_summary")), ("decode_lengths", ("decode",))):
+        if not result["config"][part] and old.get(keys[0]):
+            for k in keys:
+                merged[k] = old.get(k, [])
+            merged.setdefault("kept_from_earlier_run", []).append({"part": keys[0], "env": old.get("env")})
+    return merged
 
 
 def _plot(results: list[dict], png: Path) -> None:
