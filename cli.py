@@ -31,6 +31,7 @@ from m3compile.tools.bench import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
 from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
+from m3compile.tools.bench_model import ModelBenchConfig, run_model_bench, write_model_outputs
 from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
@@ -141,6 +142,7 @@ def main():
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
     m3c bench              Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
+    m3c bench --model M    the whole model: time to first token and decode tokens/s, dense vs MSA (GPU)
     m3c passes             the graph passes and what each does
     """
 
@@ -489,7 +491,9 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device):
+@click.option("--eager", is_flag=True,
+              help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
@@ -521,7 +525,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             sys.stdout.flush()
 
     _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
-         temperature=temperature, top_p=top_p, seed=seed, on_token=show)
+         temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None)
     click.echo()
 
 
@@ -720,11 +724,28 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-shard", is_flag=True,
               help="--distill: the distillation and MSA training steps sharded with FSDP2 as m3c distill --shard "
                    "(under torchrun, or in a process group of one).")
-@click.option("--steps", default=5, show_default=True, help="--distill: timed steps (median reported) after 2 untimed.")
+@click.option("--steps", default=5, show_default=True,
+              help="--distill: timed steps (median reported) after 2 untimed; --model: timed prefill runs per figure, "
+                   "at most.")
+@click.option("--model", "model_name", default=None, metavar="MODEL_DIR|PRESET",
+              help="Instead: the whole model, dense vs converted and lowered (a checkpoint directory, or a preset with "
+                   "random weights: llama3-8b, qwen2.5-7b, ...): time to first token at --prefill-lengths (default "
+                   "8K,32K,128K,512K; dense timed up to --dense-max, MSA up to --msa-max, longer ones extrapolated per "
+                   "stage and marked) and decode tokens/s at --decode-lengths (default 32K,128K) x --batch, eager and "
+                   "as a CUDA graph, with a per-stage breakdown; writes OUT/<model>.json and OUT/model_speedup.png "
+                   "(every model bench in OUT). Uses --block/--topk to convert a dense model (layer 0 dense).")
+@click.option("--msa-max", default="128K", show_default=True, help="--model: longest prefill timed on the MSA model.")
+@click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="--model: the weights' dtype.")
+@click.option("--index-cache", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="--model: decode index-key cache dtype (auto: the model's).")
+@click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
+@click.option("--figure-seconds", default=10.0, show_default=True,
+              help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
-          distill_batch, distill_dtype, distill_autocast, no_train, distill_shard, steps):
+          distill_batch, distill_dtype, distill_autocast, no_train, steps, model_name, msa_max, model_dtype,
+          index_cache, decode_steps, figure_seconds, distill_shard):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -738,6 +759,12 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     OUT/bench.json and OUT/bench.png.
     """
 
+    if model_name:
+        source = click.get_current_context().get_parameter_source
+        given = lambda name, text: text if source(name) != click.core.ParameterSource.DEFAULT else None  # noqa: E731
+        return _bench_model(model_name, given("prefill_lengths", prefill_lengths),
+                            given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
+                            model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir)
@@ -809,6 +836,81 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
                   cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"), cell("host_wait_ms"))
     console.print(t)
     console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
+
+
+def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, dense_max, msa_max, dtype, index_cache,
+                 steps, decode_steps, figure_seconds, device, out_dir):
+    lengths = {}
+    if prefill_lengths is not None:
+        lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
+    if decode_lengths is not None:
+        lengths["decode_lengths"] = _parse_lengths(decode_lengths)
+    if Path(model).is_dir() and (out_dir.resolve() == Path(model).resolve()
+                                 or Path(model).resolve() in out_dir.resolve().parents):
+        _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
+    cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
+               dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
+               index_cache=index_cache, steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds,
+               device=device, **lengths)
+    console = _console()
+    result = _run(run_model_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    path, png = write_model_outputs(result, out_dir)
+    shapes = result["shapes"]
+    title = (f"{result['model']}: {result['layers']} layers ({result['msa_layers']} MSA), {shapes['heads']} q / "
+             f"{shapes['kv_heads']} kv heads, block {result['msa']['block_size']}, top-{result['msa']['topk']}")
+
+    def f(x, p=1):
+        return "-" if x is None else f"{x:,.{p}f}"
+
+    if result["prefill"]:
+        t = Table(title=f"time to first token, ms: {title}")
+        for c in ("T", "model", "ms", "attention", "indexer", "proj + MLP", "rest", "host", "runs"):
+            t.add_column(c, justify="right")
+        for r in result["prefill"]:
+            b = r["breakdown"] or {}
+            mark = {"timed": "", "extrapolated": "*"}.get(r["measured"], " (not run)")
+            t.add_row(f"{r['T']:,}", r["model"], f(r["ms"]) + mark, f(b.get("attention")), f(b.get("indexer")),
+                      f(b.get("projections_mlp")), f(b.get("rest")), f(b.get("host")), str(r.get("runs", "-")))
+        console.print(t)
+        t = Table(title="prefill speedup (dense / MSA)")
+        for c in ("T", "dense ms", "MSA ms", "speedup", "ceiling", "dense attention share"):
+            t.add_column(c, justify="right")
+        for s in result["prefill_summary"]:
+            star = lambda k: "*" if s[k] == "extrapolated" else ""  # noqa: E731
+            t.add_row(f"{s['T']:,}", f(s["dense_ms"]) + star("dense"), f(s["msa_ms"]) + star("msa"),
+                      f"{s['speedup']:.2f}x", f"{s['ceiling']:.2f}x", f"{s['dense_attention_share']:.0%}")
+        console.print(t)
+        console.print("* extrapolated per stage from the longest timed length (attention and selection as T^2, "
+                      "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside "
+                      "attention")
+    if result["decode"]:
+        t = Table(title="decode, ms per step (all sequences) and tokens/s")
+        for c in ("T", "batch", "dense eager", "dense graph", "MSA eager", "MSA graph", "dense tok/s", "MSA tok/s",
+                  "speedup", "graph = eager"):
+            t.add_column(c, justify="right")
+        for r in result["decode"]:
+            d, m = r.get("dense") or {}, r.get("msa") or {}
+            checks = [x.get("graph_check") for x in (d, m) if x.get("graph_check")]
+            same = "-" if not checks else ("equal" if all(c["equal"] for c in checks) else
+                                          "close" if all(c["close"] for c in checks) else "DIFFERENT")
+            tok = lambda x: x.get("graph_tokens_per_s") or x.get("eager_tokens_per_s")  # noqa: E731
+            speed = r.get("speedup") or r.get("speedup_eager")
+            t.add_row(f"{r['T']:,}", f"{r['batch']}/{r['batch_requested']}", f(d.get("eager_ms"), 2),
+                      f(d.get("graph_ms"), 2), f(m.get("eager_ms"), 2), f(m.get("graph_ms"), 2), f(tok(d), 0),
+                      f(tok(m), 0), "-" if speed is None else f"{speed:.2f}x", same)
+        console.print(t)
+        for r in result["decode"]:
+            if r["note"]:
+                console.print(f"decode {r['T']:,}: {r['note']}")
+        why = next((x.get("graph_unavailable") for r in result["decode"] for x in (r.get("dense"), r.get("msa"))
+                    if x and x.get("graph_unavailable")), None)
+        if why:
+            console.print(f"no CUDA graph: {why}")
+    check = result["conversion_check"]
+    if check is not None:
+        console.print(f"conversion kept device {check['device']} and dtype {check['dtype']}: "
+                      + ("yes" if check["ok"] else f"NO ({', '.join(check['mismatched'][:4])})"))
+    console.print(f"wrote {path} and {png}")
 
 
 def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, device, rep_ms, out_dir):

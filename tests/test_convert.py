@@ -95,6 +95,20 @@ def test_index_branch_reads_detached_input():
     assert all(p.grad is None for n, p in gm.named_parameters() if ".index_" in n)  # top-k is hard: no LM gradient
 
 
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16), ("meta", torch.bfloat16)])
+def test_convert_keeps_the_models_device_and_dtype(device, dtype):
+    """The tensors conversion adds (index projections and norms) take the model's device and dtype; nothing else
+    changes (RoPE frequencies stay fp32 by design). The GPU run of `m3c bench --model` checks the same on CUDA."""
+    with torch.device(device):
+        model = Decoder(PRESETS["m3-tiny"].replace(mlp_layer_types=None)).to(dtype).eval()
+    gm, _ = m3compile.convert(model, MSAConfig(block_size=8, topk=2, dense_layers=(0,)))
+    added = {n: t for n, t in gm.named_parameters() if ".index_" in n}
+    assert len(added) == 3 * 4
+    for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        assert t.device.type == device, name
+        assert t.dtype == (torch.float32 if name.endswith("inv_freq") else dtype), (name, t.dtype)
+
+
 def test_m3_preset_traces_on_meta():
     model = m3compile.from_preset("m3")
     gm, report = m3compile.convert(model, MSAConfig(dense_layers=(0, 1, 2)))

@@ -31,6 +31,12 @@ def test_greedy_bytes_match_the_api(byte_model):
     assert out == bytes(want).decode("utf-8", errors="replace") + "\n"
 
 
+def test_eager_flag_gives_the_same_text(byte_model):
+    """--eager only turns off the CUDA-graph replay of the decode step (a CPU decodes eagerly anyway)."""
+    runs = [_invoke("generate", LLAMA_BYTE, "--prompt", PROMPT, "--max-new-tokens", 3, *flag) for flag in ([], ["--eager"])]
+    assert runs[0][0] == 0 and runs[0] == runs[1]
+
+
 def test_sampling_is_seeded(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)

@@ -119,6 +119,21 @@ def test_generate_with_triton_kernels_matches_reference(tiny_dir):
     assert fp8.tokens == fp8_ref.tokens
 
 
+def test_decode_graph_capture_needs_cuda_and_cpu_stays_eager(tiny_dir):
+    """The captured decode step (CUDA graph) cannot run on a CPU: asked for, it is a one-line error; by default a CPU
+    runs the eager step (the GPU check, graph logits == eager logits, is in `m3c bench --model`)."""
+    from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable
+
+    model = m3compile.load(tiny_dir)
+    assert "CUDA" in graph_unavailable(model, "cpu")
+    with pytest.raises(M3CompileError, match="cannot capture the decode step"):
+        m3compile.generate(model, [[1, 2, 3]], 3, cuda_graph=True)
+    cache = PagedCache(model, 1, 16, 8, "cpu", torch.float32, torch.float32)
+    assert DecodeStep(model, cache, 1).graph is None
+    res = m3compile.generate(model, [[1, 2, 3]], 12, backend="torch")  # > 8 steps: still eager on a CPU
+    assert len(res.tokens[0]) == 12
+
+
 def test_generate_rejects_bad_input(tiny_dir):
     model = m3compile.load(tiny_dir)
     with pytest.raises(M3CompileError, match="at least one token"):

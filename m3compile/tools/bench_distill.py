@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from m3compile.config import MSAConfig, parse_dtype
+from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.io.load import from_preset, load
-from m3compile.models.decoder import PRESETS, Decoder
-from m3compile.pipelines import convert
+from m3compile.tools.bench_common import bench_models, is_cuda, kernel_us, median_ms, profile_run
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
 
@@ -65,104 +60,25 @@ class DistillBenchConfig:
             raise M3CompileError("--device cuda: no CUDA device is available (use --device cpu)")
 
 
-def _models(cfg: DistillBenchConfig) -> tuple[Decoder, Decoder, str]:
-    """(dense model, converted model sharing its weights, description)."""
-    dtype = parse_dtype(cfg.dtype)
-    path = Path(cfg.model)
-    if path.is_dir():
-        model = load(path, dtype=dtype, device=cfg.device)
-        what = str(path)
-    elif cfg.model in PRESETS and cfg.model != "m3":
-        with torch.device(cfg.device):
-            model = from_preset(cfg.model).to(dtype)
-        what = f"preset {cfg.model} (random weights)"
-    else:
-        raise M3CompileError(f"{cfg.model}: neither a checkpoint directory nor a preset "
-                             f"({', '.join(p for p in PRESETS if p != 'm3')})")
-    args = model.args
-    if args.msa is None:  # dense: convert in memory
-        gm, _ = convert(model, MSAConfig(block_size=cfg.block, topk=cfg.topk, dense_layers=(0,)))
-        sparse_args = gm.meta["model_args"]
-        state = dict(gm.state_dict())
-        dense = model
-    else:
-        sparse_args, state = args, dict(model.state_dict())
-        with torch.device("meta"):
-            dense = Decoder(args.replace(sparse_layers=None, msa=None))
-        dense.load_state_dict({k: v for k, v in state.items() if ".index_" not in k}, strict=False, assign=True)
-        dense.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq
-    with torch.device("meta"):
-        sparse = Decoder(sparse_args)
-    sparse.load_state_dict({k: v for k, v in state.items() if k in sparse.state_dict()}, strict=False, assign=True)
-    sparse.model.rotary_emb.inv_freq = dense.model.rotary_emb.inv_freq
-    if args.tie_embeddings:
-        for m in (dense, sparse):
-            m.lm_head.weight = m.model.embed_tokens.weight
-    return dense.eval(), sparse.eval(), what
-
-
-def _sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _time(fn, cfg: DistillBenchConfig) -> tuple[float, float]:
     """(median ms, peak memory GB) of fn() over cfg.steps runs after cfg.warmup."""
-    cuda = str(cfg.device).startswith("cuda")
-    for _ in range(cfg.warmup):
-        fn()
-    _sync(cfg.device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(cfg.steps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
-    return statistics.median(times), peak
-
-
-def _kernel_us(event) -> float:
-    """Device microseconds of the kernels an op launched, its children's included."""
-    total = sum(float(getattr(k, "duration", 0.0)) for k in getattr(event, "kernels", ()) or ())
-    return total + sum(_kernel_us(c) for c in getattr(event, "cpu_children", ()) or ())
+    return median_ms(fn, steps=cfg.steps, warmup=cfg.warmup, device=cfg.device)
 
 
 def _profile(fn, cfg: DistillBenchConfig) -> dict:
     """Per-stage GPU milliseconds of one step (see the module doc): kernel time attributed to the profiler range of
     the op that launched it; host wait = wall time minus the kernels' total."""
-    if not str(cfg.device).startswith("cuda"):
+    if not is_cuda(cfg.device):
         return {}
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
-    _sync(cfg.device)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        _sync(cfg.device)
-    wall = (time.perf_counter() - t0) * 1e3
-    events = prof.events()
-    cpu = [e for e in events if getattr(e.device_type, "name", "") == "CPU"]
-    busy = sum(e.time_range.elapsed_us() for e in events if getattr(e.device_type, "name", "") == "CUDA") / 1e3
-
-    def scope(name):
-        return sum(_kernel_us(e) for e in cpu if e.name == name) / 1e3
+    prof = profile_run(fn, cfg.device)
+    wall, busy = prof.wall_ms, prof.device_busy_ms
 
     def backward_of(word):  # autograd functions run outside the forward's ranges
-        return sum(_kernel_us(e) for e in cpu if e.name.endswith("Backward") and word in e.name
+        return sum(kernel_us(e) for e in prof.events if e.name.endswith("Backward") and word in e.name
                    and not e.name.startswith("autograd::")) / 1e3
 
-    stage = {k: scope(v) for k, v in _SCOPES.items()}
+    stage = {k: prof.scope_ms(v) for k, v in _SCOPES.items()}
     kl_bwd, attn_bwd = backward_of("KL"), backward_of("SparseAttention")
     out = {
         "select_ms": stage["select"], "attention_fwd_ms": stage["attention"], "kl_fwd_ms": stage["kl"],
@@ -171,7 +87,7 @@ def _profile(fn, cfg: DistillBenchConfig) -> dict:
         # the autograd engine launches the backward from its own thread, outside the m3c.backward range
         "rest_of_backward_ms": busy - stage["forward"] - stage["optimizer"] - kl_bwd - attn_bwd,
         "optimizer_ms": stage["optimizer"], "gpu_busy_ms": busy, "wall_ms": wall, "host_wait_ms": max(0.0, wall - busy),
-        "host_cpu_ms": sum(e.self_cpu_time_total for e in cpu) / 1e3,
+        "host_cpu_ms": sum(e.self_cpu_time_total for e in prof.events) / 1e3,
     }
     return {k: round(v, 3) for k, v in out.items()}
 
@@ -182,7 +98,8 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
 
 
 def _bench(cfg: DistillBenchConfig, log) -> dict:
-    dense, sparse, what = _models(cfg)
+    dense, sparse, what, _ = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
+                                          topk=cfg.topk)
     args = sparse.args
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab_size, (cfg.batch, cfg.seq_len + 1), generator=g).to(cfg.device)
@@ -231,7 +148,7 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         del opt
         dense.zero_grad(set_to_none=True)
         if cfg.shard:  # the distillation step sharded this model's modules: a fresh one
-            sparse = _models(cfg)[1]
+            sparse = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block, topk=cfg.topk)[1]
         train = DistillStep(sparse, TrainConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                                 lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse",
                             shard=cfg.shard)

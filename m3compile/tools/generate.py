@@ -5,7 +5,9 @@ token, bf16 or fp8 e4m3 with a per-token scale). Pages hold `block_size` tokens:
 selected block id is a logical page of the block table. Prefill runs the fused indexer and the gather-Q sparse kernel
 (SDPA for dense layers and for prompts whose blocks all fit in the top-k); decode runs `kernels.decode`'s paged
 selection and split-K attention for every layer (a dense layer selects every page). On CPU the same code runs the
-torch references.
+torch references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
+static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
+and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers.
 
     result = m3compile.generate(m3compile.load("out", device="cuda", dtype="bf16"), [[1, 2, 3], [4, 5]], 32)
 """
@@ -15,6 +17,7 @@ import codecs
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,9 +29,9 @@ from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
-from m3compile.models.decoder import Attention, Decoder
+from m3compile.models.decoder import Attention, Decoder, MoE
 
-__all__ = ["generate", "GenerationResult", "PagedCache", "TextCodec"]
+__all__ = ["generate", "GenerationResult", "PagedCache", "DecodeStep", "graph_unavailable", "TextCodec"]
 
 
 class PagedCache:
@@ -113,7 +116,8 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
 
 @torch.no_grad()
 def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend: str) -> torch.Tensor:
-    """One token per sequence [B] at position seq_lens[b]; returns logits [B, vocab]."""
+    """One token per sequence [B] at position seq_lens[b]; returns logits [B, vocab]. Reads and writes only
+    `tokens` and the cache's tensors, on the device, with no host synchronisation: capturable as a CUDA graph."""
     bb = model.model
     B = tokens.shape[0]
     pos = cache.seq_lens.long()
@@ -129,19 +133,79 @@ def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backen
         if m is not None:
             q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0])
-            blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens, topk=m.topk,
-                                        init_blocks=m.init_blocks, local_blocks=m.local_blocks,
-                                        idx_scale=cache.idx_scale[i], backend=backend)
+            with torch.profiler.record_function("m3c.decode_select"):
+                blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
+                                            topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
+                                            idx_scale=cache.idx_scale[i], backend=backend)
             if not attn.sparse:
                 blocks = _dense_blocks(cache, attn.n_kv_heads)
         else:
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0])
             blocks = _dense_blocks(cache, attn.n_kv_heads)
-        o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table, cache.seq_lens,
-                                  scale=attn.scale, backend=backend)  # [B, Hq, D]
+        with torch.profiler.record_function("m3c.decode_attention"):
+            o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
+                                      cache.seq_lens, scale=attn.scale, backend=backend)  # [B, Hq, D]
         x = x + attn.o_proj(o.reshape(B, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(bb.norm(x[:, 0])).float()
+
+
+def graph_unavailable(model: Decoder, device, backend: str = "auto") -> str | None:
+    """Why the decode step of `model` cannot be captured as a CUDA graph on `device` (None: it can)."""
+    if torch.device(device).type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if backend == "torch":
+        return "the torch reference kernels synchronise with the host"
+    if any(isinstance(mod, MoE) for mod in model.modules()):
+        return "MoE routing is data-dependent (a host synchronisation per layer)"
+    return None
+
+
+class DecodeStep:
+    """The decode step of every sequence of `cache`, eagerly or as a CUDA graph captured once.
+
+    Both run `_decode_step` on the same buffers: the captured graph replays it with a static token buffer [B]
+    (copied in before each replay) and the cache's own tensors (KV and index-key pages, the block table
+    preallocated to the longest sequence, seq_lens), so a replay does what an eager step does, without per-token
+    Python or launch overhead. The logits a replay returns are a static buffer, overwritten by the next replay.
+    Capture warms the step up first (compiles the Triton kernels, runs their autotuning) on a side stream and
+    restores seq_lens after, so capturing changes no visible state (the warm-up writes only at positions past
+    each sequence's end, which the next step overwrites)."""
+
+    def __init__(self, model: Decoder, cache: PagedCache, batch: int, backend: str = "auto", graph: bool = False,
+                 warmup: int = 2):
+        self.model, self.cache, self.backend = model, cache, backend
+        self.graph = None
+        if not graph:
+            return
+        why = graph_unavailable(model, cache.seq_lens.device, backend)
+        if why is not None:
+            raise M3CompileError(f"cannot capture the decode step as a CUDA graph: {why}")
+        device = cache.seq_lens.device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        saved = cache.seq_lens.clone()
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    _decode_step(model, cache, self.tokens, backend)
+                    cache.seq_lens.copy_(saved)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = _decode_step(model, cache, self.tokens, backend)
+            self.graph = graph
+        finally:
+            cache.seq_lens.copy_(saved)  # capture runs nothing, but a failed warm-up may have counted a step
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (one per sequence) -> logits [B, vocab] fp32; every seq_len grows by one."""
+        if self.graph is None:
+            return _decode_step(self.model, self.cache, tokens, self.backend)
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -161,13 +225,16 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
              eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+             seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
+             cuda_graph: bool | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
     index_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3 index keys, per-token fp32 scale).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
+    cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
+    step is capturable (`graph_unavailable`) and at least 8 decode steps follow; eager on a CPU. True: required.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
@@ -203,24 +270,34 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     for b, p in enumerate(prompts):
         prefill_logits.append(_prefill(model, cache, b, torch.tensor(p, device=device), backend))
         cache.seq_lens[b] = len(p)
+    auto = cuda_graph is None
+    if auto:
+        cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
+    try:
+        step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1)
+    except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
+        if not auto:
+            raise
+        warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
+        step_fn = DecodeStep(model, cache, B, backend)
     out = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done = [False] * B
     step_logits = []
     next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
     for step in range(max_new_tokens):
+        chosen = next_tok.tolist()  # one host synchronisation per step
         for b in range(B):
             if not done[b]:
-                out[b].append(int(next_tok[b]))
+                out[b].append(chosen[b])
                 if on_token is not None:
-                    on_token(b, out[b][-1])
-        if eos_token_id is not None:
-            done |= next_tok == eos_token_id
-            if bool(done.all()):
-                break
+                    on_token(b, chosen[b])
+                done[b] = chosen[b] == eos_token_id
+        if eos_token_id is not None and all(done):
+            break
         if step == max_new_tokens - 1:
             break
-        logits = _decode_step(model, cache, next_tok, backend)
-        step_logits.append(logits)
+        logits = step_fn(next_tok)
+        step_logits.append(logits.clone() if step_fn.graph is not None else logits)
         next_tok = _pick(logits, temperature, top_p, generator)
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     return GenerationResult(out, prefill_logits, steps)

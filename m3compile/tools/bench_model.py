@@ -1,0 +1,517 @@
+"""`m3c bench --model PRESET|DIR`: the whole model, dense against converted-and-lowered: time to first token at a
+list of lengths and decode tokens/s at batch B, each split into stages.
+
+Models: a preset's shapes with random weights built on the device (`llama3-8b`, `qwen2.5-7b`, ...), or a checkpoint
+directory; a dense one is converted in memory (m3compile.convert: block / top-k, layer 0 dense), a converted one
+gets its dense twin (the same weights without the index branch).
+
+Prefill, time to first token: one sequence of T random tokens through the backbone, then the logits of the last
+position only (no [T, vocab] tensor: at 128K tokens and a 128K vocabulary it alone would be 34 GB):
+    dense   the model as loaded: SDPA causal attention in every layer
+    msa     the converted model's backbone through m3compile.lower: the fused indexer and the gather-Q sparse
+            attention in every MSA layer (layer 0 stays dense)
+Timed with CUDA events (the median of up to `steps` runs after one warm-up, fewer where one run is long) up to
+`dense_max` / `msa_max` tokens; one more run under torch.profiler splits the time into stages:
+    attention        SDPA in dense layers, the sparse attention (m3c.msa_attention) in MSA layers
+    indexer          the index branch's projections and norms, and the fused selection (m3c.msa_select)
+    projections_mlp  the q/k/v/o projections and the MLP's matmuls (gate/up/down, or a whole MoE block)
+    rest             every other kernel: norms, RoPE, residual adds, the SwiGLU product, the embedding, the logits
+    host             the rest of the timed total: time the device waited for launches (on a CPU, where the
+                     profiler's overhead inflates op times, the profiled split is scaled to the timed total)
+Longer lengths are extrapolated stage by stage from the longest timed one and marked "extrapolated": dense attention
+and the selection as causal key pairs T(T+1)/2, the sparse attention as the keys a top-k selection reaches
+(min(t+1, topk * block) summed over the queries t), the rest linearly in T, host time constant.
+`ceiling` = dense time / dense time outside attention: the speedup if attention cost nothing.
+
+Decode, tokens/s: the decode step of m3compile.generate (paged KV cache, for MSA the paged index-key cache and
+kernels/decode.py's selection) for B sequences at context T, eager and replayed as a CUDA graph
+(tools/generate.py DecodeStep), after a check that the replay's logits equal the eager step's from the same state.
+The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
+MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row
+says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Stages as for prefill, from one profiled
+eager step (attention = m3c.decode_attention, indexer = index branch + m3c.decode_select).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from m3compile.config import parse_dtype
+from m3compile.errors import M3CompileError
+from m3compile.kernels.indexer import quantize_index_keys
+from m3compile.models.decoder import Decoder, ModelArgs, MoE
+from m3compile.pipelines import lower
+from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
+from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable
+
+__all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "cache_bytes",
+           "extrapolate", "STAGES", "GROUPS"]
+
+# range name -> fine stage; a kernel counts for the outermost labelled range around it
+PREFILL_LABELS = {
+    "m3c.msa_attention": "attention_sparse",  # outermost: its SDPA (every block selected) counts here
+    "aten::scaled_dot_product_attention": "attention_dense",
+    "m3c.msa_select": "index_select",
+    "m3c.index_branch": "index_projections",
+    "m3c.proj_mlp": "projections_mlp",
+}
+DECODE_LABELS = {
+    "m3c.decode_attention": "attention_dense",  # split-K over the selected pages (every page in a dense layer)
+    "m3c.decode_select": "index_select",
+    "m3c.index_branch": "index_projections",
+    "m3c.proj_mlp": "projections_mlp",
+}
+STAGES = ("attention_dense", "attention_sparse", "index_select", "index_projections", "projections_mlp", "rest",
+          "host")
+GROUPS = {"attention": ("attention_dense", "attention_sparse"), "indexer": ("index_select", "index_projections"),
+          "projections_mlp": ("projections_mlp",), "rest": ("rest",), "host": ("host",)}
+_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_INDEX = {"index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm"}
+
+
+@dataclass(frozen=True)
+class ModelBenchConfig:
+    model: str  # checkpoint directory or preset name
+    prefill_lengths: tuple[int, ...] = (8192, 32768, 131072, 524288)
+    decode_lengths: tuple[int, ...] = (32768, 131072)
+    batch: int = 8  # decode batch asked for (lowered to what fits)
+    block: int = 128  # conversion of a dense model: block size, top-k (layer 0 stays dense)
+    topk: int = 16
+    dense_max: int = 131072  # longest prefill timed on the dense model; longer ones are extrapolated
+    msa_max: int = 131072  # the same for the MSA model
+    dtype: str = "bfloat16"
+    index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
+    steps: int = 5  # timed prefill runs per figure, at most
+    figure_seconds: float = 10.0  # ... and fewer where one run is long (at least one)
+    decode_steps: int = 32  # decode steps per timing
+    reserve_gb: float = 4.0  # device memory kept free beside the decode caches
+    device: str = "cuda"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("batch", "block", "topk", "steps", "decode_steps", "dense_max", "msa_max"):
+            if getattr(self, name) < 1:
+                raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefill_lengths and not self.decode_lengths:
+            raise M3CompileError("nothing to run: give prefill or decode lengths")
+        if any(t < 1 for t in self.prefill_lengths + self.decode_lengths):
+            raise M3CompileError("lengths must be >= 1")
+        for name in ("figure_seconds", "reserve_gb"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise M3CompileError(f"{name} must be a finite number >= 0, got {v}")
+        if self.index_cache not in ("auto", "fp8"):
+            raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
+        parse_dtype(self.dtype)
+        if is_cuda(self.device) and not torch.cuda.is_available():
+            raise M3CompileError("m3c bench --model needs a CUDA GPU (use --device cpu for a smoke run)")
+
+
+def _classify(qualname: str, module: torch.nn.Module) -> str | None:
+    leaf = qualname.rsplit(".", 1)[-1]
+    if leaf in _INDEX:
+        return "m3c.index_branch"
+    if leaf in _PROJECTIONS or isinstance(module, MoE):
+        return "m3c.proj_mlp"
+    return None
+
+
+def _split(prof, labels: dict[str, str], total_ms: float) -> dict[str, float]:
+    """Stages of one profiled run, closed to the timed total: on a GPU the kernels' own times per stage and
+    host = total - their sum (the profiler's host overhead does not count); on a CPU, where op times carry the
+    profiler's overhead, the profiled split scaled to the timed total."""
+    stages = prof.stages(labels)
+    if prof.cuda:
+        stages.pop("host")
+        stages["host"] = max(0.0, total_ms - sum(stages.values()))
+        return stages
+    scale = total_ms / prof.wall_ms if prof.wall_ms > 0 else 0.0
+    return {k: v * scale for k, v in stages.items()}
+
+
+def _groups(stages: dict[str, float]) -> dict[str, float]:
+    return {g: round(sum(stages.get(s, 0.0) for s in members), 3) for g, members in GROUPS.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# extrapolation
+
+
+def _pairs(T: int) -> float:
+    return T * (T + 1) / 2
+
+
+def _reach(T: int, keys: int) -> float:
+    """Keys a causal top-k selection of `keys` keys can reach, summed over T queries: sum_t min(t + 1, keys)."""
+    return _pairs(T) if T <= keys else _pairs(keys) + (T - keys) * keys
+
+
+def extrapolate(stages: dict[str, float], T_from: int, T: int, keys: int) -> dict[str, float]:
+    """Per-stage ms at T from those measured at T_from (module doc: the law of each stage); keys = topk * block."""
+    ratio = {
+        "attention_dense": _pairs(T) / _pairs(T_from), "index_select": _pairs(T) / _pairs(T_from),
+        "attention_sparse": _reach(T, keys) / _reach(T_from, keys), "host": 1.0,
+    }
+    return {s: ms * ratio.get(s, T / T_from) for s, ms in stages.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prefill
+
+
+def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchConfig, log) -> dict:
+    g = torch.Generator().manual_seed(cfg.seed + T)
+    ids = torch.randint(0, _vocab(model), (1, T), generator=g).to(cfg.device)
+    with torch.no_grad():
+        sync(cfg.device)
+        t0 = time.perf_counter()
+        fn(ids)  # warm-up: compiles kernels, grows the allocator
+        sync(cfg.device)
+        first = (time.perf_counter() - t0) * 1e3
+        with module_ranges(model, _classify):
+            prof = profile_run(lambda: fn(ids), cfg.device)
+        runs = max(1, min(cfg.steps, int(cfg.figure_seconds * 1e3 // max(prof.wall_ms, 1e-3))))
+        ms, peak = median_ms(lambda: fn(ids), steps=runs, warmup=0, device=cfg.device)
+    stages = _split(prof, PREFILL_LABELS, ms)
+    row = {"T": T, "model": name, "measured": "timed", "from_T": None, "ms": round(ms, 3), "runs": runs,
+           "first_ms": round(first, 3), "peak_gb": round(peak, 2), "profiled_ms": round(prof.wall_ms, 3),
+           "kernels_outside_ops_ms": round(prof.kernels_outside_ops_ms(), 3),
+           "stages": {s: round(stages.get(s, 0.0), 3) for s in STAGES}}
+    row["breakdown"] = _groups(row["stages"])
+    log(f"prefill T={T:,} {name}: {ms:.1f} ms ({runs} runs; " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                        row["breakdown"].items()) + ")")
+    return row
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return emb.num_embeddings
+
+
+def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tuple[list[dict], list[dict]]:
+    lowered = lower(sparse.model)  # the backbone: the last position's logits are taken outside it
+    runners = {
+        "dense": (lambda ids: dense.lm_head(dense.model(ids)[:, -1]), dense, cfg.dense_max),
+        "msa": (lambda ids: sparse.lm_head(lowered(ids)[:, -1]), lowered, cfg.msa_max),
+    }
+    keys = _keys(sparse.args)
+    rows = []
+    for name, (fn, module, limit) in runners.items():
+        timed = []
+        for T in sorted(t for t in cfg.prefill_lengths if t <= limit):
+            timed.append(_prefill_row(name, fn, module, T, cfg, log))
+            if is_cuda(cfg.device):
+                torch.cuda.empty_cache()
+        rows += timed
+        for T in sorted(t for t in cfg.prefill_lengths if t > limit):
+            if not timed:
+                rows.append({"T": T, "model": name, "measured": "not run", "from_T": None, "ms": None,
+                             "stages": None, "breakdown": None,
+                             "note": f"no length <= {limit:,} was timed to extrapolate from"})
+                continue
+            ref = timed[-1]
+            stages = extrapolate(ref["stages"], ref["T"], T, keys)
+            rows.append({"T": T, "model": name, "measured": "extrapolated", "from_T": ref["T"],
+                         "ms": round(sum(stages.values()), 3), "runs": 0, "peak_gb": None,
+                         "stages": {s: round(v, 3) for s, v in stages.items()},
+                         "breakdown": _groups(stages)})
+    rows.sort(key=lambda r: (r["T"], r["model"]))
+    return rows, _prefill_summary(rows)
+
+
+def _keys(args: ModelArgs) -> int:
+    """Keys one query's selection can reach: topk * block (the dense length for a model without MSA)."""
+    return args.msa.topk * args.msa.block_size if args.msa is not None else 1 << 62
+
+
+def _prefill_summary(rows: list[dict]) -> list[dict]:
+    out = []
+    by = {(r["T"], r["model"]): r for r in rows}
+    for T in sorted({r["T"] for r in rows}):
+        d, m = by.get((T, "dense")), by.get((T, "msa"))
+        if not d or not m or d["ms"] is None or m["ms"] is None:
+            continue
+        attention = d["breakdown"]["attention"]
+        out.append({"T": T, "dense_ms": d["ms"], "msa_ms": m["ms"], "dense": d["measured"], "msa": m["measured"],
+                    "speedup": round(d["ms"] / m["ms"], 3),
+                    "ceiling": round(d["ms"] / max(d["ms"] - attention, 1e-9), 3),
+                    "dense_attention_share": round(attention / d["ms"], 3)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode
+
+
+def cache_bytes(args: ModelArgs, tokens: int, page: int, dtype: torch.dtype, index_dtype: torch.dtype) -> int:
+    """Bytes of one sequence's paged caches at `tokens` tokens: K and V pages of every layer, index-key pages (and
+    their fp32 scales with fp8 keys) of every MSA layer."""
+    slots = -(-tokens // page) * page
+    item = torch.empty(0, dtype=dtype).element_size()
+    total = args.n_layers * 2 * slots * args.n_kv_heads * args.head_dim * item
+    sparse = sum(args.is_sparse(i) for i in range(args.n_layers))
+    if sparse:
+        idx_item = torch.empty(0, dtype=index_dtype).element_size()
+        total += sparse * slots * (args.msa.index_dim * idx_item + (4 if index_dtype == torch.float8_e4m3fn else 0))
+    return total
+
+
+def decode_batch(args: ModelArgs, tokens: int, requested: int, free_bytes: float, page: int, dtype: torch.dtype,
+                 index_dtype: torch.dtype, reserve_bytes: float) -> int:
+    """The largest batch <= requested whose caches at `tokens` tokens fit in free_bytes - reserve_bytes (may be 0)."""
+    per_seq = cache_bytes(args, tokens, page, dtype, index_dtype)
+    return max(0, min(requested, int((free_bytes - reserve_bytes) // per_seq)))
+
+
+def _fill(cache: PagedCache, seed: int) -> None:
+    g = torch.Generator(device=cache.seq_lens.device).manual_seed(seed)
+    for i in cache.k:
+        cache.k[i].normal_(generator=g)
+        cache.v[i].normal_(generator=g)
+    for i, idx in cache.idx.items():
+        if cache.idx_scale[i] is None:
+            idx.normal_(generator=g)
+        else:  # fp8 keys with their scales, one layer at a time
+            keys = torch.randn(idx.shape, device=idx.device, generator=g)
+            q, scale = quantize_index_keys(keys)
+            idx.copy_(q)
+            cache.idx_scale[i].copy_(scale)
+
+
+def _steps_ms(step: DecodeStep, tokens, cache: PagedCache, T: int, n: int, device) -> float:
+    """ms per step of n consecutive steps from context T (seq_lens reset to T before and after)."""
+    cache.seq_lens.fill_(T)
+    sync(device)
+    if is_cuda(device):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            step(tokens)
+        b.record()
+        b.synchronize()
+        ms = a.elapsed_time(b) / n
+    else:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step(tokens)
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    cache.seq_lens.fill_(T)
+    return ms
+
+
+def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cfg: ModelBenchConfig, log) -> dict:
+    dev = cfg.device
+    g = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(0, model.args.vocab_size, (B,), generator=g).to(dev)
+    eager = DecodeStep(model, cache, B)
+    with torch.no_grad():
+        _steps_ms(eager, tokens, cache, T, 1, dev)  # warm-up: compiles, autotunes
+        eager_ms = _steps_ms(eager, tokens, cache, T, cfg.decode_steps, dev)
+        with module_ranges(model, _classify):
+            prof = profile_run(lambda: eager(tokens), dev)
+        cache.seq_lens.fill_(T)
+        stages = _split(prof, DECODE_LABELS, eager_ms)
+        row = {"T": T, "model": name, "batch": B, "eager_ms": round(eager_ms, 4),
+               "eager_tokens_per_s": round(B * 1e3 / eager_ms, 1), "graph_ms": None, "graph_tokens_per_s": None,
+               "profiled_ms": round(prof.wall_ms, 4),
+               "kernels_outside_ops_ms": round(prof.kernels_outside_ops_ms(), 4),
+               "stages": {s: round(stages.get(s, 0.0), 4) for s in STAGES}}
+        row["breakdown"] = _groups(row["stages"])
+        why = graph_unavailable(model, dev)
+        row["graph_unavailable"] = why
+        graph = None
+        if why is None:
+            try:
+                graph = DecodeStep(model, cache, B, graph=True)
+            except RuntimeError as e:  # reported, not fatal: the eager figures stand
+                row["graph_unavailable"] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                log(f"decode T={T:,} {name}: {row['graph_unavailable']}")
+        if graph is not None:
+            cache.seq_lens.fill_(T)
+            want = eager(tokens).clone()
+            cache.seq_lens.fill_(T)
+            got = graph(tokens).clone()
+            cache.seq_lens.fill_(T)
+            diff = (got - want).abs().max().item()
+            row["graph_check"] = {"max_abs_diff": diff, "max_abs_logit": want.abs().max().item(),
+                                  "equal": diff == 0.0, "close": diff <= 1e-3 * max(1.0, want.abs().max().item())}
+            graph_ms = _steps_ms(graph, tokens, cache, T, cfg.decode_steps, dev)
+            row["graph_ms"] = round(graph_ms, 4)
+            row["graph_tokens_per_s"] = round(B * 1e3 / graph_ms, 1)
+            del graph
+    best = row["graph_ms"] or row["eager_ms"]
+    graphed = "-" if row["graph_ms"] is None else f"{row['graph_ms']:.3f}"
+    log(f"decode T={T:,} B={B} {name}: eager {eager_ms:.3f} ms/step, graph {graphed} ms/step "
+        f"({B * 1e3 / best:,.0f} tokens/s)")
+    return row
+
+
+def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list[dict]:
+    args = sparse.args
+    dtype = next(sparse.parameters()).dtype
+    index_dtype = torch.float8_e4m3fn if cfg.index_cache == "fp8" else dtype
+    page = args.msa.block_size if args.msa is not None else cfg.block
+    rows = []
+    for T in cfg.decode_lengths:
+        max_len = T + cfg.decode_steps + 8  # room for the steps timed from T (seq_lens is reset between runs)
+        need = cache_bytes(args, max_len, page, dtype, index_dtype)
+        if is_cuda(cfg.device):
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
+            B = decode_batch(args, max_len, cfg.batch, free, page, dtype, index_dtype, cfg.reserve_gb * 1e9)
+        else:
+            free, B = None, cfg.batch
+        note = None
+        if B < cfg.batch:
+            note = (f"batch {cfg.batch} needs {cfg.batch * need / 1e9:.1f} GB of caches, "
+                    f"{free / 1e9:.1f} GB free: " + (f"ran batch {B}" if B else "not run"))
+            log(f"decode T={T:,}: {note}")
+        base = {"T": T, "batch_requested": cfg.batch, "batch": B, "cache_gb_per_seq": round(need / 1e9, 3),
+                "index_cache": cfg.index_cache, "note": note}
+        if B == 0:
+            rows.append(base | {"dense": None, "msa": None, "speedup": None})
+            continue
+        cache = PagedCache(sparse, B, max_len, page, cfg.device, dtype, index_dtype)
+        _fill(cache, cfg.seed)
+        out = dict(base)
+        for name, model in (("dense", dense), ("msa", sparse)):
+            out[name] = _decode_one(name, model, cache, T, B, cfg, log)
+        d, m = out["dense"], out["msa"]
+        out["speedup_eager"] = round(d["eager_ms"] / m["eager_ms"], 3)
+        out["speedup"] = round(d["graph_ms"] / m["graph_ms"], 3) if d["graph_ms"] and m["graph_ms"] else None
+        rows.append(out)
+        del cache
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
+    log(f"building {cfg.model} on {cfg.device} ...")
+    t0 = time.perf_counter()
+    dense, sparse, what, check = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
+                                              topk=cfg.topk)
+    verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else \
+        f"MISMATCH {check['mismatched'][:3]}"
+    log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")
+    args = sparse.args
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
+           "date": time.strftime("%Y-%m-%d")}
+    if is_cuda(cfg.device):
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    result = {"bench": "model", "model": what, "name": _slug(cfg.model), "config": asdict(cfg),
+              "layers": args.n_layers, "msa_layers": sum(args.is_sparse(i) for i in range(args.n_layers)),
+              "shapes": {"hidden": args.hidden_size, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
+                         "head_dim": args.head_dim, "intermediate": args.intermediate_size, "vocab": args.vocab_size},
+              "msa": asdict(args.msa), "conversion_check": check, "env": env,
+              "prefill": [], "prefill_summary": [], "decode": []}
+    if cfg.prefill_lengths:
+        result["prefill"], result["prefill_summary"] = _prefill(dense, sparse, cfg, log)
+    if cfg.decode_lengths:
+        if is_cuda(cfg.device):
+            torch.cuda.empty_cache()
+        result["decode"] = _decode(dense, sparse, cfg, log)
+    return result
+
+
+def _slug(model: str) -> str:
+    name = Path(model).name if Path(model).is_dir() else model
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
+    """OUT/<model>.json, then OUT/model_speedup.png drawn from every model bench JSON in OUT (run the bench for two
+    models into one OUT to plot both), each written atomically. A run of only prefill or only decode keeps the
+    other part of an earlier run of the same model in OUT (`_merge_earlier`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['name']}.json"
+    result = _merge_earlier(result, path)
+    tmp = out / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    results = []
+    for f in sorted(out.glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            continue
+        if isinstance(data, dict) and data.get("bench") == "model":
+            results.append(data)
+    png = out / "model_speedup.png"
+    _plot(results, png)
+    return path, png
+
+
+def _merge_earlier(result: dict, path: Path) -> dict:
+    """A run with only prefill (or only decode) lengths keeps the other part of an earlier run in the same file when
+    that run benched the same model with the same MSA settings (so the two parts can run as two shorter commands)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return result
+    if not isinstance(old, dict) or old.get("bench") != "model" or old.get("model") != result["model"] \
+            or old.get("msa") != result["msa"]:
+        return result
+    merged = dict(result)
+    for part, keys in (("prefill_lengths", ("prefill", "prefill_summary")), ("decode_lengths", ("decode",))):
+        if not result["config"][part] and old.get(keys[0]):
+            for k in keys:
+                merged[k] = old.get(k, [])
+            merged.setdefault("kept_from_earlier_run", []).append({"part": keys[0], "env": old.get("env")})
+    return merged
+
+
+def _plot(results: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(results):
+        c = colors[i % len(colors)]
+        rows = r.get("prefill_summary") or []
+        if rows:
+            xs = [s["T"] for s in rows]
+            ax.plot(xs, [s["speedup"] for s in rows], "-", color=c, label=f"{r['name']}: MSA vs dense")
+            for s in rows:
+                timed = s["dense"] == "timed" and s["msa"] == "timed"
+                ax.plot([s["T"]], [s["speedup"]], "o", color=c, markerfacecolor=c if timed else "white")
+            ax.plot(xs, [s["ceiling"] for s in rows], ":", color=c, label=f"{r['name']}: ceiling (attention free)")
+        dec = [d for d in r.get("decode") or [] if d.get("speedup") or d.get("speedup_eager")]
+        if dec:
+            xs = [d["T"] for d in dec]
+            ax_label = f"{r['name']}: " + ", ".join(f"B={d['batch']}" for d in dec)
+            bx.plot(xs, [d["speedup"] or d["speedup_eager"] for d in dec], "o-", color=c, label=ax_label)
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="time to first token: dense / MSA",
+           title="prefill, whole model (hollow: extrapolated)")
+    bx.set(xscale="log", xlabel="context length (tokens)", ylabel="decode tokens/s: MSA / dense",
+           title="decode, whole model (CUDA graph; eager where none)")
+    for a in (ax, bx):
+        a.axhline(1.0, color="grey", lw=0.5)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    env = results[-1]["env"] if results else {}
+    fig.suptitle(f"m3c bench --model: {env.get('gpu', env.get('device', ''))}, torch {env.get('torch')}, "
+                 f"triton {env.get('triton')}", fontsize=9)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
