@@ -4,6 +4,7 @@ saved config, loading, the reference and lowered graphs, generation, `m3c conver
 The kernels themselves are tested against their reference in tests/kernels/test_triton.py; here the question is
 whether every path of a model that asks for fp8 scoring actually scores in fp8, and only such a model does.
 """
+import dataclasses
 import json
 
 import numpy as np
@@ -70,6 +71,16 @@ def test_generation_of_an_fp8_model_scores_in_fp8(fp8_dir):
         want = model(torch.tensor([seq[:-1]]))[0, len(prompt) - 1:]
     assert (res.prefill_logits[0] - want[0]).abs().max().item() < 1e-4
     assert (res.step_logits[:, 0] - want[1:]).abs().max().item() < 1e-4
+
+
+def test_inspect_counts_fp8_index_keys(fp8_dir):
+    from m3compile.tools.inspect import attention_cost
+
+    args = m3compile.load(fp8_dir).args
+    cost = attention_cost(args, 1024)
+    assert cost["index_k_cache_bytes_per_token"] == 2 * (args.msa.index_dim + 4)  # 2 MSA layers: e4m3 + fp32 scale
+    auto = args.replace(msa=dataclasses.replace(args.msa, index_dtype="auto"))
+    assert attention_cost(auto, 1024)["index_k_cache_bytes_per_token"] == 2 * args.msa.index_dim * 2  # bf16
 
 
 def test_export_refuses_fp8_scoring(fp8_dir, tmp_path):
