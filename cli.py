@@ -21,6 +21,7 @@ from m3compile import (
     DistillConfig, DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, distill as run_distill, evaluate,
     load, train as run_train,
 )
+from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
 from m3compile.export.onnx import export_onnx as run_export
 from m3compile.graph.pass_manager import PASSES
@@ -160,6 +161,8 @@ def main():
 @click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
 @click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")
 @click.option("--vision-window", default=4, show_default=True, help="Multimodal checkpoints: temporal steps per 3D window of ViT attention (1 = per frame).")
+@click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default="auto", show_default=True,
+              help="Index scoring: auto (the compute dtype) or fp8 (e4m3 query rows and keys, fp32 accumulation); kept in config.json.")
 @click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
@@ -171,8 +174,8 @@ def main():
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
 def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
-            local_blocks, vision_window, dtype, max_shard_size, calib, calib_tokens, calib_seq_len, calib_device,
-            force, as_json):
+            local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib, calib_tokens, calib_seq_len,
+            calib_device, force, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -200,11 +203,11 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         raise click.UsageError("missing OUT directory")
     config = _run(MSAConfig, block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                   init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
-                  vision_window=vision_window)
+                  vision_window=vision_window, index_dtype=index_dtype)
     ctx = click.get_current_context()
     if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
                                for p in ("block_size", "topk", "index_dim", "index_heads", "init_blocks",
-                                         "local_blocks", "dense_layers", "vision_window")):
+                                         "local_blocks", "dense_layers", "vision_window", "index_dtype")):
         config = None  # the defaults (MSAConfig()); an MSA source keeps its own settings
 
     console = _console()
@@ -250,9 +253,12 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 @click.option("--probes", default=16, show_default=True, help="Retrieval: probes per distance.")
 @click.option("--seed", default=0, show_default=True, help="Retrieval: seed of the probes.")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default=None,
+              help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute dtype; fp8: e4m3).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, probes, seed, dtype, device, as_json):
+def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, probes, seed, dtype, index_dtype, device,
+          as_json):
     """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data; or, with
     --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier.
 
@@ -271,6 +277,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
         except ValueError:
             _fail(f"--distances: expected comma-separated token counts, got {distances!r}")
         model = _run(load, model_dir, dtype=dtype, device=device)
+        if index_dtype:
+            model.set_index_dtype(index_dtype)
         tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
         encode = _run(text_encoder, model_dir, model.args.vocab_size)
         with Progress(transient=True, disable=as_json) as bar:
@@ -295,6 +303,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
         return
 
     model = _run(load, model_dir, dtype=dtype, device=device)
+    if index_dtype:
+        model.set_index_dtype(index_dtype)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
     with Progress(transient=True, disable=as_json) as bar:
         task_id = bar.add_task("evaluating", total=None)
@@ -750,8 +760,9 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
     \b
     Prefill (one sequence, bf16): dense SDPA causal (enable_gqa); FlexAttention with a BlockMask built from the
-    same selection; the gather-Q sparse attention alone; the fused indexer (scores + block max + top-k); and both
-    together (the whole MSA prefill, index projections excluded). "ideal" = dense causal FLOPs / FLOPs on the keys
+    same selection; the gather-Q sparse attention alone; the fused indexer (scores + block max + top-k), in bf16
+    and with fp8 scoring (e4m3 keys and query rows, fp32 accumulation; with the share of the bf16 selection's blocks
+    it also selects); and both together (the whole MSA prefill, index projections excluded). "ideal" = dense causal FLOPs / FLOPs on the keys
     the selection makes visible.
     Decode (batch of equal lengths): dense SDPA over a contiguous cache vs paged selection + split-K attention with
     bf16 and fp8 index keys, timed as CUDA-graph replays; "byte limit" = dense bytes / bytes MSA must read.
@@ -791,16 +802,20 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
     if result.prefill:
         t = Table(title=f"prefill ({heads} q heads, {kv_heads} kv heads, d {head_dim}, block {block}, top-{topk})")
-        for c in ("T", "selection", "dense ms", "flex ms", "attention ms", "indexer ms", "msa ms", "attention x",
-                  "ideal x", "share of ideal", "flex x", "msa x"):
+        for c in ("T", "selection", "dense ms", "flex ms", "attention ms", "indexer ms", "indexer fp8 ms",
+                  "fp8 same blocks", "msa ms", "attention x", "ideal x", "share of ideal", "flex x", "msa x",
+                  "msa fp8 x"):
             t.add_column(c, justify="right")
         for r, s in zip(result.prefill, pre):
             dense = ms(r["dense_ms"]) + ("*" if r["dense"] == "extrapolated" else "")
             t.add_row(f"{r['T']:,}", r["selection"], dense, ms(r["flex_ms"]), ms(r["attention_ms"]),
-                      ms(r["indexer_ms"]), ms(r["msa_ms"]), f"{s['attention_x']:.1f}", f"{s['ideal']:.1f}",
+                      ms(r["indexer_ms"]), ms(r["indexer_fp8_ms"]), f"{100 * r['fp8_same_blocks']:.1f}%",
+                      ms(r["msa_ms"]), f"{s['attention_x']:.1f}", f"{s['ideal']:.1f}",
                       f"{s['share_of_ideal']:.2f}", "-" if s["flex_x"] is None else f"{s['flex_x']:.1f}",
-                      f"{s['msa_x']:.1f}")
+                      f"{s['msa_x']:.1f}", f"{s['msa_fp8_x']:.1f}")
         console.print(t)
+        console.print("indexer fp8: keys quantised per token, then fp8 x fp8 scores (query rows quantised in the "
+                      "kernel); fp8 same blocks: share of the bf16 selection's blocks fp8 scoring also selects")
         if any(r["dense"] == "extrapolated" for r in result.prefill):
             console.print("* dense time extrapolated from the longest measured length as causal FLOPs (T^2)")
     if result.decode:

@@ -5,10 +5,14 @@ Nothing here imports Triton at module level: `import kernels` must stay cheap an
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Callable
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket", "autotune"]
+__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket", "autotune", "launch_fp8"]
+
+_FP8_DOT = [True]  # becomes False after the first fp8 matmul this Triton build failed to compile
 
 
 def interpreting() -> bool:
@@ -77,3 +81,19 @@ def autotune(**kwargs):
     if supported and os.environ.get("M3C_AUTOTUNE_CACHE", "1") != "0":
         kwargs.setdefault("cache_results", True)
     return triton.autotune(**kwargs)
+
+
+def launch_fp8(launch: Callable[[bool], None], fp8: bool) -> None:
+    """Run `launch(fp8_dot)` of a kernel with an FP8_DOT constexpr. With fp8 operands on a GPU: an fp8 x fp8
+    tensor-core matmul first; if this Triton build cannot compile one, the operands are widened to fp16 instead,
+    with one warning, from then on. Under the interpreter they are always widened (fp16 holds every e4m3 value,
+    so the products are the same; both accumulate in fp32). Without fp8 operands: launch(False)."""
+    if not (fp8 and _FP8_DOT[0] and not interpreting()):
+        launch(False)
+        return
+    try:
+        launch(True)
+    except Exception as e:  # noqa: BLE001 - a compiler error of any type
+        _FP8_DOT[0] = False
+        warnings.warn(f"fp8 index matmul unavailable ({type(e).__name__}); widening fp8 operands to fp16")
+        launch(False)

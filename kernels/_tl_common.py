@@ -13,6 +13,27 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
+    """Rows of x [M, D] quantised as reference.quantize_index_keys does (amax of each row mapped to 448, round to
+    nearest even), the rows' scales dropped: positive and one per row, they cannot change a row's ranking. Returns
+    float8e4nv, or (FP8_DOT False) the same values widened to fp16 (exact) for a matmul without fp8 operands.
+
+    The rounding is done in fp32 arithmetic before the cast, so the cast itself is exact: adding and subtracting
+    c = 1.5 * 2^20 * 2^max(e, -6), where 2^e is the binade of the value, leaves the value rounded to e4m3's ulp there
+    (2^(e-3); 2^-9 for e4m3's subnormals). Triton's interpreter rounds fp32 -> fp8 itself without carrying a round-up
+    into the exponent (7.8 became 4.0), so a plain cast would make the CPU tests disagree with the GPU."""
+    xf = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
+    xf = xf / (amax / 448.0)[:, None]
+    binade = tl.maximum(xf.to(tl.int32, bitcast=True) & 0x7F800000, 0x3C800000).to(tl.float32, bitcast=True)
+    c = binade * 1572864.0
+    q = ((xf + c) - c).to(tl.float8e4nv)
+    if not FP8_DOT:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, s_mask, scale_log2, MASKED: tl.constexpr,
                          IEEE: tl.constexpr):
     """One key block of an online softmax (base 2): scores of b_q [M, D] against b_k [N, D], keys outside s_mask

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import lse_merge, online_softmax_block
+from m3compile.kernels._tl_common import lse_merge, online_softmax_block, quantize_rows_e4m3
 
 
 @autotune(
@@ -37,13 +37,9 @@ def paged_index_scores_kernel(
     m_d = o_d < D
     b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
-    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as indexer.quantize_index_keys does (its scale,
+    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as reference.quantize_index_keys does (its scale,
         # one per (sequence, head), cannot change that head's ranking, so it is not applied)
-        b_qf = b_q.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(b_qf), 1), 1e-12)
-        b_q = (b_qf / (amax / 448.0)[:, None]).to(tl.float8e4nv)
-        if not FP8_DOT:
-            b_q = b_q.to(tl.float16)
+        b_q = quantize_rows_e4m3(b_q, FP8_DOT)
     first = tl.program_id(1) * PPP * NPG
     for p0 in range(first, tl.minimum(first + PPP * NPG, n_pages), NPG):
         page = p0 + o_pg

@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
+from m3compile.kernels._tl_common import quantize_rows_e4m3
 
 @triton.jit
 def _insert(vals, ids, score, j, o_kp):
@@ -15,6 +16,7 @@ def _insert(vals, ids, score, j, o_kp):
 @triton.jit
 def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                   IEEE: tl.constexpr):
+    # fp8 scoring: b_q is fp8 (keys stay fp8: an fp8 x fp8 matmul, fp32 accumulation) or fp16 (keys widened, exact)
     b_k = tl.load(p_k, mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
     if IEEE:
         s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
@@ -38,7 +40,7 @@ def _prune(cfgs, named_args, **kw):
         interpret=dict(ROWS=64, num_warps=4, num_stages=1),
         default=dict(ROWS=128, num_warps=8, num_stages=3),
     ),
-    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "tune_bucket"],
+    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "FP8_DOT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["T", "tune_bucket"])
@@ -48,7 +50,7 @@ def index_topk_kernel(
     T, tune_bucket,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr, ROWS: tl.constexpr,
 ):
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
@@ -61,6 +63,8 @@ def index_topk_kernel(
     m_d = o_d < D
     p_q = q + i_b * stride_qb + o_tok[:, None].to(tl.int64) * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    if HAS_SCALE:  # fp8 scoring: each (token, head) row quantised here, once per program
+        b_q = quantize_rows_e4m3(b_q, FP8_DOT)
     q_block = o_tok // BS
     o_kp = tl.arange(0, KP)
     # padding slots (>= TOPK) hold +inf so they are never the minimum that gets replaced

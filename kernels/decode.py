@@ -17,16 +17,13 @@ its pages, and merges the partials by log-sum-exp. Sequences of different length
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from m3compile.kernels import reference as ref
-from m3compile.kernels._common import interpreting, next_pow2, use_triton
-from m3compile.kernels.indexer import quantize_index_keys
-
-_FP8_DOT = True  # set False after the first failed fp8 matmul compile
+from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
+from m3compile.kernels.reference import quantize_index_keys
 
 __all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference"]
@@ -131,19 +128,10 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
             block_table.stride(0), scores.stride(0), scores.stride(1),
             max_pages,
             H=H, HP=max(16, next_pow2(H)), D=D, DP=max(16, next_pow2(D)), BS=bs, BN=max(16, next_pow2(bs)),
-            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32, FP8_DOT=fp8_dot,
+            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
         )
 
-    global _FP8_DOT
-    if fp8 and _FP8_DOT and not interpreting():
-        try:  # fp8 x fp8 tensor-core matmul (Hopper); keys then stream into shared memory without a conversion
-            launch(True)
-        except Exception as e:  # a Triton build without it: widen to bf16 instead, once and for all
-            _FP8_DOT = False
-            warnings.warn(f"fp8 index matmul unavailable ({type(e).__name__}); widening fp8 keys to bf16")
-            launch(False)
-    else:
-        launch(False)
+    launch_fp8(launch, fp8)
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
     topk_rows_kernel[(B, H)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),

@@ -9,8 +9,12 @@ ever written: the only output is the block ids.
 Forced blocks (the query's own `local_blocks` most recent blocks, the first `init_blocks` blocks) enter with score
 +inf; slots that no visible block fills stay -1. Slot order carries no meaning.
 
-Index keys may be fp8 (e4m3) with one fp32 scale per token (`quantize_index_keys`); they are widened to the
-query's dtype in registers and the scale is applied to the token scores.
+fp8 scoring: index keys in fp8 e4m3 with one fp32 scale per token (`quantize_index_keys`) make the kernel quantise
+each query row (token, head) to e4m3 too, as it loads it (the decode kernel does the same); token scores are then an
+fp8 x fp8 matmul with fp32 accumulation, times the key's scale (the query's scale, one positive number per row,
+cannot change that row's ranking and is not applied), followed by the same block max and top-k. On a GPU whose
+Triton cannot compile an fp8 matmul, and under the interpreter, both operands are widened to fp16, which holds
+every e4m3 value exactly. The plain-torch meaning is `select_blocks_reference`: quantise, dequantise, score in fp32.
 
 Layout: q_idx [B, T, Hi, Di] (as the graph produces it), k_idx [B, T, Di] -> blocks [B, Hi, T, topk] int32.
 """
@@ -19,22 +23,44 @@ from __future__ import annotations
 import torch
 
 from m3compile.kernels import reference as ref
-from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels._common import launch_fp8, next_pow2, tune_bucket, use_triton
+from m3compile.kernels.reference import FP8_MAX, dequantize_index_keys, fp8_round, quantize_index_keys
 
-__all__ = ["select_blocks", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def quantize_index_keys(k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k_idx [..., Di] -> (fp8 e4m3 keys [..., Di], fp32 scale [...]) with k ~= fp8 * scale, one scale per token."""
-    amax = k_idx.float().abs().amax(-1).clamp(min=1e-12)
-    scale = amax / FP8_MAX
-    return (k_idx.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+__all__ = ["select_blocks", "select_blocks_reference", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
 
 
-def dequantize_index_keys(k_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return k_fp8.float() * scale[..., None]
+def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor | None, block_size: int, topk: int) -> bool:
+    """Validates the arguments of select_blocks; returns whether the keys are fp8."""
+    if q_idx.dim() != 4 or k_idx.dim() != 3 or q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[1] != k_idx.shape[1] \
+            or q_idx.shape[3] != k_idx.shape[2]:
+        raise ValueError(f"q_idx must be [B, T, Hi, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    fp8 = k_idx.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or k_scale.shape != k_idx.shape[:2]):
+        raise ValueError("fp8 index keys need k_scale [B, T] (see quantize_index_keys)")
+    if q_idx.dtype == torch.float8_e4m3fn:
+        raise ValueError("q_idx must be a floating tensor of bf16/fp16/fp32 (fp8 scoring quantises it itself)")
+    return fp8
+
+
+def select_blocks_reference(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch `select_blocks` (same layouts, int32). fp8 keys: the query quantised per (token, head) and
+    dequantised (reference.fp8_round), the keys dequantised with k_scale, then fp32 scores, block max and top-k."""
+    fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
+    if fp8:
+        q_idx, k_idx = fp8_round(q_idx), dequantize_index_keys(k_idx, k_scale)
+    return ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                             local_blocks=local_blocks).to(torch.int32)
 
 
 def select_blocks(
@@ -50,23 +76,15 @@ def select_blocks(
 ) -> torch.Tensor:
     """Top-k key blocks per (index head, query token).
 
-    q_idx [B, T, Hi, Di]; k_idx [B, T, Di] (bf16/fp16/fp32, or fp8 e4m3 with k_scale [B, T] fp32)
-    -> [B, Hi, T, topk] int32 (-1 = empty slot). Runs the fused Triton kernel on CUDA (or under
-    TRITON_INTERPRET=1), otherwise `reference.select_blocks`.
+    q_idx [B, T, Hi, Di] (bf16/fp16/fp32); k_idx [B, T, Di] in the same dtypes, or fp8 e4m3 with k_scale [B, T] fp32
+    (quantize_index_keys), which selects fp8 scoring (module docstring) -> [B, Hi, T, topk] int32 (-1 = empty slot).
+    Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
-    if q_idx.dim() != 4 or k_idx.dim() != 3 or q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[1] != k_idx.shape[1] \
-            or q_idx.shape[3] != k_idx.shape[2]:
-        raise ValueError(f"q_idx must be [B, T, Hi, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
-    if topk < 1 or block_size < 1:
-        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
-    fp8 = k_idx.dtype == torch.float8_e4m3fn
-    if fp8 and (k_scale is None or k_scale.shape != k_idx.shape[:2]):
-        raise ValueError("fp8 index keys need k_scale [B, T] (see quantize_index_keys)")
+    fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
     B, T, H, D = q_idx.shape
     if not use_triton(q_idx, k_idx, backend=backend):
-        k = dequantize_index_keys(k_idx, k_scale) if fp8 else k_idx
-        return ref.select_blocks(q_idx.transpose(1, 2), k, block_size=block_size, topk=topk,
-                                 init_blocks=init_blocks, local_blocks=local_blocks).to(torch.int32)
+        return select_blocks_reference(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                       local_blocks=local_blocks, k_scale=k_scale)
     if k_idx.stride(-1) != 1 or q_idx.stride(-1) != 1:
         raise ValueError("q_idx and k_idx must be contiguous in their last dimension")
     out = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_idx.device)
@@ -77,13 +95,17 @@ def select_blocks(
 
     HP = next_pow2(H)
     grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731
-    kernel[grid](
-        q_idx, k_idx, scale, out,
-        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-        scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
-        T, tune_bucket(T),
-        H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
-        TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
-        HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32,
-    )
+
+    def launch(fp8_dot: bool) -> None:
+        kernel[grid](
+            q_idx, k_idx, scale, out,
+            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+            scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
+            T, tune_bucket(T),
+            H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
+            TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
+            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
+        )
+
+    launch_fp8(launch, fp8)
     return out

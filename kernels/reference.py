@@ -9,7 +9,8 @@ Shapes (head-major, the layout `scaled_dot_product_attention` takes):
                                slot order carries no meaning
 
 Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input
-dtype. The query axis is processed in chunks sized so
+dtype. fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row), `fp8_round`, and
+`select_blocks(fp8=True)`. The query axis is processed in chunks sized so
 that no [T, T] tensor is ever allocated: memory is O(chunk * T) for scoring and O(chunk * K * block) for the
 sparse attention itself.
 """
@@ -31,6 +32,10 @@ __all__ = [
     "selected_blocks_mask",
     "index_kl",
     "query_chunk",
+    "quantize_index_keys",
+    "dequantize_index_keys",
+    "fp8_round",
+    "FP8_MAX",
 ]
 
 # Elements of fp32 scratch one chunk may allocate (128 MiB): bounds memory at any T.
@@ -45,6 +50,27 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def query_chunk(rows_per_query: int, length: int, budget: int = _CHUNK_ELEMENTS) -> int:
     """Queries per chunk so that `chunk * rows_per_query * length` elements stay within `budget`."""
     return max(1, min(length, budget // max(1, rows_per_query * length)))
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., Di] -> (fp8 e4m3 [..., Di], fp32 scale [...]) with x ~= fp8 * scale: one scale per row (each
+    token's index key; for index queries, each (token, head)), the row's largest magnitude mapped to 448, rounded to
+    nearest even. The fp8 index kernels quantise queries exactly so, inside the kernel."""
+    amax = x.float().abs().amax(-1).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_index_keys(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x_fp8.float() * scale[..., None]
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., Di] as fp8 index scoring sees it: quantised per row (quantize_index_keys), dequantised, fp32."""
+    return dequantize_index_keys(*quantize_index_keys(x))
 
 
 def _check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
@@ -112,18 +138,23 @@ def select_blocks(
     init_blocks: int = 0,
     local_blocks: int = 1,
     chunk: int | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Per (index head, query) selection of `topk` key blocks (MSA_SPEC section 2).
 
     The `local_blocks` most recent blocks (the query's own block first) and the first `init_blocks` blocks are
     always kept when visible; the remaining slots take the best-scoring earlier blocks; slots that cannot be filled
     hold -1. Index heads are never reduced together: each KV group selects its own blocks.
+    fp8: score as the fp8 kernels do: every query row (token, head) and every key quantised to e4m3 with one scale
+    per row (quantize_index_keys), dequantised, then scored in fp32 (`fp8_round`).
 
     q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64.
     """
     if topk < 1 or block_size < 1:
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     k_idx = _check_index_inputs(q_idx, k_idx)
+    if fp8:
+        q_idx, k_idx = fp8_round(q_idx), fp8_round(k_idx)
     B, Hi, T, _ = q_idx.shape
     out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
     chunk = chunk or query_chunk(B * Hi, T)

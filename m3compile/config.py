@@ -9,7 +9,11 @@ import torch
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "parse_dtype", "DTYPES"]
+__all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES"]
+
+# How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
+# scale per key token and per query (token, head), fp32 accumulation (kernels/indexer.py)
+INDEX_DTYPES = ("auto", "fp8")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -36,6 +40,8 @@ class MSAConfig:
     local_blocks  most recent blocks always kept, the query's own first            M3: 1
     dense_layers  layer indices that keep dense attention                          M3: (0, 1, 2)
     vision_window multimodal models: temporal steps per 3D ViT attention window     M3: 4
+    index_dtype   index scoring: "auto" (the compute dtype) or "fp8" (e4m3 x e4m3, per-token key scale; not an M3
+                  key: config.json gets sparse_attention_config.sparse_index_dtype only when it is "fp8")
     """
 
     block_size: int = 128
@@ -46,6 +52,7 @@ class MSAConfig:
     local_blocks: int = 1
     dense_layers: tuple[int, ...] = (0,)
     vision_window: int = 4  # multimodal models: ViT attention in 3D windows of <= this many temporal steps
+    index_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
@@ -62,6 +69,8 @@ class MSAConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {value}")
+        if self.index_dtype not in INDEX_DTYPES:
+            raise M3CompileError(f"MSAConfig.index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
         if any(i < 0 for i in self.dense_layers):
             raise M3CompileError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
 
@@ -86,8 +95,8 @@ class MSAConfig:
         return cls.from_dict(json.loads(text))
 
     def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool]) -> dict:
-        """`sparse_attention_config` with M3's own key names."""
-        return {
+        """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring)."""
+        out = {
             "use_sparse_attention": True,
             "sparse_num_index_heads": index_heads,
             "sparse_index_dim": index_dim,
@@ -99,3 +108,6 @@ class MSAConfig:
             "sparse_attention_freq": [int(s) for s in sparse_layers],
             "sparse_disable_index_value": [1] * n_layers,
         }
+        if self.index_dtype != "auto":
+            out["sparse_index_dtype"] = self.index_dtype
+        return out

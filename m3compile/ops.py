@@ -6,6 +6,7 @@ lowering beside it, and access to its arguments by name.
     apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
     msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
+                       (index_dtype "fp8": e4m3-rounded q and k)    (index_dtype "fp8": fp8 x fp8 scores)
     msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
                                                                     msa_attention_lse_triton (+ per-head LSE)
     msa_index_kl       kernels.reference.index_kl                   msa_index_kl_triton (fused sparse-support KL)
@@ -26,6 +27,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from m3compile.config import INDEX_DTYPES
 from m3compile.kernels import indexer, reference as ref, sparse_attention as _sparse, sparse_kl
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
@@ -94,13 +96,22 @@ def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:-1], n_heads, head_dim)
 
 
+def _fp8_scoring(index_dtype: str) -> bool:
+    if index_dtype not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
+    return index_dtype == "fp8"
+
+
 @torch.fx.wrap
 @_scoped("msa_select")
-def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
-    """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty)."""
+def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+               index_dtype: str = "auto"):
+    """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty).
+
+    index_dtype "fp8": scores of the e4m3-quantised query rows and keys (kernels.reference.select_blocks fp8)."""
     return ref.select_blocks(
         q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-        local_blocks=local_blocks,
+        local_blocks=local_blocks, fp8=_fp8_scoring(index_dtype),
     )
 
 
@@ -196,10 +207,16 @@ def _all_selected(T: int, block_size: int, topk: int) -> bool:
 
 @torch.fx.wrap
 @_scoped("msa_select")
-def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
-    """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty)."""
+def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+                      index_dtype: str = "auto"):
+    """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty).
+
+    index_dtype "fp8": the keys are quantised here (one scale per token), the query rows inside the kernel."""
+    k_scale = None
+    if _fp8_scoring(index_dtype):
+        k_idx, k_scale = indexer.quantize_index_keys(k_idx)
     return indexer.select_blocks(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                 local_blocks=local_blocks)
+                                 local_blocks=local_blocks, k_scale=k_scale)
 
 
 @torch.fx.wrap

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from m3compile.config import INDEX_DTYPES
 from m3compile.kernels.reference import oracle_blocks
 from m3compile.ops import apply_index_rope, apply_rope, msa_attention, msa_select, split_heads
 
@@ -43,6 +44,11 @@ class MSALayerArgs:
     topk: int = 16
     init_blocks: int = 0
     local_blocks: int = 1
+    index_dtype: str = "auto"  # "fp8": e4m3 index scoring (m3compile.config.INDEX_DTYPES)
+
+    def __post_init__(self):
+        if self.index_dtype not in INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ class Attention(nn.Module):
         else:
             q_idx, k_idx = self.index_branch(x, cos, sin)
             blocks = msa_select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                local_blocks=m.local_blocks)
+                                local_blocks=m.local_blocks, index_dtype=m.index_dtype)
         if self.probe is not None and self.sparse:
             self.probe(self, q, k, blocks)
         return msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
@@ -404,6 +410,18 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.sparse = enabled
+
+    def set_index_dtype(self, index_dtype: str) -> None:
+        """How MSA layers score their index branch from now on: "auto" (the compute dtype) or "fp8" (e4m3 x e4m3,
+        per-token key scale). Changes `args.msa` too, so what is saved or traced afterwards scores the same way."""
+        if index_dtype not in INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
+        if self.args.msa is None:
+            return
+        self.args = self.args.replace(msa=dataclasses.replace(self.args.msa, index_dtype=index_dtype))
+        for module in self.modules():
+            if isinstance(module, Attention) and module.msa is not None:
+                module.msa = self.args.msa
 
     def set_selection(self, selection: Selection) -> None:
         """How sparse MSA layers pick their blocks: "index" (the index branch) or "oracle" (each layer's dense

@@ -4,12 +4,14 @@
         ==>  msa(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale)
 
 It runs on the reference inference graph (after strip_kl_distill, never on a lowered graph): the export's
-translation table turns the fused op into the ONNX node whose function body is standard operators.
+translation table turns the fused op into the ONNX node whose function body is standard operators. A layer that
+scores its index in fp8 (index_dtype "fp8") is refused: the ONNX node has no fp8 scoring.
 """
 from __future__ import annotations
 
 import torch.fx
 
+from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.ops import msa_fused, op_args
@@ -31,6 +33,10 @@ class FuseMSA(Pass):
             att = op_args(n)
             select = att["blocks"]
             sel = op_args(select)
+            if sel["index_dtype"] != "auto":
+                raise M3CompileError(f"{select.name}: index scoring in {sel['index_dtype']} has no ONNX form (the "
+                                     "m3compile::MSA node scores in the model's dtype); export a model converted "
+                                     "without --index-dtype fp8")
             with g.inserting_before(n):
                 fused = g.call_function(msa_fused, (
                     att["q"], att["k"], att["v"], sel["q_idx"], sel["k_idx"], att["block_size"], sel["topk"],

@@ -27,7 +27,7 @@ class GQAToMSA(Pass):
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
     (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
     branch's RoPE table cut to the index width (apply_index_rope), and `msa_select` picks top-k blocks per KV
-    group; `msa_attention` replaces the attention op.
+    group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the attention op.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
     of the layers' attention inputs on calibration data (passes/calibration.py), for the calibrated init; a layer
     without one gets the weight-only init. Requires: shapes propagated (done if missing).
@@ -84,7 +84,8 @@ class GQAToMSA(Pass):
                 "each KV group selects its own blocks"
             )
         index_dim = cfg.index_dim or m.head_dim
-        settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks)
+        settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
+                                cfg.index_dtype)
         self.layer_settings[m.layer] = settings
         weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
@@ -112,7 +113,7 @@ class GQAToMSA(Pass):
             k_idx = g.call_function(operator.getitem, (k_idx, (slice(None), slice(None), 0)))
             blocks = g.call_function(msa_select, (), dict(
                 q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,
-                local_blocks=cfg.local_blocks))
+                local_blocks=cfg.local_blocks, index_dtype=cfg.index_dtype))
             out = g.call_function(msa_attention, (), dict(
                 q=m.q, k=m.k, v=m.v, blocks=blocks, block_size=cfg.block_size, scale=m.scale, sparse=True))
         out.meta["m3_msa_layer"] = m.layer

@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from m3compile.cli import main
 from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
-from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, visible_keys
+from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
 
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():
@@ -24,6 +24,14 @@ def test_visible_keys_counts_causal_keys_of_valid_slots():
     all_blocks = torch.arange(5).expand(1, 2, T, 5)  # every block selected: the sparse FLOPs are the dense ones
     assert prefill_flops(T, 4, 16, visible_keys(all_blocks.masked_fill(all_blocks * bs > torch.arange(T)[:, None], -1), bs)) \
         == prefill_flops(T, 4, 16)
+
+
+def test_selection_agreement_ignores_slot_order_and_empty_slots():
+    base = torch.tensor([[[[0, 1, 2], [1, 0, -1], [3, 2, 1], [0, -1, -1]]]])
+    other = torch.tensor([[[[2, 0, 1], [0, 1, -1], [3, 0, 1], [0, -1, -1]]]])  # row 2 swaps block 2 for block 0
+    blocks, rows = selection_agreement(other, base, chunk=3)  # chunks: a row split off
+    assert blocks == 8 / 9 and rows == 3 / 4
+    assert selection_agreement(base, base) == (1.0, 1.0)
 
 
 def test_flex_block_mask_computes_the_same_selection():
@@ -54,6 +62,7 @@ def test_bench_command_smoke_on_cpu(tmp_path):
     assert {r["selection"] for r in data["prefill"]} == {"independent", "shared"}
     row = data["prefill"][0]
     assert row["T"] == 40 and row["ideal"] > 1 and row["attention_ms"] > 0 and row["flex_ms"] > 0
+    assert row["indexer_fp8_ms"] > 0 and 0 < row["fp8_same_blocks"] <= 1 and 0 <= row["fp8_same_rows"] <= 1
     assert data["decode"][0]["batch"] == 2 and data["decode"][0]["msa_fp8_ms"] > 0
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
@@ -208,6 +209,9 @@ def check_config_types(cfg: dict, where: str = "") -> None:
     for key, kind, minimum in _SPARSE_TYPES:
         if key in sparse:
             _check_value(f"{where}sparse_attention_config.", key, sparse[key], kind, minimum)
+    if "sparse_index_dtype" in sparse and sparse["sparse_index_dtype"] not in INDEX_DTYPES:
+        raise M3CompileError(f"config.json {where}sparse_attention_config.sparse_index_dtype must be one of "
+                             f"{', '.join(map(json.dumps, INDEX_DTYPES))}, got {json.dumps(sparse['sparse_index_dtype'])}")
     for key in ("sparse_attention_freq", "moe_layer_freq", "layer_types", "mlp_layer_types"):
         value = sparse.get(key) if key == "sparse_attention_freq" else cfg.get(key)
         if value is not None and not isinstance(value, list):
@@ -300,6 +304,7 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
             index_heads=cfg.get("index_n_heads", 4), index_dim=cfg.get("index_head_dim", 128),
             block_size=cfg.get("index_block_size", 128), topk=cfg.get("index_topk_blocks", 16),
             init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
+            index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"),
         )
         return args.replace(sparse_layers=sparse, msa=msa if any(sparse) else None), flavour
     msa = _msa_from_release(sparse_cfg, args)
@@ -322,6 +327,7 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
         index_dim=sparse_cfg.get("sparse_index_dim", args.head_dim),
         block_size=sparse_cfg.get("sparse_block_size", 128), topk=sparse_cfg.get("sparse_topk_blocks", 16),
         init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
+        index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"),
     )
     return {"sparse_layers": tuple(bool(f) for f in freq), "msa": msa}
 

@@ -29,7 +29,8 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
     sparse = [args.is_sparse(i) for i in range(args.n_layers)]
     m = args.msa
     text["sparse_attention_config"] = dataclasses.replace(
-        config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks
+        config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
+        index_dtype=m.index_dtype,
     ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse)
     if "layer_types" in text or "index_n_heads" in text:  # keep transformers' flavour of keys consistent
         text["layer_types"] = ["minimax_m3_sparse" if s else "full_attention" for s in sparse]

@@ -333,7 +333,7 @@ def convert_streaming(
     cfg = read_config(src)
     args, _ = args_from_config(cfg)
     if config is not None and args.msa is not None:
-        for key in ("block_size", "topk"):
+        for key in ("block_size", "topk", "index_dtype"):
             have, asked = getattr(args.msa, key), getattr(config, key)
             if have != asked:
                 raise M3CompileError(f"{src} already has MSA layers with {key} {have}; re-converting it with {key} "

@@ -6,8 +6,10 @@ head, block 128, top-16 by default):
     flex       FlexAttention, BlockMask built from the same selection (per 128-query block, the union of the
                blocks its tokens chose; a mask_mod keeps each token to its own blocks)
     attention  this project's gather-Q sparse attention alone
-    indexer    fused scores + block max + top-k
-    msa        indexer + attention (the whole MSA prefill, index projections excluded)
+    indexer    fused scores + block max + top-k (bf16), and with fp8 scoring (index_dtype "fp8": the keys quantised
+               per token, then the kernel, which quantises the query rows), with the share of the bf16 selection's
+               blocks that fp8 scoring also selects and of the (head, token) rows it selects identically
+    msa        indexer + attention (the whole MSA prefill, index projections excluded), bf16 and fp8 indexer
 Selections: "independent" = what the indexer picks on random index queries/keys (per-token selections barely
 overlap: FlexAttention's worst case); "shared" = every token of a 128-token query block uses its last token's
 selection (FlexAttention's best case). The gather-Q kernel does the same work for both.
@@ -37,7 +39,7 @@ from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, 
 from m3compile.kernels.sparse_kl import sparse_index_kl
 from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
-__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops"]
+__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,19 @@ def prefill_flops(T: int, heads: int, head_dim: int, keys_per_group_token: torch
 
 def index_flops(T: int, index_heads: int, index_dim: int) -> float:
     return 2.0 * index_heads * index_dim * T * (T + 1) / 2
+
+
+def selection_agreement(blocks: torch.Tensor, baseline: torch.Tensor, chunk: int = 8192) -> tuple[float, float]:
+    """How much a selection [B, H, T, K] agrees with a baseline one (slot order ignored): the share of the baseline's
+    valid (non -1) blocks it also selects, and the share of (head, token) rows selected identically."""
+    hit = valid = same = 0
+    for t in range(0, blocks.shape[2], chunk):
+        a, b = blocks[:, :, t:t + chunk].long(), baseline[:, :, t:t + chunk].long()
+        ok = b >= 0
+        hit += int(((b[..., :, None] == a[..., None, :]).any(-1) & ok).sum())
+        valid += int(ok.sum())
+        same += int((a.sort(-1).values == b.sort(-1).values).all(-1).sum())
+    return hit / max(1, valid), same / max(1, blocks.shape[0] * blocks.shape[1] * blocks.shape[2])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,8 +208,14 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
     def indexer():
         return select_blocks(q_idx, k_idx, block_size=cfg.block, topk=cfg.topk)
 
+    def indexer_fp8():  # as the lowered msa_select with index_dtype "fp8" runs it: keys quantised, then the kernel
+        k8, k_scale = quantize_index_keys(k_idx)
+        return select_blocks(q_idx, k8, block_size=cfg.block, topk=cfg.topk, k_scale=k_scale)
+
     blocks = indexer()
     t_index = _time(indexer, cfg)
+    t_index_fp8 = _time(indexer_fp8, cfg)
+    same_blocks, same_rows = selection_agreement(indexer_fp8(), blocks)
     dense_flops = prefill_flops(T, H, D)
     if T <= cfg.dense_max:
         t_dense = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
@@ -225,9 +246,12 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
                                                            query_chunk=qc), cfg)
         rows.append(dict(T=T, selection=sel_name, gather_ms=t_gather, query_chunk_ms=sweep, dense_ms=t_dense, dense=dense_note, flex_ms=t_flex,
                          flex_error=flex_err, attention_ms=t_attn, indexer_ms=t_index, msa_ms=t_attn + t_index,
+                         indexer_fp8_ms=t_index_fp8, msa_fp8_ms=t_attn + t_index_fp8, fp8_same_blocks=same_blocks,
+                         fp8_same_rows=same_rows,
                          dense_tflops=dense_flops, sparse_tflops=sparse_fl,
                          ideal=dense_flops / sparse_fl, index_tflops=index_flops(T, Hkv, cfg.index_dim)))
-        log(f"prefill T={T} {sel_name}: attention {t_attn:.3f} ms, indexer {t_index:.3f} ms, "
+        log(f"prefill T={T} {sel_name}: attention {t_attn:.3f} ms, indexer {t_index:.3f} ms (fp8 {t_index_fp8:.3f} "
+            f"ms, {100 * same_blocks:.1f}% of the blocks the same), "
             f"flex {t_flex if t_flex is None else round(t_flex, 3)} ms, dense {t_dense} ms")
     return rows
 
@@ -360,6 +384,8 @@ def speedups(result: BenchResult) -> tuple[list[dict], list[dict]]:
             msa_x=d / r["msa_ms"],
             attention_tflops_s=r["sparse_tflops"] / r["attention_ms"] / 1e9,
             indexer_tflops_s=r["index_tflops"] / r["indexer_ms"] / 1e9,
+            indexer_fp8_tflops_s=r["index_tflops"] / r["indexer_fp8_ms"] / 1e9,
+            indexer_fp8_x=r["indexer_ms"] / r["indexer_fp8_ms"], msa_fp8_x=d / r["msa_fp8_ms"],
         ))
     dec = []
     for r in result.decode:

@@ -100,8 +100,9 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
         m = attn.msa
         if m is not None and attn.sparse and -(-T // m.block_size) > m.topk:
             q_idx, k_idx = attn.index_branch(h, cos, sin)
-            blocks = select_blocks(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                   local_blocks=m.local_blocks, backend=backend)
+            keys, k_scale = quantize_index_keys(k_idx) if m.index_dtype == "fp8" else (k_idx, None)
+            blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                   local_blocks=m.local_blocks, k_scale=k_scale, backend=backend)
             o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
         else:  # dense layer, or an MSA layer whose prompt fits in the top-k: dense causal is exact
             if m is not None:
@@ -230,7 +231,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
-    index_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3 index keys, per-token fp32 scale).
+    index_cache_dtype: "auto" (the model's dtype; fp8 when the model scores its index in fp8, index_dtype "fp8") or
+    "fp8" (e4m3 index keys, per-token fp32 scale).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
@@ -263,7 +265,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
-    index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" else dtype
+    fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
+    index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
     B = len(prompts)
     cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
     prefill_logits = []

@@ -194,3 +194,39 @@ def test_oracle_blocks_reach_the_oracle_recall_and_keep_the_forced_blocks(T, bs,
         forced = {b for b in range(qb + 1) if b > qb - local or b < init}
         assert forced <= set(row) and all(-1 <= b <= qb for b in row)
         assert row.count(-1) == max(0, topk - (qb + 1))
+
+
+def test_fp8_quantisation_keeps_three_bits_per_row():
+    """quantize_index_keys: each row's largest magnitude lands on 448, every value within half an e4m3 ulp (2^-4
+    relative for normals, 2^-10 of the scale in the subnormal range), zero rows stay zero."""
+    x = torch.randn(3, 7, 24) * torch.logspace(-5, 4, 7)[None, :, None]
+    x[1, 2] = 0.0
+    x8, scale = ref.quantize_index_keys(x)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (3, 7) and scale.dtype == torch.float32
+    y = x8.float()
+    assert torch.equal(y.abs().amax(-1)[scale > 1e-12 / 448], torch.full_like(scale, 448.0)[scale > 1e-12 / 448])
+    assert not y[1, 2].any() and torch.isfinite(ref.dequantize_index_keys(x8, scale)).all()
+    v = x / scale[..., None]
+    bound = torch.where(v.abs() >= 2**-6, v.abs() * 2**-4, torch.full_like(v, 2**-10))
+    assert ((y - v).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_fp8_selection_keeps_clear_winners():
+    """fp8 scoring changes only near-ties: with block scores planted far apart (one strong key per block, its
+    strength a permutation of the block ids along two directions; 3 index heads reading +u1, +u2 and -u1), the fp8
+    reference selects exactly what fp32 scoring selects, ragged tail and -1 slots included."""
+    B, T, D, bs, k = 2, 45, 16, 8, 4
+    g = torch.Generator().manual_seed(1)
+    u = torch.linalg.qr(torch.randn(D, 2, generator=g))[0].T * 4  # two orthogonal directions, |u| = 4
+    nb = -(-T // bs)
+    k_idx = torch.randn(B, T, D, generator=g) * 0.05
+    for b in range(B):
+        a, c = torch.randperm(nb, generator=g).float() + 1, torch.randperm(nb, generator=g).float() + 1
+        k_idx[b, ::bs] += a[:, None] * u[0] + c[:, None] * u[1]
+    heads = torch.stack([u[0], u[1], -u[0]])  # [3, D]
+    q_idx = heads[None, :, None] * torch.rand(B, 3, T, 1, generator=g).add(0.5) \
+        + torch.randn(B, 3, T, D, generator=g) * 0.05
+    want = ref.select_blocks(q_idx, k_idx, block_size=bs, topk=k)
+    got = ref.select_blocks(q_idx, k_idx, block_size=bs, topk=k, fp8=True)
+    assert (want == -1).any() and not torch.equal(want[:, 0], want[:, 1])
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)

@@ -6,11 +6,14 @@ visible blocks, hence -1 slots), shuffled slot order, batches of mixed lengths f
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from m3compile.kernels import decode as dk
 from m3compile.kernels import indexer
 from m3compile.kernels import reference as ref
 from m3compile.kernels import sparse_attention as sa
+from m3compile.kernels._tl_common import quantize_rows_e4m3
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -62,16 +65,57 @@ def test_indexer_matches_reference(case):
     assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
 
 
-def test_indexer_fp8_keys_match_dequantized_reference():
-    B, T, H, D, bs, k = 2, 70, 4, 32, 8, 4
-    q_idx, k_idx = torch.randn(B, T, H, D), torch.randn(B, T, D)
+FP8_CASES = [  # B, T, Hi, Di, block, topk, init, local, query dtype
+    (1, 1, 1, 16, 16, 4, 0, 1, torch.float32),  # one token, one index head
+    (2, 5, 3, 16, 16, 4, 0, 1, torch.float32),  # T < one block, 3 heads
+    (2, 70, 3, 24, 8, 4, 1, 1, torch.float32),  # ragged tail, Di not a power of two, init block
+    (1, 100, 1, 48, 16, 4, 0, 2, torch.bfloat16),  # bf16 queries (the GPU's dtype), two local blocks
+    (2, 53, 5, 16, 8, 32, 1, 1, torch.float16),  # more slots than blocks: -1 slots
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}-{}".format(
+    *c[:-1], str(c[-1]).split(".")[-1]))
+def test_indexer_fp8_matches_reference(case):
+    """fp8 scoring: the kernel (query rows quantised inside it, fp8 keys) against quantise-dequantise-score."""
+    B, T, H, D, bs, k, init, local, dtype = case
+    q_idx, k_idx = torch.randn(B, T, H, D).to(dtype), torch.randn(B, T, D).to(dtype)
     k8, scale = indexer.quantize_index_keys(k_idx)
     assert k8.dtype == torch.float8_e4m3fn and scale.shape == (B, T)
-    deq = indexer.dequantize_index_keys(k8, scale)
-    assert rel_err(deq, k_idx) < 0.05  # e4m3 keeps ~3 significant bits
-    got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, k_scale=scale, backend="triton")
-    want = ref.select_blocks(q_idx.transpose(1, 2), deq, block_size=bs, topk=k)
-    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), deq, bs))
+    assert rel_err(indexer.dequantize_index_keys(k8, scale), k_idx) < 0.05  # e4m3 keeps ~3 significant bits
+    got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local, k_scale=scale,
+                                backend="triton")
+    want = indexer.select_blocks_reference(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
+                                           k_scale=scale)
+    assert got.shape == (B, H, T, k) and got.dtype == torch.int32
+    scores = ref.block_scores(ref.fp8_round(q_idx).transpose(1, 2), indexer.dequantize_index_keys(k8, scale), bs)
+    assert_same_selection(got, want, scores)
+    n_visible = torch.arange(T) // bs + 1
+    assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
+    # the reference is what MSA's own reference selects in fp8 mode, from the unquantised keys
+    assert torch.equal(want, ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init,
+                                               local_blocks=local, fp8=True).int())
+
+
+@triton.jit
+def _quantize_rows_kernel(x, out, M: tl.constexpr, D: tl.constexpr, FP8_DOT: tl.constexpr):
+    o = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out + o, quantize_rows_e4m3(tl.load(x + o), FP8_DOT).to(tl.float32))
+
+
+@pytest.mark.parametrize("fp8_dot", [True, False], ids=["fp8", "widened-fp16"])
+def test_kernel_quantises_query_rows_as_torch_does(fp8_dot):
+    """The in-kernel row quantisation gives torch's e4m3 values exactly: round-ups that carry into the exponent
+    (7.8 -> 8, which Triton's interpreter cast gets wrong), ties to even, e4m3 subnormals, the 448 edge, zero rows."""
+    M, D = 8, 32
+    x = torch.randn(M, D) * torch.logspace(-6, 3, M)[:, None]
+    x[0] = 0.0
+    # amax 448: scale 1, so these values are rounded as they are; 7.25, 7.75 and the last three are halfway cases
+    x[1, :9] = torch.tensor([448.0, 7.8, -7.8, 7.25, 7.75, -1.9463, 0.5 * 2**-9, 1.5 * 2**-9, 2.5 * 2**-9])
+    x[2] = torch.randn(D) ** 7  # wide range in one row: many subnormals after scaling
+    out = torch.empty(M, D)
+    _quantize_rows_kernel[(1,)](x, out, M=M, D=D, FP8_DOT=fp8_dot)
+    assert torch.equal(out, ref.quantize_index_keys(x)[0].float())
 
 
 def test_indexer_half_precision():
@@ -198,19 +242,26 @@ def test_paged_decode_fp8_index_cache():
     assert_same_selection(got, want)
 
 
-def test_paged_decode_equals_prefill_last_token():
-    """The decode path and the prefill path agree on the newest token: same blocks, same output."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8"])
+def test_paged_decode_equals_prefill_last_token(fp8):
+    """The decode path and the prefill path agree on the newest token: same blocks, same output (fp8: both quantise
+    the query row in the kernel and read the same fp8 keys and scales)."""
     B, T, Hkv, G, D, bs, k = 1, 77, 2, 4, 16, 8, 3
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     q_idx, k_idx = torch.randn(B, T, Hkv, 16), torch.randn(B, T, 16)
-    blocks = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, backend="triton")
+    k_scale = None
+    if fp8:
+        k_idx, k_scale = indexer.quantize_index_keys(k_idx)
+    blocks = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, k_scale=k_scale, backend="triton")
     full = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
     pages = -(-T // bs)
     pad = pages * bs - T
     as_pages = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(pages, bs, *x.shape[1:])  # noqa: E731
     table = torch.arange(pages, dtype=torch.int32)[None]
     seq_lens = torch.tensor([T], dtype=torch.int32)
-    sel = dk.paged_select(q_idx[:, -1], as_pages(k_idx[0][:, None])[:, :, 0], table, seq_lens, topk=k, backend="triton")
+    idx_cache = as_pages(k_idx[0].view(torch.uint8)[:, None])[:, :, 0].view(k_idx.dtype)  # (fp8 has no pad kernel)
+    idx_scale = None if k_scale is None else torch.nn.functional.pad(k_scale[0], (0, pad)).view(pages, bs)
+    sel = dk.paged_select(q_idx[:, -1], idx_cache, table, seq_lens, topk=k, idx_scale=idx_scale, backend="triton")
     assert_same_selection(sel, blocks[:, :, -1])
     out = dk.paged_attention(q[:, :, -1], as_pages(kk[0].transpose(0, 1)), as_pages(v[0].transpose(0, 1)), sel, table,
                              seq_lens, backend="triton")
