@@ -36,6 +36,7 @@ from m3compile.io.checkpoint import (
 )
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load
+from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.pipelines import run_pipeline
 
 __all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted", "DistillStep", "distill", "train",
@@ -428,7 +429,9 @@ class _Run:
                 state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
                 if model.args.tie_embeddings:
                     state.pop("lm_head.weight", None)
-                write_checkpoint(tmp, model.source_config, to_release_names(state))
+                config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
+                write_checkpoint(tmp, config, to_release_names(state))
+                write_modeling_file(tmp, config)
                 copy_tokenizer_files(self.model_dir, tmp)
                 folder = tmp / self.state_dir
                 folder.mkdir()
