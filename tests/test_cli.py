@@ -44,7 +44,8 @@ def test_convert_then_eval(small_ckpt, tmp_path):
     report = json.loads(output)
     assert [r["attention"] for r in report["layers"]] == ["dense", "msa", "msa"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "conversion_report.json", "generation_config.json",
-                                                     "graph", "model.safetensors"]  # generation_config.json: copied
+                                                     "graph", "model.safetensors", "modeling_m3compile.py"]
+    # generation_config.json: copied; modeling_m3compile.py: the model for transformers (remote code)
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.randint(0, 256, size=200).astype(np.int32))
     code, output = run("eval", out, "--data", data, "--seq-len", 64, "--json")

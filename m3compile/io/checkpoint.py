@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directories: config.json -> ModelArgs, safetensors <-> our tensor names, atomic writes.
 
-Read: model_type llama, mistral, qwen2, qwen3, minimax_m3_vl_text, and the text model of minimax_m3_vl, in both
+Read: model_type llama, mistral, qwen2, qwen3, minimax_m3_vl_text, the text model of minimax_m3_vl, and
+m3compile_msa (a converted Llama-family model as transformers remote code, m3compile.io.remote_code), in both
 M3 layouts (MSA_SPEC section 1): the release naming (`language_model.model.`, `block_sparse_moe.`, per-expert
 w1/w2/w3, `index_q_proj`) and what `transformers` saves (`indexer.q_proj`, fused `gate_up_proj`, packed experts).
 Write: the release naming, without the `language_model.` prefix for text-only models.
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 
 from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
+from m3compile.io.remote_code import REMOTE_MODEL_TYPE, source_config
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
 
@@ -56,7 +58,7 @@ __all__ = [
     "vision_args_from_config",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl", REMOTE_MODEL_TYPE)
 _M3_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
 # Tensors that carry no weights of the text model (recomputed buffers, multi-token-prediction heads).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|((^|\.)mtp\.)")
@@ -237,6 +239,8 @@ def args_from_config(cfg: dict, attn_impl: str = "sdpa_gqa") -> tuple[ModelArgs,
         raise M3CompileError(
             f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    cfg = source_config(cfg)  # m3compile_msa: the source's model_type (llama, ...) and its keys
+    model_type = cfg["model_type"]
     if model_type == "minimax_m3_vl":
         text = cfg.get("text_config")
         if not isinstance(text, dict):

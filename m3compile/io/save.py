@@ -1,5 +1,6 @@
 """Saving a converted graph as a checkpoint directory: config.json with M3's keys, safetensors with M3's names,
-graph/module.py and conversion_report.json, all written into a temporary directory that is renamed at the end."""
+graph/module.py, conversion_report.json and, for a Llama-family model, modeling_m3compile.py (transformers remote
+code, m3compile.io.remote_code), all written into a temporary directory that is renamed at the end."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
 from m3compile.io.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
 from m3compile.io.module_io import write_module
+from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.models.decoder import Decoder, ModelArgs
 from m3compile.pipelines import ConversionReport
 
@@ -21,7 +23,8 @@ __all__ = ["save", "output_config", "config_for_preset", "write_extras"]
 
 
 def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
-    """config.json of a converted model: the source's, plus M3's sparse_attention_config for its MSA layers."""
+    """config.json of a converted model: the source's, plus M3's sparse_attention_config for its MSA layers; a
+    Llama-family model with MSA layers as transformers remote code (model_type m3compile_msa, auto_map)."""
     out = json.loads(json.dumps(source))
     text = out["text_config"] if out.get("model_type") == "minimax_m3_vl" else out
     if args.msa is None:
@@ -32,11 +35,12 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
         config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
         index_dtype=m.index_dtype,
     ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse)
-    if "layer_types" in text or "index_n_heads" in text:  # keep transformers' flavour of keys consistent
+    m3_type = out.get("model_type") in ("minimax_m3_vl", "minimax_m3_vl_text")
+    if m3_type and ("layer_types" in text or "index_n_heads" in text):  # keep transformers' flavour of keys consistent
         text["layer_types"] = ["minimax_m3_sparse" if s else "full_attention" for s in sparse]
         text.update(index_n_heads=m.index_heads, index_head_dim=m.index_dim, index_block_size=m.block_size,
                     index_topk_blocks=m.topk, index_local_blocks=m.local_blocks)
-    return out
+    return remote_config(out)
 
 
 def config_for_preset(args: ModelArgs) -> dict:
@@ -75,12 +79,14 @@ def save(gm: torch.fx.GraphModule, report: ConversionReport, out_dir: str | os.P
     out_dir = Path(out_dir)
     with atomic_output_dir(out_dir, force) as tmp:
         write_checkpoint(tmp, config, to_release_names(state), max_shard_size)
-        write_extras(tmp, gm, report)
+        write_extras(tmp, gm, report, config)
     return out_dir
 
 
-def write_extras(folder: Path, gm: torch.fx.GraphModule, report: ConversionReport) -> None:
+def write_extras(folder: Path, gm: torch.fx.GraphModule, report: ConversionReport, config: dict) -> None:
     """graph/module.py + graph/buffers.safetensors (the rewritten graph as a standalone module, see
-    m3compile.io.module_io) and conversion_report.json beside the weights."""
+    m3compile.io.module_io), conversion_report.json and, when `config` (the config.json written) asks for it, the
+    transformers modeling file beside the weights."""
     write_module(gm, folder, report.model)
+    write_modeling_file(folder, config)
     (folder / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")

@@ -386,5 +386,5 @@ def convert_streaming(
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         copy_tokenizer_files(src, tmp)
         report.seconds = time.perf_counter() - start
-        write_extras(tmp, gm, report)
+        write_extras(tmp, gm, report, out_cfg)
     return report

@@ -38,6 +38,7 @@ from m3compile.io.checkpoint import (
 )
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load, load_meta, weights_by_layer
+from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.pipelines import run_pipeline
@@ -515,7 +516,9 @@ class _Run:
         folder = None
         if tmp is not None:
             writer.close()
-            (tmp / "config.json").write_text(json.dumps(model.source_config, indent=2, sort_keys=True) + "\n")
+            config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_modeling_file(tmp, config)
             copy_tokenizer_files(self.model_dir, tmp)
             folder = tmp / self.state_dir
             folder.mkdir()

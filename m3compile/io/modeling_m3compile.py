@@ -1,0 +1,466 @@
+"""MiniMax Sparse Attention (MSA) for `transformers`: the modeling file m3compile copies into every converted Llama,
+Mistral, Qwen2 or Qwen3 checkpoint, named by config.json's `auto_map` (the Hugging Face remote-code convention).
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+    model.generate(input_ids, max_new_tokens=32)
+
+config.json has model_type "m3compile_msa", the dense model's own type as `source_model_type`, its keys, and M3's
+`sparse_attention_config`. Tensors keep the source's names plus `self_attn.index_{q,k}_{proj,norm}.weight` per MSA
+layer. This file is plain torch and transformers and imports nothing else; when m3compile is importable and the
+tensors are on CUDA, a prompt's forward runs m3compile's Triton kernels (fused indexer, gather-Q sparse attention),
+and otherwise the torch code below, which follows m3compile's reference (`kernels/reference.py`) step by step.
+
+MSA layer, for hidden states x (MSA_SPEC sections 2-3):
+    q_idx = rope(norm_q(x W_qi)) [B, T, Hi, Di], k_idx = rope(norm_k(x W_ki)) [B, T, Di]   (x detached; Hi = Hkv)
+    block score S[g, t, b] = max over keys j <= t of block b of q_idx[g, t] . k_idx[j] / sqrt(Di)
+    per (group g, token t): the local block(s), the init blocks, then the best other blocks, topk in all (-1 = empty)
+    the G query heads of group g attend (exact softmax) over the causally visible keys of those blocks
+
+Cache: transformers' own cache holds each layer's keys and values; an MSA layer's index keys ride in its key tensor
+as extra heads (Di channels packed into ceil(Di / head_dim) heads of head_dim), so every operation transformers
+applies to a cache (beam reordering, cropping, offloading) moves the index keys with the keys. A static cache,
+which preallocates Hkv heads, is not supported. Batches may be left-padded (`attention_mask`): every row runs as if
+alone, its first real token at position 0, so the blocks are the same as without padding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers before 5.0
+    from transformers import PretrainedConfig as PreTrainedConfig
+
+try:  # m3compile's Triton kernels, when installed: a prompt's forward on CUDA uses them
+    from m3compile.kernels import indexer as m3c_indexer
+    from m3compile.kernels import sparse_attention as m3c_sparse
+except ImportError:
+    m3c_indexer = m3c_sparse = None
+
+MODEL_TYPE = "m3compile_msa"
+SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The cache field of transformers' outputs: `cache` from 5.2x, `past_key_values` before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_CHUNK_ELEMENTS = 1 << 25  # fp32 scratch elements one query chunk of the torch path may allocate (128 MiB)
+
+
+class M3CompileConfig(PreTrainedConfig):
+    """The source model's config.json keys plus `source_model_type` and M3's `sparse_attention_config`."""
+
+    model_type = MODEL_TYPE
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        # Converted models attend causally over the whole prefix (m3compile refuses a real sliding window): a
+        # `sliding_window` or `layer_types` kept from the source (Mistral, Qwen2) must not make transformers build
+        # windowed cache layers.
+        self.sliding_window = None
+        n_layers = self.__dict__.get("num_hidden_layers")  # absent in the default instance transformers diffs against
+        self.layer_types = None if n_layers is None else ["full_attention"] * n_layers
+
+
+def _setting(config, name, default=None):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+class Settings:
+    """What the layers need, read from the config as m3compile's loader reads config.json (io/checkpoint.py)."""
+
+    def __init__(self, config):
+        source = _setting(config, "source_model_type")
+        if source not in SOURCE_TYPES:
+            raise ValueError(f"config.json source_model_type must be one of {', '.join(SOURCE_TYPES)}, got {source!r}")
+        self.hidden, self.n_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = _setting(config, "head_dim", self.hidden // self.n_heads)
+        self.n_kv_heads = _setting(config, "num_key_value_heads", self.n_heads)
+        self.n_layers, self.vocab = config.num_hidden_layers, config.vocab_size
+        self.intermediate = config.intermediate_size
+        self.eps = _setting(config, "rms_norm_eps", 1e-6)
+        bias = _setting(config, "attention_bias", source == "qwen2")
+        self.qkv_bias, self.o_bias = bool(bias), bool(bias) and source != "qwen2"
+        self.qk_norm = source == "qwen3"
+        params = _setting(config, "rope_parameters", {}) or {}
+        self.rope_theta = float(params.get("rope_theta", _setting(config, "rope_theta", 10000.0)))
+        partial = float(params.get("partial_rotary_factor", _setting(config, "partial_rotary_factor", 1.0)))
+        self.rope_dim = int(self.head_dim * partial)
+        kind = params.get("rope_type", params.get("type", "default"))
+        self.rope_scaling = params if kind != "default" else (_setting(config, "rope_scaling") or None)
+        sparse = _setting(config, "sparse_attention_config", {}) or {}
+        freq = sparse.get("sparse_attention_freq") or [0] * self.n_layers
+        if not sparse.get("use_sparse_attention", True):
+            freq = [0] * self.n_layers
+        if len(freq) != self.n_layers:
+            raise ValueError(f"sparse_attention_freq has {len(freq)} entries for {self.n_layers} layers")
+        if sparse.get("sparse_score_type", "max") != "max":
+            raise ValueError(f"sparse_score_type {sparse['sparse_score_type']!r} is not supported (max only)")
+        self.sparse = [bool(f) for f in freq]
+        self.index_heads = sparse.get("sparse_num_index_heads", self.n_kv_heads)
+        self.index_dim = sparse.get("sparse_index_dim", self.head_dim)
+        self.block_size = sparse.get("sparse_block_size", 128)
+        self.topk = sparse.get("sparse_topk_blocks", 16)
+        self.init_blocks = sparse.get("sparse_init_block", 0)
+        self.local_blocks = sparse.get("sparse_local_block", 1)
+        if any(self.sparse) and self.index_heads != self.n_kv_heads:
+            raise ValueError(f"MSA needs one index head per KV head: {self.index_heads} index heads, "
+                             f"{self.n_kv_heads} KV heads")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: "rms" is w * x (Llama, Qwen), "gemma" x * (1 + w) (the index branch's norms)."""
+
+    def __init__(self, dim: int, eps: float, style: str = "rms"):
+        super().__init__()
+        self.eps, self.style = eps, style
+        self.weight = nn.Parameter(torch.ones(dim) if style == "rms" else torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.style == "gemma":
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(s: Settings) -> torch.Tensor:
+    """inv_freq [R / 2], fp32, computed on the CPU (as m3compile does: the same values on every device)."""
+    dim = s.rope_dim
+    inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    scaling = s.rope_scaling
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1: long wavelengths scaled by `factor`, a smooth ramp in between
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The index branch's RoPE: the main table cut to min(R, Di) channels (transformers' M3 indexer rule)."""
+    w = min(cos.shape[-1], x.shape[-1])
+    return apply_rope(x, cos[..., :w], sin[..., :w])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MSA in torch: queries at positions q_start .. q_start + Tq - 1 of one sequence whose keys are 0 .. Tk - 1
+
+
+def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, q_start: int, s: Settings) -> torch.Tensor:
+    """q_idx [B, Hi, Tq, Di], k_idx [B, Tk, Di] -> [B, Hi, Tq, topk] block ids (-1 = empty slot)."""
+    B, Hi, Tq, Di = q_idx.shape
+    Tk, bs = k_idx.shape[1], s.block_size
+    out = torch.empty(B, Hi, Tq, s.topk, dtype=torch.long, device=q_idx.device)
+    chunk = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * Hi * Tk)))
+    for start in range(0, Tq, chunk):
+        end = min(Tq, start + chunk)
+        last = q_start + end  # keys past the chunk's last query are invisible to all of it
+        n_blocks = -(-last // bs)
+        q, k = q_idx[:, :, start:end].float(), k_idx[:, :last].float()
+        scores = torch.einsum("bhtd,bjd->bhtj", q, k) / math.sqrt(Di)
+        t_pos = torch.arange(q_start + start, q_start + end, device=q.device)
+        j_pos = torch.arange(last, device=q.device)
+        scores = scores.masked_fill(j_pos[None, :] > t_pos[:, None], float("-inf"))
+        scores = F.pad(scores, (0, n_blocks * bs - last), value=float("-inf"))
+        scores = scores.view(*scores.shape[:3], n_blocks, bs).amax(-1)  # [B, Hi, C, n_blocks]
+        b_pos = torch.arange(n_blocks, device=q.device)
+        q_block = (t_pos // bs)[:, None]
+        visible = b_pos[None, :] <= q_block
+        local = visible & (b_pos[None, :] > q_block - s.local_blocks)
+        init = visible & (b_pos[None, :] < s.init_blocks)
+        # forced blocks win; when they outnumber the slots, local blocks win over init blocks
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(init, torch.finfo(torch.float32).max)
+        scores = scores.masked_fill(local, float("inf"))
+        kk = min(s.topk, n_blocks)
+        top_scores, top_idx = scores.topk(kk, dim=-1)
+        top_idx = top_idx.masked_fill(top_scores == float("-inf"), -1)
+        out[:, :, start:end] = F.pad(top_idx, (0, s.topk - kk), value=-1)
+    return out
+
+
+def sparse_attention(q, k, v, blocks, q_start: int, block_size: int, scale: float) -> torch.Tensor:
+    """Exact softmax of each query head over the causally visible keys of its group's selected blocks.
+
+    q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], blocks [B, Hkv, Tq, K] -> [B, Hq, Tq, D] in q's dtype (computed in fp32).
+    """
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk, K = k.shape[1], k.shape[2], blocks.shape[-1]
+    G = Hq // Hkv
+    out = torch.empty(B, Hkv, G, Tq, D, dtype=torch.float32, device=q.device)
+    qg = q.view(B, Hkv, G, Tq, D)
+    n_blocks = -(-Tk // block_size)
+    pad = (0, 0, 0, n_blocks * block_size - Tk)
+    kb = F.pad(k.float(), pad).view(B, Hkv, n_blocks, block_size, D)
+    vb = F.pad(v.float(), pad).view(B, Hkv, n_blocks, block_size, D)
+    i_b = torch.arange(B, device=q.device)[:, None, None, None]
+    i_h = torch.arange(Hkv, device=q.device)[None, :, None, None]
+    offs = torch.arange(block_size, device=q.device)
+    chunk = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * Hkv * (G + 2 * D) * K * block_size)))
+    for start in range(0, Tq, chunk):
+        end = min(Tq, start + chunk)
+        idx = blocks[:, :, start:end]
+        safe = idx.clamp(min=0)  # -1 slots read block 0, then are masked out
+        pos = (safe[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K * bs] key positions
+        t_pos = torch.arange(q_start + start, q_start + end, device=q.device)[:, None]
+        valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
+        C = end - start
+        kg = kb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)
+        vg = vb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)
+        scores = torch.einsum("bhgcd,bhcsd->bhgcs", qg[:, :, :, start:end].float(), kg) * scale
+        p = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
+        out[:, :, :, start:end] = torch.einsum("bhgcs,bhcsd->bhgcd", p, vg)
+    return out.view(B, Hq, Tq, D).to(q.dtype)
+
+
+def use_kernels(*tensors: torch.Tensor, backend: str) -> bool:
+    """m3compile's Triton kernels for this call: backend "auto" on CUDA tensors when m3compile is importable,
+    "m3compile" always (m3compile must be importable; on CPU only under TRITON_INTERPRET=1), "torch" never."""
+    if backend not in ("auto", "torch", "m3compile"):
+        raise ValueError(f"msa_backend must be 'auto', 'torch' or 'm3compile', got {backend!r}")
+    if backend == "m3compile" and m3c_sparse is None:
+        raise ImportError("msa_backend 'm3compile' needs m3compile installed (pip install m3compile[triton])")
+    return backend == "m3compile" or (backend == "auto" and m3c_sparse is not None and all(t.is_cuda for t in tensors))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules (names as in the checkpoint: model.layers.{i}.self_attn.q_proj, ..., index_q_proj, lm_head)
+
+
+class M3CompileAttention(nn.Module):
+    def __init__(self, s: Settings, layer: int):
+        super().__init__()
+        self.s, self.layer = s, layer
+        self.n_heads, self.n_kv, self.head_dim = s.n_heads, s.n_kv_heads, s.head_dim
+        self.scale = s.head_dim**-0.5
+        self.q_proj = nn.Linear(s.hidden, s.n_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden, s.n_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden, s.n_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.eps)
+            self.k_norm = RMSNorm(s.head_dim, s.eps)
+        self.msa = s.sparse[layer]
+        if self.msa:
+            self.index_q_proj = nn.Linear(s.hidden, s.index_heads * s.index_dim, bias=False)
+            self.index_k_proj = nn.Linear(s.hidden, s.index_dim, bias=False)
+            self.index_q_norm = RMSNorm(s.index_dim, s.eps, "gemma")
+            self.index_k_norm = RMSNorm(s.index_dim, s.eps, "gemma")
+            self.extra_heads = -(-s.index_dim // s.head_dim)  # cache heads that carry the index keys
+
+    def forward(self, x, cos, sin, cache, past: int, starts: list[int], backend: str) -> torch.Tensor:
+        """x [B, T, hidden] at cache positions past .. past + T - 1; row b's first real token at cache position
+        starts[b] (left padding). cos/sin [B, T, R] of each token's own position."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        q_idx = k_idx = None
+        if self.msa:
+            s, xd = self.s, x.detach()  # the index branch never trains the backbone
+            q_idx = apply_index_rope(self.index_q_norm(self.index_q_proj(xd).view(B, T, s.index_heads, s.index_dim)),
+                                     cos, sin)  # [B, T, Hi, Di]
+            k_idx = apply_index_rope(self.index_k_norm(self.index_k_proj(xd).view(B, T, 1, s.index_dim)),
+                                     cos, sin)[:, :, 0]  # [B, T, Di]
+        if cache is not None:
+            stored = k if k_idx is None else torch.cat([k, self._pack(k_idx.to(k.dtype))], dim=1)
+            stored, v = cache.update(stored, v, self.layer)
+            k = stored[:, : self.n_kv]
+            if k_idx is not None:
+                k_idx = self._unpack(stored[:, self.n_kv:])  # [B, Tk, Di]: the whole prefix
+        if not any(starts):
+            o = self._attend(q, k, v, q_idx, k_idx, past, backend)
+        else:  # left-padded rows: each runs alone from its first real token; its padding queries give zeros
+            o = q.new_zeros(q.shape)
+            for b, first in enumerate(starts):
+                i = max(first - past, 0)  # first real query of this chunk
+                if i < T:
+                    o[b:b + 1, :, i:] = self._attend(
+                        q[b:b + 1, :, i:], k[b:b + 1, :, first:], v[b:b + 1, :, first:],
+                        None if q_idx is None else q_idx[b:b + 1, i:], None if k_idx is None else k_idx[b:b + 1, first:],
+                        past + i - first, backend)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _pack(self, k_idx: torch.Tensor) -> torch.Tensor:
+        """[B, T, Di] -> [B, E, T, D]: the index key as E extra key heads (zero-padded to E * D channels)."""
+        B, T, Di = k_idx.shape
+        flat = F.pad(k_idx, (0, self.extra_heads * self.head_dim - Di))
+        return flat.view(B, T, self.extra_heads, self.head_dim).transpose(1, 2)
+
+    def _unpack(self, heads: torch.Tensor) -> torch.Tensor:
+        B, E, T, D = heads.shape
+        return heads.transpose(1, 2).reshape(B, T, E * D)[..., : self.s.index_dim]
+
+    def _attend(self, q, k, v, q_idx, k_idx, q_start: int, backend: str) -> torch.Tensor:
+        """One sequence's attention: queries q [B, Hq, Tq, D] at positions q_start.., keys k/v [B, Hkv, Tk, D] at
+        0 .. Tk - 1 (Tk = q_start + Tq) -> [B, Hq, Tq, D]."""
+        Tq, Tk = q.shape[2], k.shape[2]
+        s = self.s
+        everything = -(-Tk // s.block_size) <= s.topk  # every visible block selected: MSA is dense attention
+        if self.msa and use_kernels(q, k, v, backend=backend) and q_start == 0 and not everything:
+            blocks = m3c_indexer.select_blocks(q_idx.contiguous(), k_idx.contiguous(), block_size=s.block_size,
+                                               topk=s.topk, init_blocks=s.init_blocks, local_blocks=s.local_blocks)
+            return m3c_sparse.sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), blocks,
+                                               block_size=s.block_size, scale=self.scale)
+        if self.msa and not (everything and use_kernels(q, k, v, backend=backend)):
+            blocks = select_blocks(q_idx.transpose(1, 2), k_idx, q_start, s)
+            return sparse_attention(q, k, v, blocks, q_start, s.block_size, self.scale)
+        if q_start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        mask = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(q_start, Tk, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+
+class M3CompileMLP(nn.Module):
+    def __init__(self, s: Settings):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class M3CompileDecoderLayer(nn.Module):
+    def __init__(self, s: Settings, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.self_attn = M3CompileAttention(s, layer)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.mlp = M3CompileMLP(s)
+
+    def forward(self, x, cos, sin, cache, past, starts, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, past, starts, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class M3CompilePreTrainedModel(PreTrainedModel):
+    config_class = M3CompileConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["M3CompileDecoderLayer"]
+
+    def _init_weights(self, module):  # only for tensors a checkpoint lacks
+        std = _setting(self.config, "initializer_range", 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0 if module.style == "rms" else 0.0)
+
+
+class M3CompileModel(M3CompilePreTrainedModel):
+    """Embeddings, decoder layers, final norm: input_ids [B, T] -> hidden states [B, T, hidden]."""
+
+    def __init__(self, config: M3CompileConfig):
+        super().__init__(config)
+        self.settings = s = Settings(config)
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(M3CompileDecoderLayer(s, i) for i in range(s.n_layers))
+        self.norm = RMSNorm(s.hidden, s.eps)
+        self.inv_freq = rope_frequencies(s)  # a plain attribute, not a buffer: never cast, never left on meta
+        self.msa_backend = "auto"  # "auto" (m3compile's kernels on CUDA when importable), "torch" or "m3compile"
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        starts = [0] * B
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask must be [batch, past + new tokens] = [{B}, {past + T}], "
+                                 f"got {list(attention_mask.shape)}")
+            starts = self._row_starts(attention_mask.bool())
+        if position_ids is None:
+            first = torch.tensor(starts, device=x.device)[:, None]
+            position_ids = (torch.arange(past, past + T, device=x.device)[None, :] - first).clamp(min=0)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, R]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, past, starts, self.msa_backend)
+        return self.norm(x)
+
+    @staticmethod
+    def _row_starts(mask: torch.Tensor) -> list[int]:
+        """Per row, the index of its first real token; padding may only lead (or trail: causal attention never
+        lets a real token see it), never sit between real tokens."""
+        real = mask.sum(1)
+        first = mask.int().argmax(1)
+        last = mask.shape[1] - mask.flip(1).int().argmax(1)
+        if bool(((last - first) != real).any() | (real == 0).any()):
+            raise ValueError("attention_mask: every row needs real tokens in one run (left or right padding only)")
+        return first.tolist()
+
+
+class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
+    """Causal LM with MSA layers: input_ids [B, T] -> logits [B, T, vocab]; `generate()` with a DynamicCache."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: M3CompileConfig):
+        super().__init__(config)
+        self.model = M3CompileModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, **kwargs):
+        """`cache` (transformers 5.2x) or `past_key_values` (earlier): a transformers Cache, created when
+        use_cache is on and none is given; returned under the name this transformers uses."""
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = _setting(self.config, "use_cache", True)
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        hidden = self.model(input_ids, attention_mask, position_ids, cache if use_cache else None, inputs_embeds)
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
