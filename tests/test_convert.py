@@ -140,3 +140,20 @@ def _recall(gm, model, tokens) -> float:
     native.load_state_dict({k: v for k, v in gm.state_dict().items() if k in native.state_dict()})
     report = m3compile.evaluate(native, tokens, seq_len=tokens.numel() - 1, oracle=False)  # recall only
     return report.mean_recall
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama3-8b", "qwen2.5-7b", "m3-tiny"])
+def test_preset_config_reads_back_as_the_same_model(name):
+    """A converted preset's config.json describes the preset itself: the dense Llama-shaped presets as Llama configs
+    (RMSNorm w * x, SiLU; they were written as M3 text models with intermediate_size 0, which then failed to load),
+    m3-tiny as an M3 text model."""
+    from m3compile.io.checkpoint import args_from_config
+    from m3compile.io.save import config_for_preset
+    from m3compile.models.decoder import PRESETS
+
+    want = PRESETS[name]
+    got, _ = args_from_config(config_for_preset(want))
+    fields = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+              "norm_style", "mlp_act", "qk_norm", "tie_embeddings", "rope_theta", "rope_dim", "n_experts", "qkv_bias",
+              "o_bias")
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}

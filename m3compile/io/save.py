@@ -44,7 +44,20 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
 
 
 def config_for_preset(args: ModelArgs) -> dict:
-    """config.json for a preset: an M3 text model (minimax_m3_vl_text) in the release flavour of keys."""
+    """config.json for a preset: a Llama (or, with q/k/v biases, Qwen2) config for the plain dense shapes
+    (llama3-8b, qwen2.5-7b, smollm2-135m: RMSNorm w * x, SiLU MLP, no QK norm, no MoE), else an M3 text model (minimax_m3_vl_text) in the
+    release flavour of keys (M3's own conventions: Gemma-style norms, clamped SwiGLU)."""
+    llama_like = (args.norm_style == "rms" and args.mlp_act == "silu" and args.qk_norm is None and not args.n_experts
+                  and not args.o_bias and args.rope_scaling is None and args.rope_dim == args.head_dim)
+    if llama_like:  # Qwen2 is Llama with q/k/v biases
+        kind, arch = ("qwen2", "Qwen2ForCausalLM") if args.qkv_bias else ("llama", "LlamaForCausalLM")
+        return {
+            "model_type": kind, "architectures": [arch], "vocab_size": args.vocab_size,
+            "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "rms_norm_eps": args.rms_norm_eps,
+            "rope_theta": args.rope_theta, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+        }
     return {
         "model_type": "minimax_m3_vl_text", "architectures": ["MiniMaxM3VLForCausalLM"],
         "vocab_size": args.vocab_size, "hidden_size": args.hidden_size, "num_hidden_layers": args.n_layers,
