@@ -329,13 +329,14 @@ class M3CompileAttention(nn.Module):
         Tq, Tk = q.shape[2], k.shape[2]
         s = self.s
         everything = -(-Tk // s.block_size) <= s.topk  # every visible block selected: MSA is dense attention
-        if self.msa and use_kernels(q, k, v, backend=backend) and q_start == 0 and not everything:
-            blocks = m3c_indexer.select_blocks(q_idx.contiguous(), k_idx.contiguous(), block_size=s.block_size,
-                                               topk=s.topk, init_blocks=s.init_blocks, local_blocks=s.local_blocks)
-            return m3c_sparse.sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), blocks,
-                                               block_size=s.block_size, scale=self.scale)
-        if self.msa and not (everything and use_kernels(q, k, v, backend=backend)):
-            blocks = select_blocks(q_idx.transpose(1, 2), k_idx, q_start, s)
+        kernels = self.msa and use_kernels(q, k, v, backend=backend)
+        if self.msa and not (kernels and everything):  # (there m3compile's lowered model runs SDPA too)
+            if kernels and q_start == 0:  # a prompt: fused indexer, gather-Q sparse attention
+                blocks = m3c_indexer.select_blocks(q_idx.contiguous(), k_idx.contiguous(), block_size=s.block_size,
+                                                   topk=s.topk, init_blocks=s.init_blocks, local_blocks=s.local_blocks)
+                return m3c_sparse.sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), blocks,
+                                                   block_size=s.block_size, scale=self.scale)
+            blocks = select_blocks(q_idx.transpose(1, 2), k_idx, q_start, s)  # decode steps; no kernels
             return sparse_attention(q, k, v, blocks, q_start, s.block_size, self.scale)
         if q_start == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
