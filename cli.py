@@ -198,6 +198,10 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 
     if src is not None and preset is not None:
         raise click.UsageError("give SRC or --preset, not both")
+    given = [f"--{p.replace('_', '-')}" for p in ("calib_tokens", "calib_seq_len", "calib_device")
+             if click.get_current_context().get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
+    if calib is None and given:
+        raise click.UsageError(f"{given[0]} applies only with --calib")
     out = out or out_opt or (Path(f"{preset or 'm3-tiny'}-msa") if src is None else None)
     if out is None:
         raise click.UsageError("missing OUT directory")

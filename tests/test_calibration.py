@@ -124,3 +124,6 @@ def test_cli_reports_the_init(tmp_path):
     for bad, msg in ((["--calib-tokens", "1"], "at least 2"), (["--calib-device", "cuda:7"], "cuda")):
         res = runner.invoke(main, ["convert", str(LLAMA_BYTE), str(tmp_path / "e"), "--calib", str(CALIB_DATA), *bad])
         assert res.exit_code == 2 and msg in res.output and not (tmp_path / "e").exists(), res.output
+    res = runner.invoke(main, ["convert", str(LLAMA_BYTE), str(tmp_path / "e"), "--calib-tokens", "64"])
+    assert res.exit_code == 2 and "--calib-tokens applies only with --calib" in res.output
+    assert not (tmp_path / "e").exists()
