@@ -238,13 +238,16 @@ class DistillStep:
     Calls return detached per-layer KL, recall (and LM loss) without synchronising with the host.
     """
 
-    def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1):
+    def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1,
+                 lowered: bool | None = None):
         self.config, self.device = config, device
         self.training = isinstance(config, TrainConfig)
         self.amp = config.compute_dtype(device)
         self.gm = trace(model)
-        # on CUDA: lowered to the fused indexer, sparse attention and fused KL (+ backwards)
-        run_pipeline("distill", self.gm, mode=mode, lowered=str(device).startswith("cuda"))
+        # on CUDA (or when asked: lowered ops take the Triton kernels on CPU under TRITON_INTERPRET=1, the torch
+        # reference otherwise): the fused indexer, sparse attention and fused KL (+ backwards)
+        lowered = str(device).startswith("cuda") if lowered is None else lowered
+        run_pipeline("distill", self.gm, mode=mode, lowered=lowered)
         self.params = dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm)
         for p in self.gm.parameters():
             p.requires_grad_(False)
@@ -275,7 +278,8 @@ class DistillStep:
                 lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         with torch.profiler.record_function("m3c.backward"):
-            loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
+            with torch.profiler.record_function("m3c.loss"):
+                loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
             loss.backward()
         with torch.profiler.record_function("m3c.optimizer"):
             self.opt.step()
