@@ -31,6 +31,8 @@ __all__ = [
     "selected_blocks_mask",
     "index_kl",
     "query_chunk",
+    "block_mass",
+    "causal_lse",
 ]
 
 # Elements of fp32 scratch one chunk may allocate (128 MiB): bounds memory at any T.
@@ -370,6 +372,32 @@ def _kl_chunk(q, k, q_idx, k_idx, blocks, sparse, start, end, block_size, scale,
     z = torch.einsum("bhcd,bjd->bhcj", q_idx[:, :, start:end].float(), k_idx[:, :end].float()) * index_scale
     log_q = torch.log_softmax(z.masked_fill(~support, float("-inf")), -1)
     return p, log_q, support, recall
+
+
+def block_mass(q: torch.Tensor, k: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
+               scale: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """The sparse teacher's mass inside each slot's block: P = mean over each group's heads of the softmax over the
+    causally visible keys of the selected blocks; per (group, query, slot) the sum of P over that slot's block
+    (0 at -1 slots). With every visible block selected, the mass of a subset of them is its recall.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hkv, T, K] fp32."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    chunk = chunk or query_chunk(B * Hq, T)
+    nb = -(-T // block_size)
+    out = torch.zeros(blocks.shape, dtype=torch.float32, device=q.device)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        qg = q[:, :, start:end].float().unflatten(1, (Hkv, Hq // Hkv))
+        a = torch.einsum("bhgcd,bhjd->bhgcj", qg, k[:, :, :end].float()) * scale
+        support = _support(blocks, start, end, block_size, q.device)
+        p = torch.softmax(a.masked_fill(~support[:, :, None], float("-inf")), -1).mean(2)  # [B, H, C, end]
+        per_block = F.pad(p, (0, nb * block_size - end)).unflatten(-1, (nb, block_size)).sum(-1)  # [B, H, C, nb]
+        ids = blocks[:, :, start:end].long()
+        got = per_block.gather(-1, ids.clamp(min=0, max=nb - 1))
+        out[:, :, start:end] = torch.where(ids >= 0, got, 0.0)
+    return out
 
 
 def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, chunk: int | None = None,

@@ -5,9 +5,10 @@
     msa_index_kl(q, k, q_idx, ...)      -> msa_index_kl_triton   fused sparse-support KL (+ backward), streamed recall
 
 A layer with a KL hook gets msa_attention_lse_triton instead, which also returns the attention's per-head
-log-sum-exp; the hook takes it as its teacher's normaliser (`teacher_lse`) instead of running an LSE pass itself:
+log-sum-exp and the CSR of the selection it walked; the hook takes them as its teacher's normaliser
+(`teacher_lse`) and its kernel's layout (`csr`) instead of running an LSE pass and a CSR build itself:
 
-    msa_attention_lse_triton(q, k, v, blocks, ...) -> (out, lse);  out -> the layer;  lse -> msa_index_kl_triton
+    msa_attention_lse_triton(q, k, v, blocks, ...) -> (out, lse, csr);  out -> the layer;  lse, csr -> msa_index_kl_triton
 
 The lowered ops take the same arguments and dispatch on the device: Triton kernels on CUDA tensors, the torch
 reference on CPU, so a lowered graph still runs anywhere. Lowering is the last graph pass: distillation hooks
@@ -58,9 +59,12 @@ class LowerTriton(Pass):
             n.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
             with g.inserting_after(out):
                 lse = g.call_function(operator.getitem, (n, 1))
+            with g.inserting_after(lse):
+                csr = g.call_function(operator.getitem, (n, 2))
             set_op_arg(kl, "teacher_lse", lse)
-            report.details.append(f"layer {n.meta.get('m3_msa_layer')}: KL teacher log-sum-exp from the attention "
-                                  f"({msa_attention_lse_triton.__name__})")
+            set_op_arg(kl, "csr", csr)
+            report.details.append(f"layer {n.meta.get('m3_msa_layer')}: KL teacher log-sum-exp and CSR from the "
+                                  f"attention ({msa_attention_lse_triton.__name__})")
         report.modified = bool(report.replaced)
         gm.meta["m3_lowered"] = True
         return report

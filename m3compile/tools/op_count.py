@@ -10,7 +10,8 @@ so the count is a CPU-measurable proxy of the host time (`m3c bench --distill` r
 Attribution: in the forward each op belongs to the graph node that ran it (an fx Interpreter stands in for the
 generated forward while counting); the backward's ops to the graph node whose forward built the autograd node
 that runs them (autograd nodes are tagged while the forward runs); what runs outside the graph to the innermost
-`m3c.*` profiler range (the step's `m3c.loss`, `m3c.optimizer`; `m3c.recall` inside the KL op). A node's layer is
+`m3c.*` range (ops.scope, opened for the count: the step's `m3c.loss`, `m3c.optimizer`; `m3c.recall` inside the
+KL op; the ranges' own dispatches are not counted, an unprofiled step has none). A node's layer is
 its module path's `layers.N` (MSA ops take their inputs' layer). Triton launches are counted at `kernel[grid]`
 (the KernelInterface of triton.runtime.jit, patched while counting); under the interpreter the torch ops a kernel
 runs inside are not counted (on a GPU they do not exist).
@@ -145,13 +146,15 @@ class _Counter(TorchDispatchMode):
         if name == "_record_function_enter_new":
             self.ranges.append(args[0])
         out = func(*args, **(kwargs or {}))
+        if name == "_record_function_exit" and self.ranges:
+            self.ranges.pop()
+        if name in ("_record_function_enter_new", "_record_function_exit"):
+            return out  # the ranges are open for the count only (ops.scope): an uncounted step has none
         if not self.paused:
             self.aten[name] += 1
             layer, stage = self.where()
             self.stage[(layer, stage, "aten")] += 1
             self.detail[(stage, name)] += 1
-        if name == "_record_function_exit" and self.ranges:
-            self.ranges.pop()
         return out
 
     def launch(self, kernel: str) -> None:
@@ -236,7 +239,7 @@ def count_ops(step: Callable[[], object], gm: torch.fx.GraphModule | None = None
     if gm is not None:
         gm.forward = lambda *a, **k: _Tagging(gm, counter).run(*a, **k)  # instance attribute: Module.__call__ uses it
     try:
-        with _counting_launches(counter), counter:
+        with ops.recording_scopes(), _counting_launches(counter), counter:
             step()
     finally:
         if gm is not None:

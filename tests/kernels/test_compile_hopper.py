@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-BF, F32, I32, FP8 = "*bf16", "*fp32", "*i32", "*fp8e4nv"
+BF, F32, I32, I64, FP8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv"
 SPARSE = dict(HKV=4, NB=64, K=16, G=16, GP=16, D=128, DP=128, BS=128, BN=128, CHUNK=64, IEEE=False)
 KL = dict(HKV=4, NB=64, K=16, G=16, D=128, DP=128, DI=128, DIP=128, BS=128, BN=128, CHUNK=256, IEEE=False)
 
@@ -53,7 +53,25 @@ KERNELS = [
     ("sparse_kl_bwd", "_tl_kl.sparse_kl_bwd_kernel",
      dict(q=BF, k=BF, qidx=BF, kidx=BF, tlse=F32, lse_s=F32, psum=F32, d_kl=F32, dq=F32, dk=F32, tile_seg=I32,
           tile_start=I32, seg_off=I32, payload=I32),
-     {**KL, "TOK": 32}, ("scale_log2", "iscale_log2", "iscale"), dict(num_warps=4, num_stages=2)),
+     {**KL, "SCALAR_GRAD": False, "TOK": 32}, ("scale_log2", "iscale_log2", "iscale", "grad_scale"),
+     dict(num_warps=4, num_stages=2)),
+    ("sparse_kl_bwd, gradient of the mean", "_tl_kl.sparse_kl_bwd_kernel",
+     dict(q=BF, k=BF, qidx=BF, kidx=BF, tlse=F32, lse_s=F32, psum=F32, d_kl=F32, dq=F32, dk=F32, tile_seg=I32,
+          tile_start=I32, seg_off=I32, payload=I32),
+     {**KL, "CHUNK": 64, "SCALAR_GRAD": True, "TOK": 16}, ("scale_log2", "iscale_log2", "iscale", "grad_scale"),
+     dict(num_warps=4, num_stages=2)),
+    ("sparse_kl_merge", "_tl_kl.sparse_kl_merge_kernel",
+     dict(part_lse=F32, part_stat=F32, blocks=I32, kl=F32, lse_s=F32, psum=F32),
+     dict(HI=4, K=16, KP=16, ROWS=64, CLEAN=True), (), dict(num_warps=4, num_stages=1)),
+    ("sparse_kl_merge, 3 slots", "_tl_kl.sparse_kl_merge_kernel",
+     dict(part_lse=F32, part_stat=F32, blocks=I32, kl=F32, lse_s=F32, psum=F32),
+     dict(HI=3, K=3, KP=4, ROWS=64, CLEAN=False), (), dict(num_warps=4, num_stages=1)),
+    ("causal_lse", "_tl_lse.causal_lse_kernel", dict(q=BF, k=BF, rows=I64, sel=F32, out=F32),
+     dict(HKV=4, G=16, GP=16, D=128, DP=128, RECALL=False, IEEE=False, ROWS=128, BN=64), ("scale_log2",),
+     dict(num_warps=8, num_stages=2)),
+    ("causal_lse recall, G 3, head dim 64", "_tl_lse.causal_lse_kernel", dict(q=BF, k=BF, rows=I64, sel=F32, out=F32),
+     dict(HKV=3, G=3, GP=4, D=64, DP=64, RECALL=True, IEEE=False, ROWS=64, BN=128), ("scale_log2",),
+     dict(num_warps=4, num_stages=3)),
     ("paged_index_scores fp8", "_tl_decode.paged_index_scores_kernel",
      dict(q_idx=BF, idx_cache=FP8, idx_scale=F32, block_table=I32, seq_lens=I32, scores=F32),
      dict(H=4, HP=16, D=128, DP=128, BS=128, BN=128, HAS_SCALE=True, IEEE=False, FP8_DOT=True, NPG=1, PPP=4), (),
