@@ -60,7 +60,15 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
     Returns (payload [n_entries] int32 = token_in_chunk * K + slot sorted by segment then token,
     seg_off [n_seg + 1] int32, tile_seg [n_tiles] int32 (n_seg = idle program), tile_start [n_tiles] int32).
     The tile count is an upper bound known without reading the data back, so no host synchronisation happens.
+    Where Triton runs, three small kernels around one sort build it (`_build_csr_triton`); elsewhere torch ops
+    (`_build_csr_torch`, its reference): the same tensors.
     """
+    if use_triton(blocks):
+        return _build_csr_triton(blocks, n_blocks, t0, t1, chunk)
+    return _build_csr_torch(blocks, n_blocks, t0, t1, chunk)
+
+
+def _build_csr_torch(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
     B, Hkv, T, K = blocks.shape
     C = t1 - t0
     n_seg, ck = B * Hkv * n_blocks, C * K
@@ -72,10 +80,42 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
     tiles = (seg_off[1:] - seg_off[:-1] + (chunk - 1)) // chunk  # tiles per segment
     tile_end = tiles.cumsum(0, dtype=torch.int32)
     tile_seg = torch.searchsorted(tile_end, pid, right=True, out_int32=True)
-    # a tile's first entry: its segment's first entry + chunk x (its rank among the segment's tiles)
+    # a tile's first entry: its segment's first entry + chunk x (its rank among the segment's tiles); idle: 0
     seg_first = seg_off[:-1] - (tile_end - tiles) * chunk
-    tile_start = seg_first[tile_seg.clamp(max=n_seg - 1)] + pid_start
+    tile_start = torch.where(tile_seg < n_seg, seg_first[tile_seg.clamp(max=n_seg - 1)] + pid_start, 0)
     return (key % ck).to(torch.int32), seg_off, tile_seg, tile_start
+
+
+_CSR_BLOCK = 1024  # entries / segments per program of the CSR kernels
+
+
+def _build_csr_triton(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
+    from m3compile.kernels._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
+
+    B, Hkv, T, K = blocks.shape
+    C = t1 - t0
+    n_seg, ck, n = B * Hkv * n_blocks, C * K, B * Hkv * C * K
+    n_tiles = n // chunk + n_seg
+    dev = blocks.device
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    key = torch.empty(n, dtype=torch.int64, device=dev)
+    csr_keys_kernel[(max(1, -(-n // _CSR_BLOCK)),)](blocks, key, blocks.stride(0), blocks.stride(1), blocks.stride(2),
+                                                    n, C, t0, ck, n_blocks, HKV=Hkv, K=K, BLOCK=_CSR_BLOCK)
+    key = key.sort().values
+    payload = torch.empty(n, dtype=torch.int32, device=dev)
+    seg_off = torch.empty(n_seg + 1, dtype=torch.int32, device=dev)
+    tiles = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    seg_programs = -(-(n_seg + 1) // _CSR_BLOCK)
+    csr_segments_kernel[(seg_programs + -(-n // _CSR_BLOCK),)](
+        key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, max(1, n + 1).bit_length() + 1,
+        BLOCK=_CSR_BLOCK)
+    tile_end = tiles.cumsum(0, dtype=torch.int32)
+    tile_seg = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    tile_start = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    seg_programs = -(-n_seg // _CSR_BLOCK)
+    csr_tiles_kernel[(seg_programs + -(-n_tiles // _CSR_BLOCK),)](
+        seg_off, tiles, tile_end, tile_seg, tile_start, n_seg, n_tiles, chunk, seg_programs, BLOCK=_CSR_BLOCK)
+    return payload, seg_off, tile_seg, tile_start
 
 
 def block_csr(blocks: torch.Tensor, n_blocks: int, chunk: int) -> BlockCSR:

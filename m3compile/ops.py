@@ -2,8 +2,11 @@
 lowering beside it, and access to its arguments by name.
 
     op                 reference (plain torch, any device)          lowering (Triton on CUDA, reference elsewhere)
-    apply_rope         NeoX RoPE on the first R channels            -
+    apply_rope         NeoX RoPE on the first R channels            apply_rope_triton (one fused kernel, + backward)
     apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
+                                                                    apply_index_rope_triton
+    (index projections, Gemma norms, RoPE of one layer)            index_branch_triton (fuse_index_branch)
+    (an RMSNorm module)                                             rms_norm_triton (lower_norms)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
     msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
     msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
@@ -27,7 +30,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from m3compile.kernels import causal_lse, indexer, reference as ref, sparse_attention as _sparse, sparse_kl
+from m3compile.kernels import causal_lse, indexer, norm_rope, reference as ref, sparse_attention as _sparse, sparse_kl
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
@@ -35,7 +38,8 @@ __all__ = [
     "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
-    "RECALL_ROWS", "visible_blocks", "dense_support", "scope", "recording_scopes",
+    "RECALL_ROWS", "visible_blocks", "dense_support", "scope", "recording_scopes", "apply_rope_triton",
+    "apply_index_rope_triton", "index_branch_triton", "rms_norm_triton",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
@@ -322,15 +326,58 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
     return kl, recall
 
 
+@torch.fx.wrap
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one fused kernel (forward and backward; the reference's roundings), the reference elsewhere."""
+    if not use_triton(x, cos, sin):
+        return apply_rope(x, cos, sin)
+    return norm_rope.rope(x, cos, sin)
+
+
+@torch.fx.wrap
+def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_index_rope as one fused kernel, the reference elsewhere."""
+    if not use_triton(x, cos, sin):
+        return apply_index_rope(x, cos, sin)
+    return norm_rope.rope(x, cos, sin, width=index_rope_dim(cos.shape[-1], x.shape[-1]))
+
+
+@torch.fx.wrap
+@_scoped("index_branch")
+def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float):
+    """One MSA layer's index branch after its (detached) input, fused (passes/fuse_index_branch.py): the two
+    projections as one matmul, then per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward).
+
+    x [B, T, hidden], q_weight [Hi * Di, hidden], k_weight [Di, hidden], q/k_norm_weight [Di], cos/sin [B, T, R]
+    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order."""
+    Di = q_norm_weight.shape[0]
+    if not use_triton(x, cos, sin):
+        q = ref.gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
+        k = ref.gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
+        return apply_index_rope(q, cos, sin), apply_index_rope(k, cos, sin)[:, :, 0]
+    y = F.linear(x, torch.cat((q_weight, k_weight)))
+    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps,
+                                     width=index_rope_dim(cos.shape[-1], Di))
+
+
+@torch.fx.wrap
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
+    """A model's RMSNorm module as one kernel where no gradient is needed (the frozen backbone while distilling,
+    inference), the module's own formula elsewhere (passes/lower_norms.py)."""
+    return norm_rope.rms_norm(x, weight, eps=eps, style=style)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The vocabulary: what the tracer keeps as single nodes, what lowering swaps, and arguments by name
 
 LOWERING: dict[Callable, Callable] = {
     msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
+    apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
 }
 GRAPH_OPS: tuple[Callable, ...] = (
     apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
     segment_attention, msa_select_triton, msa_attention_triton, msa_attention_lse_triton, msa_index_kl_triton,
+    apply_rope_triton, apply_index_rope_triton, index_branch_triton, rms_norm_triton,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}
 

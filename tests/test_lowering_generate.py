@@ -207,3 +207,38 @@ def test_lowered_recall_on_evenly_spaced_queries_beyond_recall_rows(monkeypatch)
     assert abs(kl.item() - want_kl.mean().item()) < 1e-5
     assert abs(recall.item() - want_recall[..., rows].mean().item()) < 1e-5
     assert abs(recall.item() - want_recall.mean().item()) > 1e-4  # a subset, not the full mean
+
+
+def test_distill_pipeline_fuses_the_index_branch_and_the_norms(monkeypatch):
+    """The lowered distillation graph (lower_triton, fuse_index_branch, lower_norms) on a frozen backbone: one
+    index_branch_triton per MSA layer in place of its projections, Gemma norms and RoPEs, every backbone RMSNorm
+    one kernel; per-layer KL and recall, and the index parameters' gradients, as the reference graph's. m3-tiny's
+    index RoPE is the table cut to 8 of 16 channels."""
+    import copy
+
+    from m3compile.ops import apply_index_rope, apply_index_rope_triton, index_branch_triton, rms_norm_triton
+    from m3compile.pipelines import run_pipeline
+    from m3compile.train.distill import index_parameters
+
+    torch.manual_seed(0)
+    base, _ = m3compile.convert(m3compile.from_preset("m3-tiny"), TINY)
+    for p in base.parameters():
+        p.requires_grad_(".index_" in next(n for n, q in base.named_parameters() if q is p))
+    ids = torch.randint(0, 256, (2, 43))
+    results = []
+    for lowered in (False, True):
+        gm = copy.deepcopy(base)
+        run_pipeline("distill", gm, mode="sparse", lowered=lowered)
+        targets = _targets(gm)
+        if lowered:
+            assert targets.count(index_branch_triton) == 3
+            assert apply_index_rope not in targets and apply_index_rope_triton not in targets
+            assert not any(n.op == "call_module" and ".index_" in n.target for n in gm.graph.nodes)
+            assert targets.count(rms_norm_triton) == 4 * 4 + 1  # per layer its two norms and q/k norms; the final
+        params = index_parameters(gm)
+        _, kl, recall = gm(ids)
+        results.append((kl.detach(), recall.detach(), torch.autograd.grad(kl.sum(), list(params.values()))))
+    (kl0, r0, g0), (kl1, r1, g1) = results
+    assert (kl1 - kl0).abs().max().item() < 1e-5 and (r1 - r0).abs().max().item() < 1e-5
+    for a, b in zip(g1, g0):
+        assert (a - b).norm().item() <= 1e-4 * max(1.0, b.norm().item())

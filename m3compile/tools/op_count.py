@@ -35,7 +35,7 @@ __all__ = ["OpCount", "count_ops", "node_categories", "CATEGORIES"]
 
 # graph-node categories, in report order; "(bwd)" is appended to those of backward ops
 CATEGORIES = ("embedding", "rope tables", "backbone", "rope", "index projections", "index norms", "index rope",
-              "select", "attention", "KL", "recall", "lm head", "loss", "optimizer", "other")
+              "index branch", "select", "attention", "KL", "recall", "lm head", "loss", "optimizer", "other")
 _RANGES = {"m3c.recall": "recall", "m3c.loss": "loss", "m3c.optimizer": "optimizer"}  # ranges that name a stage
 _CASTS = ("_to_copy", "copy_")
 _SYNCS = ("_local_scalar_dense", "item")
@@ -92,10 +92,12 @@ def _category(n: torch.fx.Node, path: str, inputs: list[tuple[str, str]], output
         if "embed" in path:
             return "embedding"
         return "lm head" if path == "lm_head" else "backbone"
-    if ops.is_op(n, ops.apply_index_rope):
+    if ops.is_op(n, ops.apply_index_rope, ops.apply_index_rope_triton):
         return "index rope"
-    if ops.is_op(n, ops.apply_rope):
+    if ops.is_op(n, ops.apply_rope, ops.apply_rope_triton):
         return "rope"
+    if ops.is_op(n, ops.index_branch_triton):
+        return "index branch"
     if ops.is_op(n, ops.msa_select, ops.msa_select_triton):
         return "select"
     if ops.is_op(n, ops.msa_attention, ops.msa_attention_triton, ops.msa_attention_lse_triton,
