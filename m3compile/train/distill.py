@@ -60,12 +60,15 @@ class DistillConfig:
     dtype: str = "float32"
     weight_decay: float = 0.0
     autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
+    cuda_graph: bool = False  # capture the step in a CUDA graph after warm-up (DistillStep); not part of a resume
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "loss_coeff"):
             value = getattr(self, name, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise M3CompileError(f"cuda_graph must be a boolean, got {self.cuda_graph!r}")
         for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -85,10 +88,11 @@ class DistillConfig:
         cuda = str(device).startswith("cuda")
         return torch.bfloat16 if cuda and self.autocast in ("auto", "bf16") else None
 
-    def autocast_context(self, device: str) -> torch.autocast:
-        """The context the forward runs in: bf16 autocast on CUDA unless turned off, a no-op elsewhere."""
+    def autocast_context(self, device: str, cache: bool = True) -> torch.autocast:
+        """The context the forward runs in: bf16 autocast on CUDA unless turned off, a no-op elsewhere. `cache`
+        False: no cache of cast weights (what a CUDA-graph capture needs)."""
         amp = self.compute_dtype(device)
-        return torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None)
+        return torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None, cache_enabled=cache)
 
     def mode(self, step: int) -> str:
         return "warmup" if step < self.warmup_steps else "sparse"
@@ -237,10 +241,29 @@ class DistillStep:
     dtype, the backbone has no gradients (its inputs to the hooks are detached, so no autograd graph is built for
     it), and on CUDA the forward runs under bf16 autocast. Training (a TrainConfig) trains every parameter on LM + KL.
     Calls return detached per-layer KL, recall (and LM loss) without synchronising with the host.
+
+    `cuda_graph` (CUDA, one process, lowered): the first GRAPH_WARMUP calls in a mode run eagerly on a side stream
+    (real steps: autotuning and the shape caches fill), the next captures the whole step (forward, backward,
+    AdamW, with a capturable optimizer and no autocast cache) into a torch.cuda.CUDAGraph and every later call
+    copies its batch into the static input and replays it: one launch per step instead of thousands. A new mode
+    or batch shape captures again. A step that cannot be captured (a host read, as MoE routing does) raises
+    M3CompileError.
     """
 
+    GRAPH_WARMUP = 2
+
     def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1,
-                 lowered: bool | None = None):
+                 lowered: bool | None = None, cuda_graph: bool = False):
+        if cuda_graph:
+            if not str(device).startswith("cuda") or not torch.cuda.is_available():
+                raise M3CompileError("--cuda-graph needs a CUDA device")
+            if world > 1:
+                raise M3CompileError("--cuda-graph captures one process's step: not under torchrun (world size > 1)")
+            if lowered is False:
+                raise M3CompileError("--cuda-graph captures the lowered step (the Triton kernels)")
+        self.cuda_graph = cuda_graph
+        self._graph = self._graph_key = self._static = None
+        self._warm = 0
         self.config, self.device = config, device
         self.training = isinstance(config, TrainConfig)
         self.amp = config.compute_dtype(device)
@@ -258,7 +281,7 @@ class DistillStep:
             p.requires_grad_(True)
         # fused: one kernel for every parameter (per-parameter ops were the step's largest share of dispatches)
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=config.lr, betas=(0.9, 0.95),
-                                     weight_decay=config.weight_decay, fused=True)
+                                     weight_decay=config.weight_decay, fused=True, capturable=cuda_graph)
         self.net = self.gm
         if world > 1:
             self.net = torch.nn.parallel.DistributedDataParallel(
@@ -273,7 +296,43 @@ class DistillStep:
             run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
-        with scope("m3c.forward"), self.config.autocast_context(self.device):
+        if not self.cuda_graph:
+            return self._step(x, y)
+        return self._graphed(x, y)
+
+    def _graphed(self, x: torch.Tensor, y: torch.Tensor | None):
+        key = (self.mode, tuple(x.shape))
+        if key != self._graph_key:  # a new mode or shape: warm up, then capture again
+            self._graph, self._graph_key, self._warm = None, key, 0
+        if self._graph is None and self._warm < self.GRAPH_WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self._step(x, y, cache=False)
+            torch.cuda.current_stream().wait_stream(side)
+            self._warm += 1
+            return out
+        if self._graph is None:
+            for group in self.opt.param_groups:  # a resumed optimizer state may carry other flags
+                group["capturable"] = True
+            static_x, static_y = x.clone(), None if y is None else y.clone()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = self._step(static_x, static_y, cache=False)
+            except Exception as e:  # noqa: BLE001 - what capture refused, in one line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise M3CompileError(f"--cuda-graph: the distillation step cannot be captured ({first})") from None
+            self._graph, self._static = graph, (static_x, static_y, out)
+        static_x, static_y, out = self._static
+        static_x.copy_(x)
+        if y is not None:
+            static_y.copy_(y)
+        self._graph.replay()
+        return tuple(None if t is None else t.clone() for t in out)  # the static outputs change at the next replay
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor | None = None, cache: bool = True):
+        with scope("m3c.forward"), self.config.autocast_context(self.device, cache):
             logits, kl, recall = self.net(x)
             lm = None
             if self.training:  # next-token loss through the sparse attention + the index KL
@@ -323,7 +382,7 @@ class _Run:
         if state is not None:
             start, history = self._check_resume(state, fingerprint)
 
-        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world)
+        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world, cuda_graph=cfg.cuda_graph)
         params, opt, gm = stepper.params, stepper.opt, stepper.gm
         if state is not None:
             try:
