@@ -813,6 +813,8 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
             console.print(f"{r['stage']}: {'same' if c['ok'] else 'DIFFERENT'} as the eager step (relative: KL "
                           f"{c['kl_rel']:.1e}, recall {c['recall_rel']:.1e}, gradients {c['grad_rel_max']:.1e}, "
                           f"weights {c['param_rel_max']:.1e})")
+    for name, error in result.get("cuda_graph_errors", {}).items():
+        console.print(f"{name}, CUDA graph: {error}")
     console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
 
 
