@@ -361,13 +361,16 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
+@click.option("--cuda-graph", is_flag=True,
+              help="CUDA, one process: after two eager steps per mode, capture the whole step in a CUDA graph and "
+                   "replay it (no host dispatch per kernel); refused where the step cannot be captured.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @click.option("--shard/--no-shard", default=None,
               help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
                    "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
                    "fit the device].")
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, autocast, as_json, shard):
+            resume, force, autocast, cuda_graph, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -379,7 +382,7 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     """
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph)
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}")
@@ -755,11 +758,19 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")
+@click.option("--distill-layers", type=int, default=None,
+              help="--distill with a preset: only its first N layers (op counts are extrapolated to its full depth).")
+@click.option("--count-ops", is_flag=True,
+              help="--distill: only count one step's host dispatches (aten ops, Triton launches) per mode, on the "
+                   "lowered graph, no timing; on CPU set TRITON_INTERPRET=1 so the Triton kernels' host path runs.")
+@click.option("--cuda-graph", "bench_cuda_graph", is_flag=True,
+              help="--distill: also each distillation mode's step captured in a CUDA graph: checked against the "
+                   "eager step from the same state (KL, recall, gradients, updated weights), then timed.")
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
           distill_batch, distill_dtype, distill_autocast, no_train, steps, model_name, msa_max, model_dtype,
-          index_cache, decode_steps, figure_seconds, distill_shard):
+          index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -782,7 +793,8 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                             model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
-                              distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir)
+                              distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
+                              distill_layers, count_ops, bench_cuda_graph)
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
                                _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
@@ -833,13 +845,32 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 
-def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir):
+def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir, layers,
+                   count_only, cuda_graph):
     cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
-               autocast=autocast, train=train, shard=shard, steps=steps, device=device)
+               autocast=autocast, train=train, shard=shard, steps=steps, device=device, layers=layers,
+               count_only=count_only, cuda_graph=cuda_graph)
     console = _console()
     result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
+    counted = [r for r in result["rows"] if "ops" in r]
+    if counted:
+        t = Table(title=f"host dispatches per step ({result['layers']} layers"
+                        + (f", extrapolated to {counted[0]['ops']['full_depth_layers']}" if layers else "") + ")")
+        for c in ("stage", "total", "aten", "triton", "per MSA layer", "casts", "syncs", "at full depth"):
+            t.add_column(c, justify="right")
+        for r in counted:
+            o = r["ops"]
+            t.add_row(r["stage"], f"{o['total']:,}", f"{o['aten']:,}", f"{o['triton']:,}", str(o["per_msa_layer"]),
+                      str(o["casts"]), str(o["syncs"]), f"{o['ops_at_full_depth']:,}")
+        console.print(t)
+        for r in counted:
+            stages = sorted(r["ops"]["stages"].items(), key=lambda kv: -sum(kv[1].values()))[:6]
+            console.print(f"{r['stage']}, largest stages: " + ", ".join(f"{k} {sum(v.values())}" for k, v in stages))
+    if count_only:
+        console.print(f"wrote {out_dir / 'distill.json'}")
+        return
     t = Table(title=f"{result['model']}: {result['layers']} layers, {batch} x {seq_len:,} tokens, block "
                     f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
                     f"{', sharded over ' + str(result['world_size']) + ' process(es)' if shard else ''}")
@@ -854,6 +885,14 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
                   f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
                   cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"), cell("host_wait_ms"))
     console.print(t)
+    for r in result["rows"]:
+        if "check" in r:
+            c = r["check"]
+            console.print(f"{r['stage']}: {'same' if c['ok'] else 'DIFFERENT'} as the eager step (relative: KL "
+                          f"{c['kl_rel']:.1e}, recall {c['recall_rel']:.1e}, gradients {c['grad_rel_max']:.1e}, "
+                          f"weights {c['param_rel_max']:.1e})")
+    for name, error in result.get("cuda_graph_errors", {}).items():
+        console.print(f"{name}, CUDA graph: {error}")
     console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
 
 

@@ -1,6 +1,6 @@
 """Full-size correctness of the Triton kernels on a GPU (CI runs the small shapes under the interpreter).
 
-    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|varlen|decode|generate] [--json OUT.json]
+    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|varlen|decode|generate] [--json OUT.json]
 
 Each check prints one line: the shapes, the measured error against the torch reference (fp32 on upcast inputs)
 and PASS/FAIL against the issue's tolerances (fp32 1e-5, bf16 2e-2 relative). Selections are compared as sets;
@@ -129,7 +129,8 @@ def check_kl(B, Hq, Hkv, T, D, Di, bs, k, dtype):
 
 def check_kl_warmup(B, Hq, Hkv, T, D, Di, bs, k, dtype):
     """The lowered hook's dense-support (warm-up) KL, recall and index-branch gradients against the torch reference:
-    the fused KL over every visible block with the teacher LSE from an LSE-only pass (m3compile.ops)."""
+    the fused KL over every visible block with the teacher LSE from the fused causal log-sum-exp and recall from
+    the KL kernel's per-block teacher mass (m3compile.ops)."""
     from m3compile.ops import msa_index_kl_triton
 
     q_idx = torch.randn(B, T, Hkv, Di, device="cuda", dtype=dtype, requires_grad=True)
@@ -147,6 +148,97 @@ def check_kl_warmup(B, Hq, Hkv, T, D, Di, bs, k, dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     report(f"warm-up KL B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} Di={Di} bs={bs} topk={k} {str(dtype)[6:]}",
            max(errs) < tol, **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(("kl", "recall", "dq_idx", "dk_idx"), errs)})
+
+
+def check_csr(B, Hkv, T, bs, k, chunk):
+    """The CSR from the Triton kernels equals the torch build, tensor for tensor (issue 16)."""
+    blocks = _selection(B, Hkv, T, bs, k).int()
+    nb = -(-T // bs)
+    got, want = sa._build_csr_triton(blocks, nb, 0, T, chunk), sa._build_csr_torch(blocks, nb, 0, T, chunk)
+    same = [torch.equal(a, b) for a, b in zip(got, want)]
+    report(f"CSR kernels B={B} Hkv={Hkv} T={T} bs={bs} topk={k} chunk={chunk}", all(same), identical=same)
+
+
+def check_causal_lse(B, Hq, Hkv, T, D, dtype):
+    """Fused causal log-sum-exp (the warm-up teacher's normaliser) on every row and dense recall on sampled rows."""
+    from m3compile.kernels import causal_lse as cl
+    from m3compile.ops import recall_rows
+
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
+    want = ref.causal_lse(q.float(), kk.float())
+    err = (cl.causal_lse(q, kk) - want).abs().max().item()
+    rows = recall_rows(T, q.device)
+    sel = want - torch.rand_like(want)
+    got = cl.dense_recall(q, kk, sel, rows=rows)
+    manual = torch.exp2(sel[:, rows] - want[:, rows]).unflatten(2, (Hkv, Hq // Hkv)).mean(-1)
+    r_err = (got - manual).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # base-2 log-sum-exp, absolute
+    report(f"causal LSE + recall B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} {str(dtype)[6:]}", err < tol and r_err < tol,
+           max_abs_err_lse=f"{err:.2e}", max_abs_err_recall=f"{r_err:.2e}")
+
+
+def check_norm_rope(B, T, H, D, R, dtype):
+    """Fused RoPE (expected bit-identical to the reference's bf16 ops), index norm + RoPE with its gradients, and
+    the RMSNorm forward, against the references (fp32 on upcast inputs for the last two)."""
+    from m3compile.kernels import norm_rope as nr
+
+    pos = torch.arange(T, device="cuda")[None, :, None].float()
+    cos, sin = (pos * torch.rand(R, device="cuda")).cos(), (pos * torch.rand(R, device="cuda")).sin()
+    x = torch.randn(B, T, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    got, want = nr.rope(x, cos, sin), ref.rope(x, cos, sin)
+    g = torch.randn_like(got)
+    dx_got, dx_want = torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0]
+    rope_err = max(rel_err(got, want), rel_err(dx_got, dx_want))
+    identical = torch.equal(got, want) and torch.equal(dx_got, dx_want)
+    y = torch.randn(B, T, (H + 1) * D, device="cuda", dtype=dtype, requires_grad=True)
+    wq = (0.1 * torch.randn(D, device="cuda")).requires_grad_()
+    wk = (0.1 * torch.randn(D, device="cuda")).requires_grad_()
+    out = nr.index_norm_rope(y, wq, wk, cos, sin, eps=1e-6)
+    y32 = y.detach().float().requires_grad_()
+    w32 = [t.detach().clone().requires_grad_() for t in (wq, wk)]
+    out32 = ref.index_norm_rope(y32, *w32, cos, sin, eps=1e-6)
+    gq, gk = torch.randn_like(out32[0]), torch.randn_like(out32[1])
+    grads = torch.autograd.grad(out, (y, wq, wk), (gq.to(dtype), gk.to(dtype)))
+    grads32 = torch.autograd.grad(out32, (y32, *w32), (gq, gk))
+    idx_err = max([rel_err(a, b) for a, b in zip(out, out32)] + [rel_err(a, b) for a, b in zip(grads, grads32)])
+    hidden = torch.randn(B, T, 576, device="cuda", dtype=dtype)
+    w = 1 + 0.1 * torch.randn(576, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        norm_err = rel_err(nr.rms_norm(hidden, w, eps=1e-5), ref.rms_norm(hidden.float(), w.float(), 1e-5))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    report(f"RoPE / index norm+RoPE / RMSNorm B={B} T={T} H={H} D={D} R={R} {str(dtype)[6:]}",
+           max(rope_err, idx_err, norm_err) < tol, rope_bit_identical=identical, rel_err_rope=f"{rope_err:.2e}",
+           rel_err_index_branch=f"{idx_err:.2e}", rel_err_rms_norm=f"{norm_err:.2e}")
+
+
+def check_lowered_distill(T, mode):
+    """The lowered distillation graph (fused index branch, norms, RoPE, KL with the attention's CSR) against the
+    reference graph on SmolLM2's shapes (4 layers, random weights, fp32): per-layer KL, recall, index gradients."""
+    import copy
+
+    import m3compile
+    from m3compile.io.load import from_preset
+    from m3compile.pipelines import run_pipeline
+    from m3compile.train.distill import index_parameters
+
+    with torch.device("cuda"):
+        base, _ = m3compile.convert(from_preset("smollm2-135m", n_layers=4),
+                                    m3compile.MSAConfig(block_size=64, topk=8, dense_layers=(0,)))
+    for name, p in base.named_parameters():
+        p.requires_grad_(".index_" in name)
+    ids = torch.randint(0, 49152, (1, T), device="cuda")
+    out = []
+    for lowered in (False, True):
+        gm = copy.deepcopy(base)
+        run_pipeline("distill", gm, mode=mode, lowered=lowered)
+        params = index_parameters(gm)
+        _, kl, recall = gm(ids)
+        out.append((kl.detach(), recall.detach(), torch.autograd.grad(kl.sum(), list(params.values()))))
+    (kl0, r0, g0), (kl1, r1, g1) = out
+    errs = [rel_err(kl1, kl0), rel_err(r1, r0), max(rel_err(a, b) for a, b in zip(g1, g0))]
+    report(f"lowered distillation graph vs reference, smollm2 shapes 4 layers T={T} {mode} fp32", max(errs) < 1e-3,
+           **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(("kl", "recall", "index_grads"), errs)})
 
 
 def check_varlen(steps, grid, window, H, D, dtype):
@@ -210,7 +302,8 @@ def check_generate():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "varlen", "decode", "generate"], help="run one family of checks")
+    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "varlen", "decode", "generate"],
+                    help="run one family of checks")
     args = ap.parse_args()
     run = lambda family: args.only in (None, family)  # noqa: E731
     torch.manual_seed(0)
@@ -246,6 +339,15 @@ def main():
         check_kl_warmup(2, 9, 3, 8192, 64, 64, 64, 8, bf16)
         check_kl_warmup(1, 8, 2, 3000, 48, 48, 64, 8, fp32)
         check_kl_warmup(1, 8, 2, 1, 64, 64, 64, 8, bf16)
+    if run("fused"):  # issue 16: the kernels that cut the distillation step's host dispatches
+        check_csr(2, 3, 8192, 64, 8, 256)
+        check_csr(1, 4, 8000, 128, 16, 64)
+        check_causal_lse(2, 9, 3, 8192, 64, bf16)
+        check_causal_lse(1, 6, 2, 3001, 48, fp32)
+        check_norm_rope(2, 8192, 9, 64, 64, bf16)
+        check_norm_rope(1, 1000, 4, 128, 64, fp32)
+        for mode in ("sparse", "warmup"):
+            check_lowered_distill(2048, mode)
     if run("varlen"):
         check_varlen([8, 13, 21], 32, 4, 16, 80, bf16)
         check_varlen([1, 3, 5, 2], 9, 4, 16, 80, fp32)

@@ -99,7 +99,7 @@ def sparse_kl_fwd_kernel(
             tl.store(part_stat + srow + 2, psum, mask=m_row)
 
 
-@autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "tune_bucket"],
+@autotune(configs=configs(**_CONFIGS), key=["G", "DP", "DIP", "BN", "CHUNK", "IEEE", "SCALAR_GRAD", "tune_bucket"],
                  reset_to_zero=["dq", "dk"])
 @triton.jit(do_not_specialize=["T", "n_seg", "tune_bucket"])
 def sparse_kl_bwd_kernel(
@@ -107,10 +107,10 @@ def sparse_kl_bwd_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_xb, stride_xt, stride_xh,
     stride_ib, stride_it, stride_lb, stride_lt, stride_rb, stride_rh, stride_gb, stride_gt, stride_gh,
     stride_hb, stride_ht,
-    T, n_seg, scale_log2, iscale_log2, iscale, tune_bucket,
+    T, n_seg, scale_log2, iscale_log2, iscale, grad_scale, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     DI: tl.constexpr, DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, TOK: tl.constexpr,
+    IEEE: tl.constexpr, SCALAR_GRAD: tl.constexpr, TOK: tl.constexpr,
 ):
     # same segments and tiles as the forward; d(student logit) = d_kl * (Q * sum P - P) on the support: d(q_idx)
     # rows get one share per selected block (relaxed fp32 atomics), d(k_idx) of the block accumulates on chip
@@ -132,7 +132,10 @@ def sparse_kl_bwd_kernel(
             r = i_b * stride_rb + i_h * stride_rh + o_t.to(tl.int64)
             b_ls = tl.load(lse_s + r, mask=m_row, other=0.0)
             b_ps = tl.load(psum + r, mask=m_row, other=0.0)
-            b_g = tl.load(d_kl + r, mask=m_row, other=0.0)
+            if SCALAR_GRAD:  # the gradient of the mean: one value for every row, times 1 / n_rows
+                b_g = tl.zeros([TOK], tl.float32) + tl.load(d_kl).to(tl.float32) * grad_scale
+            else:
+                b_g = tl.load(d_kl + r, mask=m_row, other=0.0)
             qs = tl.math.exp2(z - b_ls[:, None])  # 0 outside the support (z = -inf there)
             ds = tl.where(m_s, (qs * b_ps[:, None] - p) * (b_g * iscale)[:, None], 0.0)
             ds = ds.to(b_ki.dtype)  # the index keys' dtype (fp32 in fp32 kernels: no rounding there)
@@ -142,3 +145,40 @@ def sparse_kl_bwd_kernel(
                           + o_di[None, :], dq_part, mask=m_row[:, None] & (o_di < DI)[None, :], sem="relaxed")
         tl.atomic_add(dk + i_b * stride_hb + o_key[:, None].to(tl.int64) * stride_ht + o_di[None, :], acc_dk,
                       mask=m_key[:, None] & (o_di < DI)[None, :], sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def sparse_kl_merge_kernel(
+    part_lse, part_stat, blocks, kl, lse_s, psum, stride_bb, stride_bh, stride_bt, N, T, HI: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, CLEAN: tl.constexpr,
+):
+    # one program: ROWS (batch, group, token) rows; merges each row's per-slot partials (-1 slots skipped, never
+    # written): the student's log-sum-exp (base 2), sum P ln P, sum P z and sum P, then the row's KL. CLEAN: the
+    # -1 slots' sum P set to 0, so part_stat[..., 2] is the teacher's mass per slot
+    o_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < N
+    o_r = o_r.to(tl.int64)
+    o_k = tl.arange(0, KP)
+    i_b = o_r // (HI * T)
+    i_h = (o_r // T) % HI
+    i_t = o_r % T
+    m_rk = m_r[:, None] & (o_k < K)[None, :]
+    ids = tl.load(blocks + (i_b * stride_bb + i_h * stride_bh + i_t * stride_bt)[:, None] + o_k[None, :], mask=m_rk,
+                  other=-1)
+    valid = m_rk & (ids >= 0)
+    p = o_r[:, None] * K + o_k[None, :]
+    b_lse = tl.load(part_lse + p, mask=valid, other=float("-inf"))
+    mx = tl.max(b_lse, 1)
+    mu = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.sum(tl.math.exp2(b_lse - mu[:, None]), 1)
+    lse = tl.where(total > 0.0, mu + tl.math.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    plogp = tl.sum(tl.load(part_stat + p * 3, mask=valid, other=0.0), 1)
+    pz = tl.sum(tl.load(part_stat + p * 3 + 1, mask=valid, other=0.0), 1)
+    mass = tl.load(part_stat + p * 3 + 2, mask=valid, other=0.0)
+    ps = tl.sum(mass, 1)
+    if CLEAN:
+        tl.store(part_stat + p * 3 + 2, mass, mask=m_rk & (ids < 0))
+    LN2: tl.constexpr = 0.6931471805599453
+    tl.store(kl + o_r, plogp - LN2 * pz + LN2 * tl.where(ps > 0.0, lse, 0.0) * ps, mask=m_r)
+    tl.store(lse_s + o_r, lse, mask=m_r)
+    tl.store(psum + o_r, ps, mask=m_r)

@@ -250,3 +250,80 @@ def sum_slots_kernel(
                        + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
     tl.store(out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :],
              acc.to(out.dtype.element_ty), mask=m_gd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CSR of a selection (sparse_attention.build_csr): sort keys, segment offsets and payload, the tile schedule
+
+
+@triton.jit(do_not_specialize=["n", "C", "t0", "ck", "NB"])
+def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, ck, NB, HKV: tl.constexpr,
+                    K: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: BLOCK (batch, head, token, slot) entries of the query range [t0, t0 + C); the sort key of each:
+    # segment (batch, head, block) * C*K + token * K + slot, and n_seg * C*K (past every segment) for -1 slots
+    o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o_e < n
+    slot = o_e % K
+    tok = (o_e // K) % C
+    bh = o_e // (K * C)
+    p = blocks + (bh // HKV) * stride_bb + (bh % HKV) * stride_bh + (t0 + tok) * stride_bt + slot
+    sel = tl.load(p, mask=m, other=-1).to(tl.int64)
+    n_seg = (n // (K * C)) * NB  # batch x heads x blocks
+    k = tl.where(sel >= 0, (bh * NB + sel) * ck + tok * K + slot, n_seg * ck)
+    tl.store(key + o_e, k, mask=m)
+
+
+@triton.jit(do_not_specialize=["n", "n_seg", "ck", "chunk", "seg_programs", "steps"])
+def csr_segments_kernel(key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, steps,
+                        BLOCK: tl.constexpr):
+    # programs < seg_programs: BLOCK segments each; a segment's first entry in the sorted keys by binary search
+    # (lower bound of segment * C*K), and its tile count; the others: the payload (token * K + slot) of BLOCK entries
+    pid = tl.program_id(0)
+    if pid < seg_programs:
+        s = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = s <= n_seg
+        lo = tl.zeros([BLOCK], tl.int64)
+        hi = tl.zeros([BLOCK], tl.int64) + n
+        lo1 = tl.zeros([BLOCK], tl.int64)
+        hi1 = tl.zeros([BLOCK], tl.int64) + n
+        for _ in range(steps):  # ceil(log2(n + 1)) halvings find both bounds
+            mid = (lo + hi) // 2
+            right = (tl.load(key + mid, mask=m & (lo < hi), other=0) < s * ck) & (lo < hi)
+            left = (lo < hi) & ~right
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(left, mid, hi)
+            mid1 = (lo1 + hi1) // 2
+            right1 = (tl.load(key + mid1, mask=m & (lo1 < hi1), other=0) < (s + 1) * ck) & (lo1 < hi1)
+            left1 = (lo1 < hi1) & ~right1
+            lo1 = tl.where(right1, mid1 + 1, lo1)
+            hi1 = tl.where(left1, mid1, hi1)
+        tl.store(seg_off + s, lo.to(tl.int32), mask=m)
+        tl.store(tiles + s, ((lo1 - lo + chunk - 1) // chunk).to(tl.int32), mask=s < n_seg)
+    else:
+        o_e = (pid - seg_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o_e < n
+        tl.store(payload + o_e, (tl.load(key + o_e, mask=m, other=0) % ck).to(tl.int32), mask=m)
+
+
+@triton.jit(do_not_specialize=["n_seg", "n_tiles", "chunk", "seg_programs"])
+def csr_tiles_kernel(seg_off, tiles, tile_end, tile_seg, tile_start, n_seg, n_tiles, chunk, seg_programs,
+                     BLOCK: tl.constexpr):
+    # programs < seg_programs: BLOCK segments each write their tiles (segment id, first entry); the others mark the
+    # tiles past the last busy one idle (segment id n_seg)
+    pid = tl.program_id(0)
+    if pid < seg_programs:
+        s = pid * BLOCK + tl.arange(0, BLOCK)
+        m = s < n_seg
+        nt = tl.load(tiles + s, mask=m, other=0)
+        first = tl.load(tile_end + s, mask=m, other=0) - nt
+        off = tl.load(seg_off + s, mask=m, other=0)
+        for i in range(0, tl.max(nt, 0)):
+            mi = m & (i < nt)
+            tl.store(tile_seg + first + i, s, mask=mi)
+            tl.store(tile_start + first + i, off + i * chunk, mask=mi)
+    else:
+        p = (pid - seg_programs) * BLOCK + tl.arange(0, BLOCK)
+        busy = tl.load(tile_end + n_seg - 1)
+        m = (p < n_tiles) & (p >= busy)
+        tl.store(tile_seg + p, tl.zeros([BLOCK], tl.int32) + n_seg, mask=m)
+        tl.store(tile_start + p, tl.zeros([BLOCK], tl.int32), mask=m)

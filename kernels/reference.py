@@ -36,6 +36,12 @@ __all__ = [
     "dequantize_index_keys",
     "fp8_round",
     "FP8_MAX",
+    "block_mass",
+    "causal_lse",
+    "rope",
+    "index_norm_rope",
+    "rms_norm",
+    "gemma_rms_norm",
 ]
 
 # Elements of fp32 scratch one chunk may allocate (128 MiB): bounds memory at any T.
@@ -403,6 +409,32 @@ def _kl_chunk(q, k, q_idx, k_idx, blocks, sparse, start, end, block_size, scale,
     return p, log_q, support, recall
 
 
+def block_mass(q: torch.Tensor, k: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
+               scale: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """The sparse teacher's mass inside each slot's block: P = mean over each group's heads of the softmax over the
+    causally visible keys of the selected blocks; per (group, query, slot) the sum of P over that slot's block
+    (0 at -1 slots). With every visible block selected, the mass of a subset of them is its recall.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hkv, T, K] fp32."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    chunk = chunk or query_chunk(B * Hq, T)
+    nb = -(-T // block_size)
+    out = torch.zeros(blocks.shape, dtype=torch.float32, device=q.device)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        qg = q[:, :, start:end].float().unflatten(1, (Hkv, Hq // Hkv))
+        a = torch.einsum("bhgcd,bhjd->bhgcj", qg, k[:, :, :end].float()) * scale
+        support = _support(blocks, start, end, block_size, q.device)
+        p = torch.softmax(a.masked_fill(~support[:, :, None], float("-inf")), -1).mean(2)  # [B, H, C, end]
+        per_block = F.pad(p, (0, nb * block_size - end)).unflatten(-1, (nb, block_size)).sum(-1)  # [B, H, C, nb]
+        ids = blocks[:, :, start:end].long()
+        got = per_block.gather(-1, ids.clamp(min=0, max=nb - 1))
+        out[:, :, start:end] = torch.where(ids >= 0, got, 0.0)
+    return out
+
+
 def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, chunk: int | None = None,
                rows: torch.Tensor | None = None) -> torch.Tensor:
     """Every query head's log-sum-exp (base 2, scale included) over all its causally visible keys, streamed over
@@ -504,3 +536,44 @@ def index_kl(
     chunk = chunk or query_chunk(B * Hq + 4 * B * k.shape[1], T)
     sparse = sparse and blocks is not None
     return _IndexKL.apply(q_idx, k_idx, q.detach(), k.detach(), blocks, sparse, block_size, scale, chunk)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE and the index branch's norm (the model's own ops, m3compile.ops.apply_rope and models' RMSNorm, spelled out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, width: int | None = None) -> torch.Tensor:
+    """NeoX RoPE on the first `width` (default R) channels, in x's dtype. x [B, T, H, D], cos/sin [B | 1, T, R]."""
+    width = cos.shape[-1] if width is None else width
+    cos, sin = cos[..., :width].unsqueeze(2).to(x.dtype), sin[..., :width].unsqueeze(2).to(x.dtype)
+    x_rot, x_pass = x[..., :width], x[..., width:]
+    half = width // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm x * (1 + w) over the last dim, computed in fp32, in x's dtype (M3's index norms)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
+    """The models' RMSNorm: style "rms" w * x_hat (x_hat rounded to x's dtype first), "gemma" x_hat * (1 + w)."""
+    if style == "gemma":
+        return gemma_rms_norm(x, weight, eps)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, *, eps: float, width: int | None = None):
+    """y [B, T, (Hi + 1) * Di] -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]): per head Gemma RMSNorm (q_weight for
+    the Hi query heads, k_weight for the last, key head) then RoPE on the first `width` channels."""
+    D = q_weight.shape[0]
+    heads = y.view(*y.shape[:-1], -1, D)
+    width = min(cos.shape[-1], D) if width is None else width
+    q = rope(gemma_rms_norm(heads[:, :, :-1], q_weight, eps), cos, sin, width=width)
+    k = rope(gemma_rms_norm(heads[:, :, -1:], k_weight, eps), cos, sin, width=width)
+    return q, k[:, :, 0]

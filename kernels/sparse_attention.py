@@ -13,17 +13,45 @@ Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (any strides with unit last stride),
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from m3compile.kernels import reference as ref
 from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
-__all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "PARTIAL_BYTES"]
+__all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "block_csr",
+           "BlockCSR", "attention_chunk", "PARTIAL_BYTES"]
 
 # bytes of partial outputs one query chunk may hold (per call); 8 GiB keeps 1M-token prefill within an H200
 PARTIAL_BYTES = 8 << 30
+
+
+class BlockCSR(NamedTuple):
+    """The KV-outer layout of one selection over its whole query range (`block_csr`): what the gather kernels
+    (attention, LSE-only pass, fused KL) take. Built once, it serves every kernel that walks the same selection
+    with the same `chunk` (queries per program): the sparse attention's forward hands it to the layer's KL."""
+
+    payload: torch.Tensor  # [n_entries] int32: token * K + slot, sorted by segment then token
+    seg_off: torch.Tensor  # [n_seg + 1] int32
+    tile_seg: torch.Tensor  # [n_tiles] int32 (n_seg = idle program)
+    tile_start: torch.Tensor  # [n_tiles] int32
+    chunk: int
+
+
+@functools.lru_cache(maxsize=32)
+def _csr_constants(B: int, Hkv: int, n_blocks: int, C: int, K: int, chunk: int, device: torch.device):
+    """Shape-only tensors of build_csr (cached: never written to): each (batch, head)'s segment base in key units,
+    each (token, slot)'s payload, the segment boundaries in key units, and each tile's id and first entry offset."""
+    n_seg, ck = B * Hkv * n_blocks, C * K
+    n_tiles = B * Hkv * C * K // chunk + n_seg  # >= the tiles any selection needs: each segment wastes < one tile
+    base = (torch.arange(B * Hkv, device=device, dtype=torch.int64) * (n_blocks * ck)).view(B, Hkv, 1, 1)
+    slot = torch.arange(ck, device=device, dtype=torch.int64).view(1, 1, C, K)
+    bounds = torch.arange(n_seg + 1, device=device, dtype=torch.int64) * ck
+    pid = torch.arange(n_tiles, device=device, dtype=torch.int32)
+    return base, slot, bounds, pid, pid * chunk, torch.tensor(n_seg * ck, device=device, dtype=torch.int64)
 
 
 def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
@@ -32,27 +60,73 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
     Returns (payload [n_entries] int32 = token_in_chunk * K + slot sorted by segment then token,
     seg_off [n_seg + 1] int32, tile_seg [n_tiles] int32 (n_seg = idle program), tile_start [n_tiles] int32).
     The tile count is an upper bound known without reading the data back, so no host synchronisation happens.
+    Where Triton runs, three small kernels around one sort build it (`_build_csr_triton`); elsewhere torch ops
+    (`_build_csr_torch`, its reference): the same tensors.
     """
-    B, Hkv, _, K = blocks.shape
+    if use_triton(blocks):
+        return _build_csr_triton(blocks, n_blocks, t0, t1, chunk)
+    return _build_csr_torch(blocks, n_blocks, t0, t1, chunk)
+
+
+def _build_csr_torch(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
+    B, Hkv, T, K = blocks.shape
     C = t1 - t0
-    sel = blocks[:, :, t0:t1].long()
-    n_seg = B * Hkv * n_blocks
-    seg = (torch.arange(B * Hkv, device=blocks.device).view(B, Hkv, 1, 1) * n_blocks + sel)
-    payload = torch.arange(C * K, device=blocks.device).view(1, 1, C, K)
-    key = torch.where(sel >= 0, seg * (C * K) + payload, n_seg * (C * K)).flatten()
+    n_seg, ck = B * Hkv * n_blocks, C * K
+    base, slot, bounds, pid, pid_start, empty = _csr_constants(B, Hkv, n_blocks, C, K, chunk, blocks.device)
+    sel = blocks if (t0, t1) == (0, T) else blocks[:, :, t0:t1]
+    # sort key: segment (batch, head, block) major, then token and slot; -1 slots sort past every segment
+    key = torch.where(sel >= 0, sel.long() * ck + base + slot, empty).view(-1).sort().values
+    seg_off = torch.searchsorted(key, bounds, out_int32=True)
+    tiles = (seg_off[1:] - seg_off[:-1] + (chunk - 1)) // chunk  # tiles per segment
+    tile_end = tiles.cumsum(0, dtype=torch.int32)
+    tile_seg = torch.searchsorted(tile_end, pid, right=True, out_int32=True)
+    # a tile's first entry: its segment's first entry + chunk x (its rank among the segment's tiles); idle: 0
+    seg_first = seg_off[:-1] - (tile_end - tiles) * chunk
+    tile_start = torch.where(tile_seg < n_seg, seg_first[tile_seg.clamp(max=n_seg - 1)] + pid_start, 0)
+    return (key % ck).to(torch.int32), seg_off, tile_seg, tile_start
+
+
+_CSR_BLOCK = 1024  # entries / segments per program of the CSR kernels
+
+
+def _build_csr_triton(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
+    from m3compile.kernels._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
+
+    B, Hkv, T, K = blocks.shape
+    C = t1 - t0
+    n_seg, ck, n = B * Hkv * n_blocks, C * K, B * Hkv * C * K
+    n_tiles = n // chunk + n_seg
+    dev = blocks.device
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    key = torch.empty(n, dtype=torch.int64, device=dev)
+    csr_keys_kernel[(max(1, -(-n // _CSR_BLOCK)),)](blocks, key, blocks.stride(0), blocks.stride(1), blocks.stride(2),
+                                                    n, C, t0, ck, n_blocks, HKV=Hkv, K=K, BLOCK=_CSR_BLOCK)
     key = key.sort().values
-    seg_sorted = key // (C * K)
-    seg_off = torch.searchsorted(seg_sorted, torch.arange(n_seg + 1, device=blocks.device)).to(torch.int32)
-    counts = (seg_off[1:] - seg_off[:-1]).long()
-    tiles = (counts + chunk - 1) // chunk
-    tile_end = tiles.cumsum(0)
-    n_tiles = key.numel() // chunk + n_seg  # >= sum(tiles): each segment wastes less than one tile
-    pid = torch.arange(n_tiles, device=blocks.device)
-    tile_seg = torch.searchsorted(tile_end, pid, right=True)
-    seg_c = tile_seg.clamp(max=n_seg - 1)
-    first = tile_end[seg_c] - tiles[seg_c]
-    tile_start = seg_off[seg_c].long() + (pid - first) * chunk
-    return (key % (C * K)).to(torch.int32), seg_off, tile_seg.to(torch.int32), tile_start.to(torch.int32)
+    payload = torch.empty(n, dtype=torch.int32, device=dev)
+    seg_off = torch.empty(n_seg + 1, dtype=torch.int32, device=dev)
+    tiles = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    seg_programs = -(-(n_seg + 1) // _CSR_BLOCK)
+    csr_segments_kernel[(seg_programs + -(-n // _CSR_BLOCK),)](
+        key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, max(1, n + 1).bit_length() + 1,
+        BLOCK=_CSR_BLOCK)
+    tile_end = tiles.cumsum(0, dtype=torch.int32)
+    tile_seg = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    tile_start = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    seg_programs = -(-n_seg // _CSR_BLOCK)
+    csr_tiles_kernel[(seg_programs + -(-n_tiles // _CSR_BLOCK),)](
+        seg_off, tiles, tile_end, tile_seg, tile_start, n_seg, n_tiles, chunk, seg_programs, BLOCK=_CSR_BLOCK)
+    return payload, seg_off, tile_seg, tile_start
+
+
+def block_csr(blocks: torch.Tensor, n_blocks: int, chunk: int) -> BlockCSR:
+    """build_csr over every query of `blocks` [B, Hkv, T, K], as one BlockCSR."""
+    return BlockCSR(*build_csr(blocks, n_blocks, 0, blocks.shape[2], chunk), chunk)
+
+
+def attention_chunk(G: int) -> int:
+    """Queries one forward program of the gather kernels sweeps over one key block, for groups of G heads: the
+    chunk of the CSR the sparse attention builds (and hands to the KL)."""
+    return _chunk(next_pow2(G))
 
 
 def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse):
@@ -60,6 +134,12 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
 
     stage "lse" (with want_lse): only the per-head log-sum-exp over the selected keys (no P V, no output, partials
     of 4 bytes per (token, slot, head)), the fused KL's teacher normaliser; `out` is then a placeholder."""
+    return _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)[:2]
+
+
+def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, csr=None):
+    """_forward that also returns the CSR it walked when one query chunk held every query (else None); `csr`, a
+    BlockCSR of `blocks` at this kernel's chunk, is used instead of building one."""
     from m3compile.kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
@@ -77,9 +157,14 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
     part_o = q.new_empty(1, 1, 1, 1, 1) if lse_only else torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
     part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
+    whole = None
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
-        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+        if C < T:
+            payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+        else:
+            whole = csr if csr is not None and csr.chunk == _chunk(GP) else block_csr(blocks, n_blocks, _chunk(GP))
+            payload, seg_off, tile_seg, tile_start, _ = whole
         if lse_only:
             part_lse.fill_(float("-inf"))  # -1 slots are never written: they must add nothing to the merge
         gather_q_fwd_kernel[(tile_seg.numel(),)](
@@ -106,7 +191,7 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
             t1 - t0, t0,
             K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse,
         )
-    return out, (lse if want_lse else None)
+    return out, (lse if want_lse else None), whole
 
 
 def _chunk(gp: int, backward: bool = False) -> int:
@@ -166,14 +251,14 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk):
-        out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, "all", True)
+        out, lse, csr = _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, "all", True)
         ctx.save_for_backward(q, k, v, blocks, out, lse)
         ctx.block_size, ctx.scale, ctx.max_partial_bytes = block_size, scale, max_partial_bytes
         ctx.mark_non_differentiable(lse)
-        return out.transpose(1, 2), lse
+        return out.transpose(1, 2), lse, csr
 
     @staticmethod
-    def backward(ctx, d_out, _d_lse):
+    def backward(ctx, d_out, _d_lse, _d_csr=None):
         q, k, v, blocks, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, blocks, ctx.block_size, ctx.scale, out, lse, d_out, ctx.max_partial_bytes)
         return dq, dk, dv, None, None, None, None, None
@@ -211,20 +296,24 @@ def sparse_attention_lse(
     scale: float | None = None,
     backend: str = "auto",
     max_partial_bytes: int = PARTIAL_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_csr: bool = False,
+):
     """`sparse_attention` that also returns each head's log-sum-exp over its selected keys: [B, T, Hq] fp32, base 2,
     softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl.py). The combine
-    kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter)."""
-    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
+    kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter).
+    With `return_csr`, also the BlockCSR the forward walked (None where it was not built whole: the reference, or
+    several query chunks), which the fused KL over the same selection takes instead of building its own."""
+    out = _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
+    return out if return_csr else out[:2]
 
 
 def selected_lse(q: torch.Tensor, k: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, csr: BlockCSR | None = None) -> torch.Tensor:
     """Each head's log-sum-exp over its selected keys, [B, T, Hq] fp32 base 2, by an LSE-only pass of the gather
     kernel (no P V; 4 B per token, slot and head): the fused KL's teacher normaliser when no attention forward gave
-    it. CUDA (or the interpreter) only."""
+    it. CUDA (or the interpreter) only. `csr`: the selection's BlockCSR, if one was built already."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _forward(q, k, k, blocks, block_size, scale, PARTIAL_BYTES, None, "lse", True)[1]
+    return _forward_csr(q, k, k, blocks, block_size, scale, PARTIAL_BYTES, None, "lse", True, csr)[1]
 
 
 def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
@@ -242,11 +331,11 @@ def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, q
         raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k, v, blocks, backend=backend):
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None
+        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None, None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _SparseAttention.apply(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk)
-    out, lse = _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)
-    return out.transpose(1, 2), lse
+    out, lse, csr = _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)
+    return out.transpose(1, 2), lse, csr

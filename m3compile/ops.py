@@ -2,8 +2,11 @@
 lowering beside it, and access to its arguments by name.
 
     op                 reference (plain torch, any device)          lowering (Triton on CUDA, reference elsewhere)
-    apply_rope         NeoX RoPE on the first R channels            -
+    apply_rope         NeoX RoPE on the first R channels            apply_rope_triton (one fused kernel, + backward)
     apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
+                                                                    apply_index_rope_triton
+    (index projections, Gemma norms, RoPE of one layer)            index_branch_triton (fuse_index_branch)
+    (an RMSNorm module)                                             rms_norm_triton (lower_norms)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
     msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
                        (index_dtype "fp8": e4m3-rounded q and k)    (index_dtype "fp8": fp8 x fp8 scores)
@@ -19,6 +22,7 @@ project's Tracer (m3compile.graph.tracing) keeps every op here a single node, wh
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -28,7 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES
-from m3compile.kernels import indexer, reference as ref, sparse_attention as _sparse, sparse_kl
+from m3compile.kernels import causal_lse, indexer, norm_rope, reference as ref, sparse_attention as _sparse, sparse_kl
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
@@ -36,18 +40,40 @@ __all__ = [
     "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
-    "RECALL_ROWS", "visible_blocks",
+    "RECALL_ROWS", "visible_blocks", "dense_support", "scope", "recording_scopes", "apply_rope_triton",
+    "apply_index_rope_triton", "index_branch_triton", "rms_norm_triton",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
 
 
+_FORCED_SCOPES = [0]  # > 0 inside `recording_scopes`
+
+
+def scope(name: str):
+    """A profiler range `name` while a profiler records (what `m3c bench --distill` attributes GPU time to) or
+    inside `recording_scopes`; otherwise nothing: a range costs two dispatches per call, paid by every step."""
+    if _FORCED_SCOPES[0] or torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def recording_scopes():
+    """Open the `scope` ranges without a profiler (tools.op_count attributes dispatches to them)."""
+    _FORCED_SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        _FORCED_SCOPES[0] -= 1
+
+
 def _scoped(name: str):
-    """Run the op inside a profiler range `m3c.<name>` (what `m3c bench --distill` attributes GPU time to)."""
+    """Run the op inside `scope("m3c.<name>")`."""
     def decorate(fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            with torch.profiler.record_function(f"m3c.{name}"):
+            with scope(f"m3c.{name}"):
                 return fn(*args, **kwargs)
         return run
     return decorate
@@ -129,11 +155,13 @@ def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool =
 
 @torch.fx.wrap
 @_scoped("msa_index_kl")
-def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
+def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
+                 csr=None):
     """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di], blocks [B, Hi, T, K] -> two scalars.
-    `teacher_lse` (the attention's per-head log-sum-exp, given by a lowered graph) is only used by the lowering.
+    `teacher_lse` (the attention's per-head log-sum-exp) and `csr` (the BlockCSR its kernel walked), given by a
+    lowered graph, are only used by the lowering.
     """
     kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
                               scale=scale)
@@ -194,10 +222,16 @@ msa_fused = torch.ops.m3compile.msa.default  # what passes/fuse_msa.py puts in p
 def recall_rows(T: int, device=None) -> torch.Tensor:
     """Query positions block recall is measured on: all T up to RECALL_ROWS, else RECALL_ROWS evenly spaced ones
     from the first to the last (distinct: their spacing exceeds one), so the dense log-sum-exp behind a logged
-    metric stays linear in T (BENCHMARKS.md has what the full version cost)."""
-    if T <= RECALL_ROWS:
+    metric stays linear in T (BENCHMARKS.md has what the full version cost). Cached per (T, device): never write
+    to the result."""
+    return _recall_rows(T, RECALL_ROWS, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=16)
+def _recall_rows(T: int, n: int, device: torch.device) -> torch.Tensor:
+    if T <= n:
         return torch.arange(T, device=device)
-    return torch.linspace(0, T - 1, RECALL_ROWS, device=device).round().long()
+    return torch.linspace(0, T - 1, n, device=device).round().long()
 
 
 def _all_selected(T: int, block_size: int, topk: int) -> bool:
@@ -235,16 +269,18 @@ def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse:
 @_scoped("msa_attention")
 def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """msa_attention_triton that also returns each head's log-sum-exp over the selected keys ([B, T, Hq] fp32, base
-    2, no gradient; None where SDPA or the torch reference runs): lowering wires it into the same layer's KL hook
-    as the teacher's normaliser, so the hook needs no attention pass of its own."""
+    2, no gradient) and the BlockCSR of the selection its kernel walked (None where SDPA or the torch reference
+    runs): lowering wires both into the same layer's KL hook, the teacher's normaliser and the KL kernel's
+    layout, so the hook needs no attention pass and no CSR build of its own."""
     if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True), None
-    return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True), None, None
+    return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale, return_csr=True)
 
 
 def visible_blocks(B: int, H: int, T: int, block_size: int, device=None) -> torch.Tensor:
     """[B, H, T, ceil(T / block_size)] int32: every causally visible block of each query (its own included), -1
-    after: the selection that makes the support every visible key (the warm-up's dense support)."""
+    after: the selection that makes the support every visible key (the warm-up's dense support). Slot j holds
+    block j."""
     nb = -(-T // block_size)
     ids = torch.arange(nb, device=device, dtype=torch.int32)
     own = torch.arange(T, device=device, dtype=torch.int32) // block_size
@@ -252,47 +288,100 @@ def visible_blocks(B: int, H: int, T: int, block_size: int, device=None) -> torc
     return table.expand(B, H, T, nb).contiguous()
 
 
+@functools.lru_cache(maxsize=4)
+def dense_support(B: int, H: int, T: int, block_size: int, chunk: int, device: torch.device):
+    """(visible_blocks, its BlockCSR at `chunk`): the warm-up's support depends on the shapes alone, so it is built
+    once and reused by every layer and step (cached; never write to it)."""
+    support = visible_blocks(B, H, T, block_size, device)
+    return support, _sparse.block_csr(support, -(-T // block_size), chunk)
+
+
 @torch.fx.wrap
 @_scoped("msa_index_kl")
-def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None):
+def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
+                        csr=None):
     """Mean KL and mean block recall of one MSA layer, as msa_index_kl; Triton on CUDA for both supports.
 
     Sparse support: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's per-head
     log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only pass when
-    not given), and recall = mean over the group's heads of exp2(lse_selected - lse_all) (the dense teacher's mass
-    inside the selected blocks), no T x T tensor and no gradient. lse_all, the dense log-sum-exp over every
-    visible key, is O(T) per query, so recall is measured on `recall_rows`.
-    Dense support (warm-up): the same fused kernel over every visible block (`visible_blocks`), streamed over key
-    blocks like FlashAttention; the dense teacher log-sum-exp comes from one LSE-only pass over those blocks, so
-    recall is exact on every query. CPU tensors keep the chunked torch reference.
+    not given) and its BlockCSR (`csr`; built here when not given); recall = mean over the group's heads of
+    exp2(lse_selected - lse_all) (the dense teacher's mass inside the selected blocks) by one fused kernel
+    (kernels/causal_lse.py), no T x T tensor and no gradient. lse_all, over every visible key, is O(T) per query,
+    so recall is measured on `recall_rows`.
+    Dense support (warm-up): the same fused KL over every visible block (`dense_support`, built once per shape),
+    its teacher log-sum-exp from the fused causal log-sum-exp, streamed like FlashAttention; the KL kernel also
+    gives the teacher's mass per block, and recall is the mass of the selected blocks, exact on every query.
+    CPU tensors keep the chunked torch reference.
     """
     T = q.shape[2]
     if not use_triton(q, k, q_idx, k_idx):
         return msa_index_kl(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
-    q, k = q.detach(), k.detach()
-    G = q.shape[1] // k.shape[1]
+    q = q.detach() if q.requires_grad else q  # (a detach is a dispatch; the frozen backbone's need none)
+    k = k.detach() if k.requires_grad else k
     everything = _all_selected(T, block_size, blocks.shape[-1])
+    if sparse and not everything:
+        with torch.no_grad():
+            if teacher_lse is None:
+                teacher_lse = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale, csr=csr)
+            with scope("m3c.recall"):
+                recall = causal_lse.dense_recall(q, k, teacher_lse, scale=scale, rows=recall_rows(T, q.device)).mean()
+        kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=block_size, scale=scale,
+                                       teacher_lse=teacher_lse, csr=csr, reduction="mean")
+        return kl, recall
+    # dense support, or a selection that holds every visible block
+    support, support_csr = dense_support(q.shape[0], k.shape[1], T, block_size, sparse_kl.CSR_CHUNK, q.device)
     with torch.no_grad():
-        if sparse and not everything:
-            lse_sel = teacher_lse
-            if lse_sel is None:
-                lse_sel = _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
-            rows = recall_rows(T, q.device)
-            # [B, rows, Hq], base 2; in as few chunks as 1 GiB of fp32 scores allows (each chunk costs host time)
-            chunk = ref.query_chunk(q.shape[0] * q.shape[1], T, 1 << 28)
-            lse_all = ref.causal_lse(q, k, scale, rows=rows, chunk=chunk)
-            recall = torch.exp2(lse_sel[:, rows] - lse_all)
-            support, teacher = blocks, lse_sel
-        else:  # dense support, or a selection that holds every visible block
-            support = visible_blocks(q.shape[0], k.shape[1], T, block_size, q.device)
-            lse_all = _sparse.selected_lse(q, k, support, block_size=block_size, scale=scale)
-            lse_sel = lse_all if everything else _sparse.selected_lse(q, k, blocks, block_size=block_size, scale=scale)
-            recall = torch.exp2(lse_sel - lse_all)
-            teacher = lse_all
-        recall = recall.unflatten(2, (k.shape[1], G)).mean(-1)  # [B, rows, Hi]
-    kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, support, block_size=block_size, scale=scale,
-                                   teacher_lse=teacher)
-    return kl.mean(), recall.mean()
+        teacher = causal_lse.causal_lse(q, k, scale=scale)
+    kl, mass = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, support, block_size=block_size, scale=scale,
+                                         teacher_lse=teacher, csr=support_csr, reduction="mean", block_mass=True)
+    with torch.no_grad(), scope("m3c.recall"):
+        if everything:
+            recall = torch.ones((), device=q.device)
+        else:  # slot j of the dense support holds block j: the mass of the selected blocks
+            ids = blocks.long()
+            recall = torch.where(ids >= 0, mass.gather(-1, ids.clamp(min=0)), 0.0).sum(-1).mean()
+    return kl, recall
+
+
+@torch.fx.wrap
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one fused kernel (forward and backward; the reference's roundings), the reference elsewhere."""
+    if not use_triton(x, cos, sin):
+        return apply_rope(x, cos, sin)
+    return norm_rope.rope(x, cos, sin)
+
+
+@torch.fx.wrap
+def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_index_rope as one fused kernel, the reference elsewhere."""
+    if not use_triton(x, cos, sin):
+        return apply_index_rope(x, cos, sin)
+    return norm_rope.rope(x, cos, sin, width=index_rope_dim(cos.shape[-1], x.shape[-1]))
+
+
+@torch.fx.wrap
+@_scoped("index_branch")
+def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float):
+    """One MSA layer's index branch after its (detached) input, fused (passes/fuse_index_branch.py): the two
+    projections as one matmul, then per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward).
+
+    x [B, T, hidden], q_weight [Hi * Di, hidden], k_weight [Di, hidden], q/k_norm_weight [Di], cos/sin [B, T, R]
+    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order."""
+    Di = q_norm_weight.shape[0]
+    if not use_triton(x, cos, sin):
+        q = ref.gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
+        k = ref.gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
+        return apply_index_rope(q, cos, sin), apply_index_rope(k, cos, sin)[:, :, 0]
+    y = F.linear(x, torch.cat((q_weight, k_weight)))
+    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps,
+                                     width=index_rope_dim(cos.shape[-1], Di))
+
+
+@torch.fx.wrap
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
+    """A model's RMSNorm module as one kernel where no gradient is needed (the frozen backbone while distilling,
+    inference), the module's own formula elsewhere (passes/lower_norms.py)."""
+    return norm_rope.rms_norm(x, weight, eps=eps, style=style)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,10 +389,12 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
 
 LOWERING: dict[Callable, Callable] = {
     msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
+    apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
 }
 GRAPH_OPS: tuple[Callable, ...] = (
     apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
     segment_attention, msa_select_triton, msa_attention_triton, msa_attention_lse_triton, msa_index_kl_triton,
+    apply_rope_triton, apply_index_rope_triton, index_branch_triton, rms_norm_triton,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}
 

@@ -3,8 +3,8 @@
     convert   gqa_to_msa                                   dense GQA attention -> MSA (index branch + selection;
                                                            calibrated init when given attention-input moments)
     vision    vit_3d_window                                a ViT's per-frame attention -> 3D windows
-    distill   kl_distill [-> lower_triton on CUDA]         KL hooks for the index branch, then the Triton kernels
-    lower     lower_triton                                 reference MSA ops -> Triton-backed ops (last)
+    distill   kl_distill [-> the lower passes on CUDA]     KL hooks for the index branch, then the Triton kernels
+    lower     lower_triton -> fuse_index_branch -> lower_norms   reference ops -> Triton-backed ops (last)
     export    strip_kl_distill -> fuse_msa                 one torch.ops.m3compile.msa node per layer (ONNX)
 
 The pass manager enforces the stage order (rewrite -> distil -> lower). `convert(model)` and `lower(model)` are the
@@ -24,16 +24,25 @@ from m3compile.errors import M3CompileError
 from m3compile.graph.pass_manager import Pass, PassManager, PassReport
 from m3compile.graph.tracing import trace
 from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
-from m3compile.passes import FuseMSA, GQAToMSA, KLDistill, LowerTriton, StripKLDistill, ViT3DWindow
+from m3compile.passes import (
+    FuseIndexBranch, FuseMSA, GQAToMSA, KLDistill, LowerNorms, LowerTriton, StripKLDistill, ViT3DWindow,
+)
 from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration, CalibrationInfo
 
 __all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]
 
+def _lowering(fused: bool = True) -> list[Pass]:
+    """The lowering passes; `fused` False keeps the module calls (FSDP2 all-gathers a module's shard around its
+    call: the fusions' get_attr reads of norm and index weights would see the shards)."""
+    return [LowerTriton()] + ([FuseIndexBranch(), LowerNorms()] if fused else [])
+
+
 PIPELINES: dict[str, Callable[..., list[Pass]]] = {
     "convert": lambda config=None, moments=None: [GQAToMSA(config, moments)],
     "vision": lambda window=4: [ViT3DWindow(window)],
-    "distill": lambda mode="warmup", lowered=False: [KLDistill(mode)] + ([LowerTriton()] if lowered else []),
-    "lower": lambda: [LowerTriton()],
+    "distill": lambda mode="warmup", lowered=False, fused=True: [KLDistill(mode)] + (_lowering(fused) if lowered
+                                                                                       else []),
+    "lower": lambda: _lowering(),
     "export": lambda: [StripKLDistill(), FuseMSA()],
 }
 

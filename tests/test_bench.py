@@ -114,6 +114,29 @@ def test_distill_bench_runs_every_stage_on_cpu(tmp_path, shard):
     assert result["msa"]["block_size"] == 8 and result["msa"]["topk"] == 2
     assert [r["ratio_to"] for r in result["rows"]] == ["dense forward"] * 4 + ["dense train"]
     assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    for r in result["rows"][1:3]:  # each distillation step's host dispatches, by layer
+        assert r["ops"]["total"] > 0 and set(r["ops"]["layers"]) == {"0", "1", "2", "3", "model"}
+
+
+def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):
+    """--count-ops: one counted step per mode, no timing; --distill-layers 3 of SmolLM2's 30 extrapolates the count
+    to its depth at the count of an MSA layer. (The Triton kernels' host path is tests/test_op_count.py's; here the
+    lowered ops run their torch reference, which is fast.)"""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    r = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                  "--distill-layers", "3", "--distill-seq-len", "24", "--distill-batch", "1",
+                                  "--block", "8", "--topk", "2", "--distill-dtype", "float32", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "distill.json").read_text())
+    assert [row["stage"] for row in result["rows"]] == ["distill warm-up", "distill sparse"]
+    assert result["layers"] == 3 and result["env"]["triton_kernels"] is False
+    for row in result["rows"]:
+        ops = row["ops"]
+        assert "ms" not in row and ops["msa_layers"] == 2 and ops["per_msa_layer"] == sum(ops["layers"]["1"].values())
+        assert ops["ops_at_full_depth"] == ops["total"] + 27 * ops["per_msa_layer"]
+    bad = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                    "--distill-layers", "1", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "error:" in bad.output and not (tmp_path / "x").exists()
 
 
 def test_distill_bench_refuses_an_unknown_model(tmp_path):

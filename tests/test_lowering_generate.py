@@ -149,17 +149,17 @@ def test_generate_rejects_bad_input(tiny_dir):
 @pytest.mark.parametrize("mode", ["sparse", "warmup"])
 def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch, mode):
     """Training's graph lowered: the fused KL and the streamed recall give the reference's per-layer KL and recall,
-    and the same gradients on the index parameters. Sparse support: the teacher LSE is taken from the same layer's
-    sparse attention (no LSE pass of its own). Warm-up (dense support): the same kernel over every visible block,
-    its teacher LSE from an LSE-only pass."""
+    and the same gradients on the index parameters. Sparse support: the teacher LSE and the CSR are taken from the
+    same layer's sparse attention (no LSE pass of its own). Warm-up (dense support): the same kernel over every
+    visible block, its teacher LSE from the fused causal log-sum-exp (no LSE-only gather pass either)."""
     from m3compile.kernels import sparse_attention as sa
     from m3compile.ops import msa_attention_lse_triton, msa_index_kl_triton
     from m3compile.train.distill import index_parameters
     from m3compile.passes.kl_distill import KLDistill
 
     stages = []
-    forward = sa._forward
-    monkeypatch.setattr(sa, "_forward", lambda *a: stages.append(a[8]) or forward(*a))
+    forward = sa._forward_csr
+    monkeypatch.setattr(sa, "_forward_csr", lambda *a: stages.append(a[8]) or forward(*a))
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 43))  # 6 blocks of 8 > top-2: sparse support
     results = []
@@ -169,11 +169,12 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch, mode):
         if lower and mode == "sparse":
             assert _targets(gm).count(msa_index_kl_triton) == 3
             for kl_node in (n for n in gm.graph.nodes if n.target is msa_index_kl_triton):
-                lse = kl_node.kwargs["teacher_lse"]
+                lse, csr = kl_node.kwargs["teacher_lse"], kl_node.kwargs["csr"]
                 assert lse.target is operator.getitem and lse.args[0].target is msa_attention_lse_triton
+                assert csr.target is operator.getitem and csr.args == (lse.args[0], 2)
                 att, kl_args = op_args(lse.args[0]), op_args(kl_node)
                 assert (att["q"], att["k"]) == (kl_args["q"], kl_args["k"])  # the same layer's q and k
-            assert sum("KL teacher log-sum-exp from the attention" in d for d in report[-1].details) == 3
+            assert sum("KL teacher log-sum-exp and CSR from the attention" in d for d in report[-1].details) == 3
         params = index_parameters(gm)
         _, kl, recall = gm(ids)
         grads = torch.autograd.grad(kl.sum(), list(params.values()))
@@ -181,8 +182,8 @@ def test_lowered_kl_hooks_match_the_reference_graph(monkeypatch, mode):
     (kl0, r0, g0), (kl1, r1, g1) = results
     if mode == "sparse":
         assert stages and "lse" not in stages, stages  # the three layers' attentions ran; no LSE-only pass
-    else:  # the dense main branch is SDPA; each layer's KL ran its LSE-only passes (all blocks, selected blocks)
-        assert stages.count("lse") == 6, stages
+    else:  # the dense main branch is SDPA; the KL's teacher LSE and recall need no gather pass
+        assert "lse" not in stages, stages
     assert (kl1 - kl0).abs().max().item() < 1e-5 and (r1 - r0).abs().max().item() < 1e-5
     assert 0.0 < r1.min().item() and r1.max().item() < 1.0  # some teacher mass outside the selected blocks
     for a, b in zip(g1, g0):
@@ -221,3 +222,38 @@ def test_lowered_recall_on_evenly_spaced_queries_beyond_recall_rows(monkeypatch)
     assert abs(kl.item() - want_kl.mean().item()) < 1e-5
     assert abs(recall.item() - want_recall[..., rows].mean().item()) < 1e-5
     assert abs(recall.item() - want_recall.mean().item()) > 1e-4  # a subset, not the full mean
+
+
+def test_distill_pipeline_fuses_the_index_branch_and_the_norms(monkeypatch):
+    """The lowered distillation graph (lower_triton, fuse_index_branch, lower_norms) on a frozen backbone: one
+    index_branch_triton per MSA layer in place of its projections, Gemma norms and RoPEs, every backbone RMSNorm
+    one kernel; per-layer KL and recall, and the index parameters' gradients, as the reference graph's. m3-tiny's
+    index RoPE is the table cut to 8 of 16 channels."""
+    import copy
+
+    from m3compile.ops import apply_index_rope, apply_index_rope_triton, index_branch_triton, rms_norm_triton
+    from m3compile.pipelines import run_pipeline
+    from m3compile.train.distill import index_parameters
+
+    torch.manual_seed(0)
+    base, _ = m3compile.convert(m3compile.from_preset("m3-tiny"), TINY)
+    for name, p in base.named_parameters():
+        p.requires_grad_(".index_" in name)
+    ids = torch.randint(0, 256, (1, 43))  # 6 blocks of 8 > top-2
+    results = []
+    for lowered in (False, True):
+        gm = copy.deepcopy(base)
+        run_pipeline("distill", gm, mode="sparse", lowered=lowered)
+        targets = _targets(gm)
+        if lowered:
+            assert targets.count(index_branch_triton) == 3
+            assert apply_index_rope not in targets and apply_index_rope_triton not in targets
+            assert not any(n.op == "call_module" and ".index_" in n.target for n in gm.graph.nodes)
+            assert targets.count(rms_norm_triton) == 4 * 4 + 1  # per layer its two norms and q/k norms; the final
+        params = index_parameters(gm)
+        _, kl, recall = gm(ids)
+        results.append((kl.detach(), recall.detach(), torch.autograd.grad(kl.sum(), list(params.values()))))
+    (kl0, r0, g0), (kl1, r1, g1) = results
+    assert (kl1 - kl0).abs().max().item() < 1e-5 and (r1 - r0).abs().max().item() < 1e-5
+    for a, b in zip(g1, g0):
+        assert (a - b).norm().item() <= 1e-4 * max(1.0, b.norm().item())

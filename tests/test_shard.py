@@ -109,3 +109,22 @@ def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(converted, sharded):
     b = load_file(str(sharded / "two_steps" / STATE_FILES[0]))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
+
+
+def test_the_sharded_lowering_keeps_every_layer_group(converted):
+    """The fusions read norm and index weights by get_attr, outside their modules' calls (where FSDP2 all-gathers
+    a shard): with them every layer's groups would fall back to the root group. The sharded step lowers without
+    them, so the lowered graph has the unlowered graph's groups."""
+    from m3compile.graph.tracing import trace
+    from m3compile.pipelines import run_pipeline
+    from m3compile.train.shard import shard_groups
+
+    def groups(**options):
+        gm = trace(load(converted, dtype="float32"))
+        run_pipeline("distill", gm, mode="sparse", **options)
+        return [key for key, _ in shard_groups(gm)]
+
+    plain = groups(lowered=False)
+    assert any(k.endswith(" index") for k in plain) and any(not k.endswith(" index") for k in plain)
+    assert groups(lowered=True, fused=False) == plain
+    assert len(groups(lowered=True)) < len(plain)  # what the fusions would cost a sharded step

@@ -96,11 +96,17 @@ def weights_by_layer(path: str | os.PathLike, args) -> Iterator[dict[str, torch.
     return SourceTensors(Path(path)).by_layer(args)
 
 
-def from_preset(name: str, seed: int = 0, attn_impl: str = "sdpa_gqa") -> Decoder:
-    """A preset model: `m3-tiny` with seeded random weights, `m3` on the meta device (shapes only)."""
+def from_preset(name: str, seed: int = 0, attn_impl: str = "sdpa_gqa", n_layers: int | None = None) -> Decoder:
+    """A preset model: `m3-tiny` with seeded random weights, `m3` on the meta device (shapes only). `n_layers`:
+    only the preset's first layers (a model of the same shapes, shallower)."""
     if name not in PRESETS:
         raise M3CompileError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
     args = PRESETS[name].replace(attn_impl=attn_impl)
+    if n_layers is not None:
+        if not 1 <= n_layers <= args.n_layers:
+            raise M3CompileError(f"n_layers must be in [1, {args.n_layers}] for preset {name}, got {n_layers}")
+        types = args.mlp_layer_types[:n_layers] if args.mlp_layer_types else None
+        args = args.replace(n_layers=n_layers, mlp_layer_types=types)
     if name == "m3":
         with torch.device("meta"):
             return Decoder(args).eval()

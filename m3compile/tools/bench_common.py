@@ -49,11 +49,12 @@ def bench_presets() -> list[str]:
 
 
 def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 128, topk: int = 16,
-                 dense_layers: tuple[int, ...] = (0,)) -> tuple[Decoder, Decoder, str, dict | None]:
+                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None
+                 ) -> tuple[Decoder, Decoder, str, dict | None]:
     """(dense model, converted model sharing its weights, description, conversion check) for a checkpoint
     directory (dense: converted in memory with block / topk / dense_layers; converted: the dense twin without the
     index branch) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
-    for a checkpoint that was already converted."""
+    for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower)."""
     torch_dtype = parse_dtype(dtype)
     path = Path(model)
     if path.is_dir():
@@ -61,8 +62,8 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 12
         what = str(path)
     elif model in bench_presets():
         with torch.device(device):
-            dense = from_preset(model).to(torch_dtype)
-        what = f"preset {model} (random weights)"
+            dense = from_preset(model, n_layers=n_layers).to(torch_dtype)
+        what = f"preset {model} (random weights)" + (f", first {n_layers} layers" if n_layers else "")
     else:
         raise M3CompileError(f"{model}: neither a checkpoint directory nor a preset ({', '.join(bench_presets())})")
     args = dense.args

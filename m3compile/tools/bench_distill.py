@@ -15,18 +15,29 @@ Each is timed as the median of repeated steps after warm-up (CUDA events on a GP
 per-stage breakdown from one profiled step (torch.profiler): selection, sparse attention, KL (forward and
 backward), the rest of the forward (backbone and index projections), the rest of the backward, the optimizer,
 and the host time the GPU waited (wall time minus the kernels' busy time).
+
+Each distillation row also counts one step's host dispatches (tools/op_count.py: aten ops and Triton launches,
+by stage and layer), the host-cost proxy that needs no GPU: `count_only` skips the timing and counts one step
+per mode, on the lowered graph (on CPU under TRITON_INTERPRET=1 it runs the Triton kernels' host path), and
+`layers` keeps only a preset's first layers, so a full-size model's count is measured shallow and extrapolated
+(`ops_at_full_depth`: the count plus the missing MSA layers at the count of a middle one).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import platform
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.tools.bench_common import bench_models, is_cuda, kernel_us, median_ms, profile_run
+from m3compile.kernels._common import interpreting
+from m3compile.models.decoder import PRESETS, Decoder
+from m3compile.tools.bench_common import bench_models, is_cuda, kernel_us, median_ms, profile_run, sync
+from m3compile.tools.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
 
@@ -50,11 +61,18 @@ class DistillBenchConfig:
     steps: int = 5
     warmup: int = 2
     device: str = "cuda"
+    layers: int | None = None  # a preset's first layers only (op counts are extrapolated to its full depth)
+    count_only: bool = False  # count one step's dispatches per distillation mode, time nothing
+    cuda_graph: bool = False  # also each distillation mode's step captured in a CUDA graph: checked, then timed
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "block", "topk", "steps"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):
+            raise M3CompileError("--cuda-graph needs --device cuda (and timing: not with --count-ops)")
+        if self.layers is not None and (self.layers < 2 or Path(self.model).is_dir()):
+            raise M3CompileError("--distill-layers takes a preset and at least 2 layers (layer 0 stays dense)")
         parse_dtype(self.dtype)
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise M3CompileError("--device cuda: no CUDA device is available (use --device cpu)")
@@ -92,6 +110,50 @@ def _profile(fn, cfg: DistillBenchConfig) -> dict:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def _op_counts(step: DistillStep, x: torch.Tensor, full_layers: int) -> dict:
+    """One step's dispatches (tools/op_count.py), and the count at the preset's full depth when it was cut."""
+    counted = count_ops(lambda: step(x), step.gm)
+    out = counted.to_dict()
+    msa = [int(k) for k in out["layers"] if k.isdigit() and int(k) in step.gm.meta["m3_kl_distill"].layers]
+    middle = msa[len(msa) // 2 - 1] if len(msa) > 1 else (msa[0] if msa else None)  # not the last (the lm head's)
+    out["per_msa_layer"] = counted.per_layer(middle) if middle is not None else 0
+    out["msa_layers"] = len(msa)
+    n_layers = len([k for k in out["layers"] if k.isdigit()])
+    out["ops_at_full_depth"] = counted.total + (full_layers - n_layers) * out["per_msa_layer"]
+    out["full_depth_layers"] = full_layers
+    return out
+
+
+def _graph_check(model: Decoder, dcfg: DistillConfig, cfg: DistillBenchConfig, mode: str, x: torch.Tensor) -> dict:
+    """A CUDA-graph step against the eager step from the same state: warm the graphed step up (its eager steps,
+    then the capture), copy its parameters and AdamW state into an eager step on another copy of the model, run
+    one step of each on the same batch, compare KL, recall, gradients and updated parameters; then time the
+    graphed step. Relative differences are |a - b| / max(|b|, 1e-12) over all elements (norm-wise for tensors)."""
+    graphed = DistillStep(copy.deepcopy(model), dcfg, cfg.device, mode, cuda_graph=True)
+    for _ in range(graphed.GRAPH_WARMUP + 1):  # the last call captures, then replays
+        graphed(x)
+    eager = DistillStep(copy.deepcopy(model), dcfg, cfg.device, mode)
+    with torch.no_grad():
+        for name, p in eager.params.items():
+            p.copy_(graphed.params[name])
+    eager.opt.load_state_dict(copy.deepcopy(graphed.opt.state_dict()))  # its own tensors, not the graph's
+    kl_e, rec_e, _ = eager(x)
+    kl_g, rec_g, _ = graphed(x)
+    sync(cfg.device)
+
+    def rel(a, b):
+        return (a.float() - b.float()).norm().item() / max(b.float().norm().item(), 1e-12)
+
+    grads = max(rel(graphed.params[n].grad, p.grad) for n, p in eager.params.items())
+    params = max(rel(graphed.params[n], p) for n, p in eager.params.items())
+    check = {"kl_rel": rel(kl_g, kl_e), "recall_rel": rel(rec_g, rec_e), "grad_rel_max": grads,
+             "param_rel_max": params}
+    check["ok"] = check["kl_rel"] < 1e-4 and check["recall_rel"] < 1e-4 and grads < 1e-3 and params < 1e-5
+    ms, peak = _time(lambda: graphed(x), cfg)
+    return {"ms": round(ms, 3), "peak_gb": round(peak, 2), "check": {k: (round(v, 8) if isinstance(v, float) else v)
+                                                                      for k, v in check.items()}}
+
+
 def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
     with process_group(cfg.device, single=True) if cfg.shard else contextlib.nullcontext((0, 1)) as (_, world):
         return {**_bench(cfg, log), "world_size": world}
@@ -99,7 +161,7 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
 
 def _bench(cfg: DistillBenchConfig, log) -> dict:
     dense, sparse, what, _ = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
-                                          topk=cfg.topk)
+                                          topk=cfg.topk, n_layers=cfg.layers)
     args = sparse.args
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab_size, (cfg.batch, cfg.seq_len + 1), generator=g).to(cfg.device)
@@ -109,29 +171,61 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
     amp = compute.compute_dtype(cfg.device)
     rows = []
 
-    def record(name, fn, profiled=True):
+    full_layers = (PRESETS[cfg.model].n_layers if cfg.layers else args.n_layers)
+
+    def record(name, fn, profiled=True, stepper=None):
         log(f"{name} ...")
+        if cfg.count_only:
+            fn()  # one untimed step first (caches, autotuning), then the counted one
+            row = {"stage": name, "ops": _op_counts(stepper, x, full_layers)}
+            rows.append(row)
+            log(f"{name}: {row['ops']['total']:,} dispatches per step ({row['ops']['per_msa_layer']} per MSA layer)")
+            return
         ms, peak = _time(fn, cfg)
         row = {"stage": name, "ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3, 1),
                "peak_gb": round(peak, 2)}
         if profiled:
             row["breakdown"] = _profile(fn, cfg)
+        if stepper is not None:
+            try:
+                row["ops"] = _op_counts(stepper, x, full_layers)
+            except Exception as e:  # noqa: BLE001 - the timings stand; the count's failure is reported in the row
+                row["ops_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                log(f"{name}: counting the dispatches failed ({row['ops_error']})")
         rows.append(row)
-        log(f"{name}: {ms:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak {peak:.1f} GB")
+        log(f"{name}: {ms:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak {peak:.1f} GB"
+            + (f", {row['ops']['total']:,} dispatches" if "ops" in row else ""))
 
     def dense_forward():
         with torch.no_grad(), compute.autocast_context(cfg.device):
             dense(x)
 
-    record("dense forward", dense_forward, profiled=False)
+    if not cfg.count_only:
+        record("dense forward", dense_forward, profiled=False)
+    # lowered on CUDA; counting alone, lowered anywhere (on CPU: the Triton kernels under TRITON_INTERPRET=1)
     step = DistillStep(sparse, DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                              autocast=cfg.autocast),
-                       cfg.device, "warmup", shard=cfg.shard)
-    record("distill warm-up", lambda: step(x))
+                       cfg.device, "warmup", shard=cfg.shard, lowered=True if cfg.count_only else None)
+    record("distill warm-up", lambda: step(x), stepper=step)
     step.set_mode("sparse")
-    record("distill sparse", lambda: step(x))
+    record("distill sparse", lambda: step(x), stepper=step)
     step = None  # frees the distillation graph before the training steps
-    if cfg.train:
+    graph_errors: dict[str, str] = {}
+    if cfg.cuda_graph:
+        dcfg = DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype, autocast=cfg.autocast)
+        for mode, name in (("warmup", "distill warm-up"), ("sparse", "distill sparse")):
+            log(f"{name}, CUDA graph ...")
+            try:
+                got = _graph_check(sparse, dcfg, cfg, mode, x)
+            except M3CompileError as e:  # capture refused: reported, the other rows stand
+                graph_errors[name] = str(e)
+                log(f"{name}, CUDA graph: {e}")
+                continue
+            rows.append({"stage": f"{name} (CUDA graph)", "ms": got["ms"],
+                         "tokens_per_s": round(tokens / got["ms"] * 1e3, 1), "peak_gb": got["peak_gb"],
+                         "check": got["check"]})
+            log(f"{name}, CUDA graph: {got['ms']:.1f} ms, same as eager: {got['check']['ok']} {got['check']}")
+    if cfg.train and not cfg.count_only:
         opt = torch.optim.AdamW([p for p in dense.parameters()], lr=1e-5, betas=(0.9, 0.95))
         for p in dense.parameters():
             p.requires_grad_(True)
@@ -148,17 +242,19 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         del opt
         dense.zero_grad(set_to_none=True)
         if cfg.shard:  # the distillation step sharded this model's modules: a fresh one
-            sparse = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block, topk=cfg.topk)[1]
+            sparse = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block, topk=cfg.topk,
+                                  n_layers=cfg.layers)[1]
         train = DistillStep(sparse, TrainConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                                 lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse",
                             shard=cfg.shard)
         record("msa train", lambda: train(x, y))
     base = {r["stage"]: r for r in rows}
-    for r in rows:
+    for r in rows if not cfg.count_only else ():
         ref = base["dense train"] if r["stage"] == "msa train" else base["dense forward"]
         r["ratio"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
         r["ratio_to"] = ref["stage"]
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device}
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
+           "triton_kernels": str(cfg.device).startswith("cuda") or interpreting()}
     if str(cfg.device).startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
         try:
@@ -168,4 +264,5 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         except ImportError:
             pass
     return {"model": what, "config": asdict(cfg), "layers": args.n_layers, "msa": asdict(args.msa),
-            "autocast": str(amp).replace("torch.", "") if amp else None, "rows": rows, "env": env}
+            "autocast": str(amp).replace("torch.", "") if amp else None, "rows": rows, "env": env,
+            **({"cuda_graph_errors": graph_errors} if graph_errors else {})}

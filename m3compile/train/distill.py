@@ -41,6 +41,7 @@ from m3compile.io.load import load, load_meta, weights_by_layer
 from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
 from m3compile.models.decoder import RotaryEmbedding
+from m3compile.ops import scope
 from m3compile.pipelines import run_pipeline
 from m3compile.train.shard import (
     copy_rows, full_tensor, local_bytes, materialize, needs_sharding, process_group, shard_graph,
@@ -67,12 +68,15 @@ class DistillConfig:
     dtype: str = "float32"
     weight_decay: float = 0.0
     autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
+    cuda_graph: bool = False  # capture the step in a CUDA graph after warm-up (DistillStep); not part of a resume
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "loss_coeff"):
             value = getattr(self, name, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise M3CompileError(f"cuda_graph must be a boolean, got {self.cuda_graph!r}")
         for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -92,10 +96,11 @@ class DistillConfig:
         cuda = str(device).startswith("cuda")
         return torch.bfloat16 if cuda and self.autocast in ("auto", "bf16") else None
 
-    def autocast_context(self, device: str) -> torch.autocast:
-        """The context the forward runs in: bf16 autocast on CUDA unless turned off, a no-op elsewhere."""
+    def autocast_context(self, device: str, cache: bool = True) -> torch.autocast:
+        """The context the forward runs in: bf16 autocast on CUDA unless turned off, a no-op elsewhere. `cache`
+        False: no cache of cast weights (what a CUDA-graph capture needs)."""
         amp = self.compute_dtype(device)
-        return torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None)
+        return torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None, cache_enabled=cache)
 
     def mode(self, step: int) -> str:
         return "warmup" if step < self.warmup_steps else "sparse"
@@ -241,16 +246,39 @@ class DistillStep:
     With `world` > 1 the graph is wrapped in DistributedDataParallel; with `shard` it is sharded with FSDP2 instead
     (train/shard.py; a process group must exist). A `model` on the meta device (`load_meta`) is then allocated
     shard by shard and filled from `weights` (`weights_by_layer` of its checkpoint).
+
+    `cuda_graph` (CUDA, one process, lowered, not sharded): the first GRAPH_WARMUP calls in a mode run eagerly on a
+    side stream (real steps: autotuning and the shape caches fill), the next captures the whole step (forward,
+    backward, AdamW, with a capturable optimizer and no autocast cache) into a torch.cuda.CUDAGraph and every later
+    call copies its batch into the static input and replays it: one launch per step instead of thousands. A new mode
+    or batch shape captures again. A step that cannot be captured (a host read, as MoE routing does) raises
+    M3CompileError.
     """
 
+    GRAPH_WARMUP = 2
+
     def __init__(self, model: torch.nn.Module, config: DistillConfig, device: str, mode: str, world: int = 1,
-                 shard: bool = False, weights=None):
+                 shard: bool = False, weights=None, lowered: bool | None = None, cuda_graph: bool = False):
+        if cuda_graph:
+            if not str(device).startswith("cuda") or not torch.cuda.is_available():
+                raise M3CompileError("--cuda-graph needs a CUDA device")
+            if world > 1 or shard:
+                raise M3CompileError("--cuda-graph captures one process's unsharded step: not with --shard or "
+                                     "under torchrun (world size > 1)")
+            if lowered is False:
+                raise M3CompileError("--cuda-graph captures the lowered step (the Triton kernels)")
+        self.cuda_graph = cuda_graph
+        self._graph = self._graph_key = self._static = None
+        self._warm = 0
         self.config, self.device, self.sharded = config, device, shard
         self.training = isinstance(config, TrainConfig)
         self.amp = config.compute_dtype(device)
         self.gm = trace(model)
-        # on CUDA: lowered to the fused indexer, sparse attention and fused KL (+ backwards)
-        run_pipeline("distill", self.gm, mode=mode, lowered=str(device).startswith("cuda"))
+        # on CUDA (or when asked: lowered ops take the Triton kernels on CPU under TRITON_INTERPRET=1, the torch
+        # reference otherwise): the fused indexer, sparse attention and fused KL (+ backwards)
+        lowered = str(device).startswith("cuda") if lowered is None else lowered
+        # sharded: without the norm / index-branch fusions (they read weights outside their modules' FSDP calls)
+        run_pipeline("distill", self.gm, mode=mode, lowered=lowered, fused=not shard)
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
@@ -271,8 +299,10 @@ class DistillStep:
                 self.gm, device_ids=None if device == "cpu" else [device])
         params = dict(self.gm.named_parameters())  # read after sharding: FSDP registers new parameters
         self.params = {n: params[n] for n in names}
+        # fused: one kernel for every parameter (per-parameter ops were the step's largest share of dispatches);
+        # sharded, the same kernel runs on each rank's DTensor shards (elementwise: bit-identical to unsharded)
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=config.lr, betas=(0.9, 0.95),
-                                     weight_decay=config.weight_decay)
+                                     weight_decay=config.weight_decay, fused=True, capturable=cuda_graph)
 
     @property
     def mode(self) -> str:
@@ -282,25 +312,62 @@ class DistillStep:
         if self.mode != mode:
             run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+    def backward(self, x: torch.Tensor, y: torch.Tensor | None = None, cache: bool = True):
         """Forward and backward of one batch: the trained parameters' .grad (the mean over ranks, sharded as the
         parameters are); returns detached (kl, recall, lm)."""
-        with torch.profiler.record_function("m3c.forward"), self.config.autocast_context(self.device):
+        with scope("m3c.forward"), self.config.autocast_context(self.device, cache):
             logits, kl, recall = self.net(x)
             lm = None
             if self.training:  # next-token loss through the sparse attention + the index KL
                 lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
-        with torch.profiler.record_function("m3c.backward"):
-            loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
+        with scope("m3c.backward"):
+            with scope("m3c.loss"):
+                loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
             loss.backward()
         return kl.detach(), recall.detach(), None if lm is None else lm.detach()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
-        out = self.backward(x, y)
-        with torch.profiler.record_function("m3c.optimizer"):
+        if not self.cuda_graph:
+            return self._step(x, y)
+        return self._graphed(x, y)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor | None = None, cache: bool = True):
+        out = self.backward(x, y, cache)
+        with scope("m3c.optimizer"):
             self.opt.step()
         return out
+
+    def _graphed(self, x: torch.Tensor, y: torch.Tensor | None):
+        key = (self.mode, tuple(x.shape))
+        if key != self._graph_key:  # a new mode or shape: warm up, then capture again
+            self._graph, self._graph_key, self._warm = None, key, 0
+        if self._graph is None and self._warm < self.GRAPH_WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self._step(x, y, cache=False)
+            torch.cuda.current_stream().wait_stream(side)
+            self._warm += 1
+            return out
+        if self._graph is None:
+            for group in self.opt.param_groups:  # a resumed optimizer state may carry other flags
+                group["capturable"] = True
+            static_x, static_y = x.clone(), None if y is None else y.clone()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = self._step(static_x, static_y, cache=False)
+            except Exception as e:  # noqa: BLE001 - what capture refused, in one line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise M3CompileError(f"--cuda-graph: the distillation step cannot be captured ({first})") from None
+            self._graph, self._static = graph, (static_x, static_y, out)
+        static_x, static_y, out = self._static
+        static_x.copy_(x)
+        if y is not None:
+            static_y.copy_(y)
+        self._graph.replay()
+        return tuple(None if t is None else t.clone() for t in out)  # the static outputs change at the next replay
 
 
 class _Run:
@@ -360,7 +427,8 @@ class _Run:
             start, history = self._check_resume(state, fingerprint)
 
         weights = weights_by_layer(self.model_dir, model.args) if sharded else None
-        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world, shard=sharded, weights=weights)
+        stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world, shard=sharded, weights=weights,
+                              cuda_graph=cfg.cuda_graph)
         params, opt, gm = stepper.params, stepper.opt, stepper.gm
         self.sharded = sharded
         if state is not None:

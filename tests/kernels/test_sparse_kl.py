@@ -70,3 +70,34 @@ def test_lse_only_pass_equals_the_attention_forward_lse(G, K):
     chunked = _forward(q, k, k, blocks, bs, D**-0.5, 1, 5, "lse", True)[1]  # several query chunks
     assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() < 1e-5 and (chunked - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: "B{}-Hkv{}-G{}-T{}-D{}-Di{}-bs{}-k{}".format(*c))
+def test_mean_block_mass_and_a_given_csr(case):
+    """reduction="mean" (a scalar whose backward broadcasts in the kernel), the teacher's mass per slot (the
+    reference's block_mass, 0 at -1 slots), and the KL over a CSR built at the attention's chunk."""
+    from m3compile.kernels import sparse_attention as sa
+
+    B, Hkv, G, T, D, Di, bs, K = case
+    q_idx = torch.randn(B, T, Hkv, Di, requires_grad=True)
+    k_idx = torch.randn(B, T, Di, requires_grad=True)
+    q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(q_idx.detach().transpose(1, 2), k_idx.detach(), block_size=bs, topk=K).int()
+    csr = sa.block_csr(blocks, -(-T // bs), sa.attention_chunk(G))
+    kl, mass = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, backend="triton", csr=csr,
+                                         reduction="mean", block_mass=True)
+    kl.backward()
+    got = (q_idx.grad.clone(), k_idx.grad.clone())
+    q_idx.grad = k_idx.grad = None
+    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
+    want.mean().backward()
+    assert kl.dim() == 0 and abs(kl.item() - want.mean().item()) < 1e-6
+    for a, b in zip(got, (q_idx.grad, k_idx.grad)):
+        assert (a - b).norm().item() <= 1e-5 * max(1.0, b.norm().item())
+    want_mass = ref.block_mass(q, k, blocks, block_size=bs)
+    assert (mass - want_mass).abs().max().item() < 1e-5
+    assert torch.equal(mass[blocks < 0], torch.zeros_like(mass[blocks < 0]))
+    assert (mass.sum(-1) - 1).abs().max().item() < 1e-5  # the support holds all of the sparse teacher's mass
+    torch_kl, torch_mass = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, backend="torch",
+                                                     reduction="mean", block_mass=True)
+    assert abs(torch_kl.item() - want.mean().item()) < 1e-6 and torch.equal(torch_mass, want_mass)

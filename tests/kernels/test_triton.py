@@ -198,6 +198,19 @@ def test_csr_lists_every_valid_entry_once():
     assert torch.equal(covered, torch.ones_like(covered))
 
 
+@pytest.mark.parametrize("B,Hkv,T,K,bs,chunk,t0,t1", [(2, 3, 40, 4, 8, 8, 0, 40), (1, 1, 1, 2, 16, 8, 0, 1),
+                                                     (2, 2, 70, 3, 8, 16, 20, 55), (1, 4, 33, 16, 4, 256, 0, 33)])
+def test_csr_kernels_build_the_torch_csr(B, Hkv, T, K, bs, chunk, t0, t1):
+    """The CSR built by the Triton kernels (keys, one sort, segments, tiles) is the torch build's, tensor for
+    tensor: one query range, a middle range, more slots than blocks (-1 slots), a chunk wider than any segment."""
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
+    n_blocks = -(-T // bs)
+    want = sa._build_csr_torch(blocks, n_blocks, t0, t1, chunk)
+    got = sa._build_csr_triton(blocks, n_blocks, t0, t1, chunk)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
+
+
 def _paged(lens, bs, Hkv, D, Di, dtype=torch.float32):
     """Caches with pages in shuffled physical order and a few unused pages."""
     B = len(lens)

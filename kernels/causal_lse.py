@@ -1,0 +1,93 @@
+"""Each query head's log-sum-exp over every causally visible key, and the dense teacher's recall of a selection,
+fused (never T x T): what the lowered KL hook needs besides the KL itself.
+
+    causal_lse(q, k)                     [B, R, Hq]  log-sum-exp (base 2, scale included) of rows R of the queries
+    dense_recall(q, k, selected_lse)     [B, R, Hkv] mean over each group's heads of exp2(selected_lse - lse), the
+                                                     share of the dense attention mass inside the selected blocks
+
+One program owns TOK query rows (sampled positions `rows`, ascending) x the G heads of one KV group (the rows of
+one matmul, as in the gather kernels) and streams the keys up to its last row's position in tiles of BN with an
+online max and sum: the FlashAttention forward without V. Warm-up distillation takes `causal_lse` over every
+query as its dense teacher's normaliser; sparse distillation measures recall on up to RECALL_ROWS sampled rows.
+Shapes: q [B, Hq, T, D], k [B, Hkv, T, D] (unit last stride), rows [R] int64, selected_lse [B, T, Hq] fp32.
+The torch reference is `reference.causal_lse`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from m3compile.kernels import reference as ref
+from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+
+__all__ = ["causal_lse", "dense_recall", "all_rows"]
+
+
+@functools.lru_cache(maxsize=16)
+def all_rows(T: int, device: torch.device) -> torch.Tensor:
+    """arange(T) int64 on `device` (cached: never written to)."""
+    return torch.arange(T, device=device)
+
+
+def _check(q, k, rows):
+    ref._check_attention_inputs(q, k, k)
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
+        raise ValueError(f"rows must be a 1-D int64 tensor of query positions, got {rows.dtype} {tuple(rows.shape)}")
+
+
+def _launch(q, k, rows, selected_lse, out, scale):
+    from m3compile.kernels._tl_lse import causal_lse_kernel
+
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    R = rows.numel()
+    recall = selected_lse is not None
+    sel = selected_lse if recall else out  # unused pointer without recall
+    grid = lambda meta: (-(-R // max(1, meta["ROWS"] // next_pow2(G))), B * Hkv)  # noqa: E731
+    causal_lse_kernel[grid](
+        q, k, rows, sel, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        sel.stride(0), sel.stride(1), out.stride(0), out.stride(1),
+        R, T, scale * math.log2(math.e), tune_bucket(T),
+        HKV=Hkv, G=G, GP=next_pow2(G), D=D, DP=max(16, next_pow2(D)), RECALL=recall, IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+def causal_lse(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, rows: torch.Tensor | None = None,
+               backend: str = "auto") -> torch.Tensor:
+    """Every query head's log-sum-exp (base 2, softmax scale included) over its causally visible keys.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], rows (query positions, ascending, int64; default all) -> [B, R, Hq] fp32."""
+    _check(q, k, rows)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if not use_triton(q, k, backend=backend):
+        return ref.causal_lse(q, k, scale, rows=rows)
+    rows = all_rows(q.shape[2], q.device) if rows is None else rows
+    out = torch.empty(q.shape[0], rows.numel(), q.shape[1], dtype=torch.float32, device=q.device)
+    return _launch(q, k, rows, None, out, scale)
+
+
+def dense_recall(q: torch.Tensor, k: torch.Tensor, selected_lse: torch.Tensor, *, scale: float | None = None,
+                 rows: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Block recall of a selection: per (batch, query row, KV group) the mean over the group's heads of the dense
+    attention mass inside the selected keys, exp2(selected_lse - causal_lse).
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], selected_lse [B, T, Hq] (base 2: the sparse attention's log-sum-exp over the
+    selected keys), rows (ascending int64; default all) -> [B, R, Hkv] fp32."""
+    _check(q, k, rows)
+    B, Hq, T, _ = q.shape
+    Hkv = k.shape[1]
+    if selected_lse.shape != (B, T, Hq):
+        raise ValueError(f"selected_lse must be [B, T, Hq] = [{B}, {T}, {Hq}], got {tuple(selected_lse.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if not use_triton(q, k, backend=backend):
+        rows = torch.arange(T, device=q.device) if rows is None else rows
+        lse_all = ref.causal_lse(q, k, scale, rows=rows)
+        return torch.exp2(selected_lse[:, rows].float() - lse_all).unflatten(2, (Hkv, Hq // Hkv)).mean(-1)
+    rows = all_rows(T, q.device) if rows is None else rows
+    out = torch.empty(B, rows.numel(), Hkv, dtype=torch.float32, device=q.device)
+    return _launch(q, k, rows, selected_lse.float(), out, scale)
