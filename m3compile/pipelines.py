@@ -4,6 +4,7 @@
                                                            calibrated init when given attention-input moments)
     vision    vit_3d_window                                a ViT's per-frame attention -> 3D windows
     distill   kl_distill [-> the lower passes on CUDA]     KL hooks for the index branch, then the Triton kernels
+                                                           (sharded with FSDP2: lower_triton only, no fusions)
     lower     lower_triton -> fuse_index_branch -> lower_norms   reference ops -> Triton-backed ops (last)
     export    strip_kl_distill -> fuse_msa                 one torch.ops.m3compile.msa node per layer (ONNX)
 
