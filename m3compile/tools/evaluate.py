@@ -201,8 +201,8 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     if batch < 1:
         raise M3CompileError(f"batch must be >= 1, got {batch}")
     start = time.perf_counter()
-    data = windows(tokens, seq_len, max_windows)
     device = next(model.parameters()).device
+    data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window
     sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
     oracle = oracle and bool(sparse_layers)
     kernels = _kernels_default(model) if kernels is None else kernels
@@ -213,7 +213,7 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     with _eval_mode(model, kernels):
         for b in range(0, data.shape[0], batch):
             chunk = data[b:b + batch]
-            x, y = chunk[:, :-1].to(device), chunk[:, 1:].to(device)
+            x, y = chunk[:, :-1], chunk[:, 1:]
             model.set_sparse(False)
             dense = _token_losses(model, x, y)
             dense_sum = dense_sum + dense.sum(dtype=torch.float64)
