@@ -251,7 +251,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all].")
 @click.option("--task", default="loss", show_default=True,
               help="loss: dense / sparse / oracle loss and recall; retrieval: copy a value planted DISTANCE tokens back.")
-@click.option("--no-oracle", is_flag=True, help="Skip the oracle-selection loss (saves a third forward per window).")
+@click.option("--no-oracle", is_flag=True, help="Skip the oracle-selection loss and oracle recall (saves a third forward per window).")
+@click.option("--batch", default=1, show_default=True, help="Loss: windows per forward (more fill a GPU; memory grows with it).")
 @click.option("--distances", default="1024,2048,4096,8192", show_default=True,
               help="Retrieval: comma-separated distances in tokens (those that do not fit --seq-len are skipped).")
 @click.option("--probes", default=16, show_default=True, help="Retrieval: probes per distance.")
@@ -261,8 +262,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
               help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute dtype; fp8: e4m3).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, probes, seed, dtype, index_dtype, device,
-          as_json):
+def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distances, probes, seed, dtype, index_dtype,
+          device, as_json):
     """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data; or, with
     --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier.
 
@@ -273,6 +274,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
     """
     if seq_len < 1:
         raise click.BadParameter("--seq-len must be >= 1")
+    if batch < 1:
+        raise click.BadParameter("--batch must be >= 1")
     if task not in ("loss", "retrieval"):
         _fail(f"unknown --task {task!r} (use loss or retrieval)")
     if task == "retrieval":
@@ -313,7 +316,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
     with Progress(transient=True, disable=as_json) as bar:
         task_id = bar.add_task("evaluating", total=None)
         report = _run(evaluate, model, tokens, seq_len, max_windows,
-                      progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle)
+                      progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle, batch=batch)
     if not report.finite:
         _fail(f"{model_dir}: the loss is not finite (dense {report.dense_loss}, sparse {report.sparse_loss}): the "
               f"model holds NaN/Inf weights or overflows {dtype}")
@@ -337,10 +340,10 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, distances, pro
     table.add_column("recall", justify="right")
     table.add_column("recall p10", justify="right")
     table.add_column("oracle (teacher's own top-k)", justify="right")
+    opt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731 (no oracle pass with --no-oracle)
     for layer, r in report.recall.items():
-        table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", f"{report.oracle_recall[layer]:.3f}")
-    table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}",
-                  f"{report.mean_oracle_recall:.3f}")
+        table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", opt(report.oracle_recall.get(layer)))
+    table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}", opt(report.mean_oracle_recall))
     console.print(table)
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES
 from m3compile.kernels.reference import oracle_blocks
-from m3compile.ops import apply_index_rope, apply_rope, msa_attention, msa_select, split_heads
+from m3compile.ops import (apply_index_rope, apply_rope, msa_attention, msa_attention_lse_triton, msa_attention_triton,
+                           msa_select, msa_select_triton, split_heads)
 
 __all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "Selection", "SELECTIONS"]
 
@@ -221,6 +222,11 @@ class Attention(nn.Module):
         self.sparse = True  # False runs an MSA layer densely (the "dense loss" of `m3c eval`)
         self.selection: Selection = "index"  # "oracle": the dense attention's own top-k blocks (`m3c eval`)
         self.probe = None  # evaluation hook: probe(attn, q, k, blocks) sees each sparse forward
+        # evaluation hook: lse_probe(attn, q, k, blocks, lse) sees each sparse forward after its attention, with the
+        # attention's per-head log-sum-exp over the selected keys (lse [B, T, Hq] fp32 base 2; None where the
+        # lowered kernel did not run or every visible block was selected)
+        self.lse_probe = None
+        self.kernels = False  # True: MSA layers run the lowered ops (Triton on CUDA / interpreter; `m3c eval`)
         if self.msa is not None:
             m = self.msa
             self.index_q_proj = nn.Linear(args.hidden_size, m.index_heads * m.index_dim, bias=False)
@@ -267,16 +273,28 @@ class Attention(nn.Module):
 
     def _msa(self, x, q, k, v, cos, sin):
         m = self.msa
+        if self.kernels and not self.sparse:  # dense: no selection to compute (the reference path still runs it)
+            return msa_attention(q, k, v, None, block_size=m.block_size, scale=self.scale, sparse=False)
         if self.selection == "oracle" and self.sparse:
             blocks = oracle_blocks(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
                                    local_blocks=m.local_blocks, scale=self.scale)
         else:
             q_idx, k_idx = self.index_branch(x, cos, sin)
-            blocks = msa_select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                local_blocks=m.local_blocks, index_dtype=m.index_dtype)
+            select = msa_select_triton if self.kernels else msa_select
+            blocks = select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                            local_blocks=m.local_blocks, index_dtype=m.index_dtype)
         if self.probe is not None and self.sparse:
             self.probe(self, q, k, blocks)
-        return msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
+        if not self.kernels:
+            o = msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
+            if self.lse_probe is not None and self.sparse:
+                self.lse_probe(self, q, k, blocks, None)
+            return o
+        if self.lse_probe is None:
+            return msa_attention_triton(q, k, v, blocks, block_size=m.block_size, scale=self.scale)
+        o, lse, _ = msa_attention_lse_triton(q, k, v, blocks, block_size=m.block_size, scale=self.scale)
+        self.lse_probe(self, q, k, blocks, lse)
+        return o
 
 
 class MLP(nn.Module):
@@ -422,6 +440,14 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention) and module.msa is not None:
                 module.msa = self.args.msa
+
+    def set_kernels(self, enabled: bool) -> None:
+        """Run MSA layers with the lowered ops (True: msa_select_triton, msa_attention(_lse)_triton, which launch
+        Triton on CUDA tensors or under TRITON_INTERPRET=1 and run the references elsewhere) or the plain-torch
+        reference ops (False, the default, what tracing sees). Same results within the kernels' tolerance."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernels = enabled
 
     def set_selection(self, selection: Selection) -> None:
         """How sparse MSA layers pick their blocks: "index" (the index branch) or "oracle" (each layer's dense

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from m3compile import MSAConfig, convert_checkpoint, evaluate, load
 from m3compile.io.data import load_tokens
+from m3compile.kernels import reference as ref
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 from tests.test_cli import assert_clean_failure, run, small_ckpt  # noqa: F401 (fixture)
@@ -88,9 +89,69 @@ def test_tail_figures_and_no_oracle():
     assert report.oracle_loss is None and report.oracle_tail_share is None
     d = report.to_dict()
     assert d["oracle_loss"] is None and d["oracle_loss_increase"] is None
+    assert d["oracle_recall"] is None and d["mean_oracle_recall"] is None and report.oracle_recall == {}
     assert 0 <= d["tail_share"] <= 1 and set(d["recall_p10"]) == {"1", "2"}
     assert all(0 <= d["recall_p10"][k] <= d["recall"][k] + 1e-4 for k in d["recall_p10"])  # p10 below the mean
     assert d["min_recall_p10"] == min(d["recall_p10"].values())
+
+
+def _oracle_pass_recall(model, tokens, seq_len):
+    """Per MSA layer, reference.oracle_recall of the q/k each layer sees in the oracle forward, mean over tokens."""
+    sums, count = {}, 0
+    msa = model.args.msa
+
+    def capture(i, attn, q, k, blocks):
+        r = ref.oracle_recall(q, k, block_size=msa.block_size, topk=msa.topk, init_blocks=msa.init_blocks,
+                              local_blocks=msa.local_blocks, scale=attn.scale)
+        sums[i] = sums.get(i, 0.0) + float(r.sum())
+
+    layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
+    for i in layers:
+        model.model.layers[i].self_attn.probe = lambda *a, _i=i: capture(_i, *a)
+    model.set_selection("oracle")
+    try:
+        with torch.no_grad():
+            for w in range(tokens.numel() // seq_len):
+                model(tokens[None, w * seq_len: (w + 1) * seq_len])
+                count += model.args.n_kv_heads * seq_len
+    finally:
+        model.set_selection("index")
+        for i in layers:
+            model.model.layers[i].self_attn.probe = None
+    return {i: sums[i] / count for i in layers}
+
+
+@pytest.mark.parametrize("heads, kv, layers, n_windows", [(3, 1, 3, 2), (1, 1, 2, 1)],
+                         ids=["group3-two-msa-layers-batch2", "group1"])
+def test_lowered_path_equals_the_reference_path(heads, kv, layers, n_windows):
+    """kernels=True (Triton selection, sparse attention with its LSE, recall from causal_lse.dense_recall; here
+    under the interpreter) against the reference ops: losses, tails, per-layer recall and p10, oracle recall; T = 19
+    is not a multiple of the block. The oracle recall is the one of the oracle pass's own q/k."""
+    args = ModelArgs(vocab_size=64, hidden_size=24, n_layers=layers, n_heads=heads, n_kv_heads=kv, head_dim=8,
+                     intermediate_size=32, sparse_layers=(False,) + (True,) * (layers - 1),
+                     msa=MSALayerArgs(index_heads=kv, index_dim=8, block_size=4, topk=3, init_blocks=1))
+    model = Decoder(args).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    T = 19
+    tokens = torch.randint(0, 64, (n_windows * T + 1,))
+    slow = evaluate(model, tokens, seq_len=T)  # on CPU the default is the reference ops
+    fast = evaluate(model, tokens, seq_len=T, kernels=True, batch=n_windows)
+    assert not any(a.kernels or a.lse_probe for a in (layer.self_attn for layer in model.model.layers))  # restored
+    for name in ("dense_loss", "sparse_loss", "oracle_loss"):
+        assert getattr(fast, name) == pytest.approx(getattr(slow, name), abs=1e-5), name
+    assert slow.sparse_loss != pytest.approx(slow.dense_loss, abs=1e-4)  # the selection does matter here
+    assert (fast.tail_share, fast.oracle_tail_share) == (slow.tail_share, slow.oracle_tail_share)
+    assert set(fast.recall) == set(fast.oracle_recall) == set(range(1, layers))
+    for i in fast.recall:
+        assert fast.recall[i] == pytest.approx(slow.recall[i], abs=1e-5)
+        assert fast.recall_p10[i] == pytest.approx(slow.recall_p10[i], abs=1e-4)
+        assert fast.oracle_recall[i] == pytest.approx(slow.oracle_recall[i], abs=1e-5)
+        assert fast.recall[i] < 1 - 1e-3
+    expected = _oracle_pass_recall(model, tokens, T)
+    for i in expected:
+        assert fast.oracle_recall[i] == pytest.approx(expected[i], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +180,12 @@ def test_cli_eval_json_and_table(small_ckpt, tmp_path):
                 "min_recall_p10"):
         assert key in d and d[key] is not None, key
     assert math.isfinite(d["oracle_loss"])
-    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json", "--no-oracle")
-    assert code == 0 and json.loads(output)["oracle_loss"] is None
+    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json", "--no-oracle", "--batch", 2)
+    assert code == 0 and json.loads(output)["oracle_loss"] is None and json.loads(output)["oracle_recall"] is None
+    assert json.loads(output)["dense_loss"] == pytest.approx(d["dense_loss"], abs=1e-5)  # batched: the same loss
+    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--no-oracle")
+    assert code == 0 and "oracle loss" not in output and "recall p10" in output, output
+    assert_clean_failure(*run("eval", tmp_path / "m", "--data", data, "--batch", 0), None, "--batch")
     code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64)
     assert code == 0 and "oracle loss" in output and "recall p10" in output and "tail" in output, output
     assert_clean_failure(*run("eval", tmp_path / "m", "--data", data, "--task", "nope"), None, "unknown --task")

@@ -2,6 +2,7 @@
 its tail per layer; the share of tokens that sparse attention hurts badly."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -10,8 +11,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from m3compile.errors import M3CompileError
 from m3compile.io.data import windows
-from m3compile.kernels import reference
+from m3compile.kernels import causal_lse, reference
 from m3compile.models.decoder import Attention, Decoder
 
 __all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
@@ -45,10 +47,12 @@ class EvalReport:
     tail_share                 share of tokens whose sparse per-token loss exceeds their dense one by > 0.5 nats
     oracle_tail_share          the same for the oracle run (null when oracle_loss is)
     mean_recall, recall        block recall: share of the dense group-mean attention mass inside the selected
-                               blocks, mean over layers and per MSA layer ({"layer": value})
+                               blocks, mean over layers and per MSA layer ({"layer": value}), in the sparse forward
     recall_p10                 per MSA layer, the 10th percentile of recall over (KV group, token) pairs (to 1e-4)
     min_recall_p10             the lowest recall_p10 over layers (the worst layer's tail; null without MSA)
-    mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer
+    mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer, measured in the
+                               oracle forward (each layer's q/k there; equal to reference.oracle_recall of them);
+                               null / {} when oracle_loss is (oracle=False, `--no-oracle`: no oracle pass runs)
     seconds                    wall time
     """
 
@@ -59,7 +63,7 @@ class EvalReport:
     sparse_loss: float | None
     recall: dict[int, float] = field(default_factory=dict)  # layer -> mean block recall
     seconds: float = 0.0
-    oracle_recall: dict[int, float] = field(default_factory=dict)  # layer -> recall of the teacher's own top-k
+    oracle_recall: dict[int, float] = field(default_factory=dict)  # layer -> recall of the oracle run ({}: none)
     oracle_loss: float | None = None
     tail_share: float | None = None
     oracle_tail_share: float | None = None
@@ -100,41 +104,55 @@ class EvalReport:
             "oracle_tail_share": _finite(self.oracle_tail_share), "mean_recall": _finite(self.mean_recall),
             "recall": per_layer(self.recall), "recall_p10": per_layer(self.recall_p10),
             "min_recall_p10": _finite(self.min_recall_p10), "mean_oracle_recall": _finite(self.mean_oracle_recall),
-            "oracle_recall": per_layer(self.oracle_recall), "seconds": round(self.seconds, 2),
+            "oracle_recall": per_layer(self.oracle_recall) if self.oracle_recall else None,
+            "seconds": round(self.seconds, 2),
         }
 
 
 class _RecallProbe:
-    """Attached to MSA layers during the sparse (index-selected) forward: accumulates per-layer block recall, a
-    histogram of its per-(group, token) values for the tail quantile, and oracle recall."""
+    """The `lse_probe` of the MSA layers during one pass (sparse: the index branch's selection; oracle: the oracle's):
+    per layer the sum and count of the block recall of the selection that ran, and, when `hist`, a histogram of its
+    per-(group, token) values for the tail quantile. Everything stays on the device: `result` and `quantile` read it
+    back once, at the end.
 
-    def __init__(self):
-        self.sums: dict[int, float] = {}
-        self.oracle_sums: dict[int, float] = {}
+    Recall is the share of the dense group-mean causal attention mass inside the selected blocks
+    (reference.block_recall). From the lowered attention's per-head log-sum-exp over the selected keys it is
+    causal_lse.dense_recall (mean over the group's heads of exp2(lse_selected - lse_all), the FlashAttention-style
+    streamed dense log-sum-exp, never T x T); where every visible block is selected it is 1; otherwise (the
+    reference ops ran) reference.block_recall."""
+
+    def __init__(self, hist: bool):
+        self.hist = hist
+        self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {}
         self.hists: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer: int, attn: Attention, q, k, blocks) -> None:
+    def __call__(self, layer: int, attn: Attention, q, k, blocks, lse) -> None:
         m = attn.msa
-        r = reference.block_recall(q, k, blocks, block_size=m.block_size, scale=attn.scale)
-        best = reference.oracle_recall(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                       local_blocks=m.local_blocks, scale=attn.scale)
-        self.sums[layer] = self.sums.get(layer, 0.0) + float(r.sum())
-        self.oracle_sums[layer] = self.oracle_sums.get(layer, 0.0) + float(best.sum())
+        if lse is not None:
+            r = causal_lse.dense_recall(q, k, lse, scale=attn.scale)  # [B, T, Hkv]
+        elif attn.kernels and -(-q.shape[2] // m.block_size) <= blocks.shape[-1]:  # every visible block selected
+            r = torch.ones(q.shape[0], q.shape[2], k.shape[1], device=q.device)
+        else:
+            r = reference.block_recall(q, k, blocks.long(), block_size=m.block_size, scale=attn.scale)  # [B, Hkv, T]
+        r = r.flatten().float()
+        total = r.sum(dtype=torch.float64)
+        self.sums[layer] = self.sums[layer] + total if layer in self.sums else total
         self.counts[layer] = self.counts.get(layer, 0) + r.numel()
-        bins = (r.flatten().float() * _RECALL_BINS).long().clamp(0, _RECALL_BINS - 1)
-        hist = torch.bincount(bins, minlength=_RECALL_BINS).cpu()
-        self.hists[layer] = self.hists[layer] + hist if layer in self.hists else hist
+        if self.hist:
+            bins = (r * _RECALL_BINS).long().clamp(0, _RECALL_BINS - 1)
+            if layer not in self.hists:
+                self.hists[layer] = torch.zeros(_RECALL_BINS, dtype=torch.long, device=r.device)
+            self.hists[layer].scatter_add_(0, bins, torch.ones_like(bins))  # (bincount syncs to size its output)
 
-    def result(self, oracle: bool = False) -> dict[int, float]:
-        sums = self.oracle_sums if oracle else self.sums
-        return {layer: sums[layer] / self.counts[layer] for layer in sorted(sums)}
+    def result(self) -> dict[int, float]:
+        return {layer: float(self.sums[layer]) / self.counts[layer] for layer in sorted(self.sums)}
 
     def quantile(self, q: float) -> dict[int, float]:
         """Per layer, the recall below which a share q of the (group, token) pairs falls (the bin's upper edge)."""
         out = {}
         for layer in sorted(self.hists):
-            cum = self.hists[layer].cumsum(0)
+            cum = self.hists[layer].cpu().cumsum(0)
             i = int(torch.searchsorted(cum, torch.tensor(max(1, math.ceil(q * int(cum[-1]))), dtype=cum.dtype)))
             out[layer] = min(1.0, (i + 1) / _RECALL_BINS)
         return out
@@ -144,52 +162,81 @@ def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none")
 
 
-@torch.no_grad()
-def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: int | None = None,
-             progress: Callable[[int, int], None] | None = None, oracle: bool = True) -> EvalReport:
-    """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
-    per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport."""
-    start = time.perf_counter()
-    data = windows(tokens, seq_len, max_windows)
-    device = next(model.parameters()).device
-    sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
-    oracle = oracle and bool(sparse_layers)
-    probe = _RecallProbe()
-
-    def attach(on: bool) -> None:
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.probe = (lambda *a, _i=i: probe(_i, *a)) if on and i in sparse_layers else None
-
-    dense_sum = sparse_sum = oracle_sum = 0.0
-    tail = oracle_tail = 0
+@contextlib.contextmanager
+def _eval_mode(model: Decoder, kernels: bool):
+    """The model's MSA switches as evaluation needs them, restored afterwards: sparse on, index selection, no
+    probes, and the lowered ops when `kernels`."""
+    layers = [layer.self_attn for layer in model.model.layers]
+    kept = [a.kernels for a in layers]
+    model.set_kernels(kernels)
     try:
-        for w, window in enumerate(data):
-            x, y = window[None, :-1].to(device), window[None, 1:].to(device)
-            model.set_sparse(False)
-            dense = _token_losses(model, x, y)
-            dense_sum += float(dense.sum())
-            if sparse_layers:
-                model.set_sparse(True)
-                attach(True)
-                sparse = _token_losses(model, x, y)
-                attach(False)
-                sparse_sum += float(sparse.sum())
-                tail += int((sparse - dense > TAIL_NATS).sum())
-            if oracle:
-                model.set_selection("oracle")
-                best = _token_losses(model, x, y)
-                model.set_selection("index")
-                oracle_sum += float(best.sum())
-                oracle_tail += int((best - dense > TAIL_NATS).sum())
-            if progress:
-                progress(w + 1, len(data))
+        yield
     finally:
+        for a, k in zip(layers, kept):
+            a.kernels, a.lse_probe = k, None
         model.set_sparse(True)
         model.set_selection("index")
-        attach(False)
+
+
+def _attach(model: Decoder, sparse_layers: list[int], probe: _RecallProbe | None) -> None:
+    for i in sparse_layers:
+        model.model.layers[i].self_attn.lse_probe = None if probe is None else (lambda *a, _i=i: probe(_i, *a))
+
+
+def _kernels_default(model: Decoder) -> bool:
+    """Whether evaluation runs the lowered (Triton) ops by default: when the model is on a CUDA device."""
+    return next(model.parameters()).is_cuda
+
+
+@torch.no_grad()
+def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: int | None = None,
+             progress: Callable[[int, int], None] | None = None, oracle: bool = True, batch: int = 1,
+             kernels: bool | None = None) -> EvalReport:
+    """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
+    per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport.
+
+    batch: windows per forward. kernels: run the MSA layers with the lowered ops (Triton selection, gather-Q sparse
+    attention with its log-sum-exp, recall from causal_lse.dense_recall); default (None) on CUDA. The losses and
+    counts stay on the device until the end (no host synchronisation per window)."""
+    if batch < 1:
+        raise M3CompileError(f"batch must be >= 1, got {batch}")
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window
+    sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
+    oracle = oracle and bool(sparse_layers)
+    kernels = _kernels_default(model) if kernels is None else kernels
+    probe, oracle_probe = _RecallProbe(hist=True), _RecallProbe(hist=False)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    dense_sum = sparse_sum = oracle_sum = zero
+    tail = oracle_tail = zero.long()
+    with _eval_mode(model, kernels):
+        for b in range(0, data.shape[0], batch):
+            chunk = data[b:b + batch]
+            x, y = chunk[:, :-1], chunk[:, 1:]
+            model.set_sparse(False)
+            dense = _token_losses(model, x, y)
+            dense_sum = dense_sum + dense.sum(dtype=torch.float64)
+            if sparse_layers:
+                model.set_sparse(True)
+                _attach(model, sparse_layers, probe)
+                sparse = _token_losses(model, x, y)
+                sparse_sum = sparse_sum + sparse.sum(dtype=torch.float64)
+                tail = tail + (sparse - dense > TAIL_NATS).sum()
+            if oracle:
+                model.set_selection("oracle")
+                _attach(model, sparse_layers, oracle_probe)
+                best = _token_losses(model, x, y)
+                model.set_selection("index")
+                oracle_sum = oracle_sum + best.sum(dtype=torch.float64)
+                oracle_tail = oracle_tail + (best - dense > TAIL_NATS).sum()
+            _attach(model, sparse_layers, None)
+            if progress:
+                progress(min(b + batch, data.shape[0]), data.shape[0])
     n = data.shape[0] * seq_len
+    sums = torch.stack([dense_sum, sparse_sum, oracle_sum, tail.double(), oracle_tail.double()]).tolist()  # one sync
     return EvalReport(
-        seq_len, data.shape[0], n, dense_sum / n, sparse_sum / n if sparse_layers else None, probe.result(),
-        time.perf_counter() - start, probe.result(oracle=True), oracle_loss=oracle_sum / n if oracle else None,
-        tail_share=tail / n if sparse_layers else None, oracle_tail_share=oracle_tail / n if oracle else None,
+        seq_len, data.shape[0], n, sums[0] / n, sums[1] / n if sparse_layers else None, probe.result(),
+        time.perf_counter() - start, oracle_probe.result(), oracle_loss=sums[2] / n if oracle else None,
+        tail_share=sums[3] / n if sparse_layers else None, oracle_tail_share=sums[4] / n if oracle else None,
         recall_p10=probe.quantile(RECALL_QUANTILE))
