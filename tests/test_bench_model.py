@@ -52,6 +52,10 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
             assert all(v >= 0 for v in row["stages"].values())
             assert _close(sum(row["breakdown"].values()), row["ms"]), row
             assert row["breakdown"]["attention"] > 0 and row["breakdown"]["projections_mlp"] > 0
+            assert row["stages"]["unattributed"] == 0
+        check = timed["attribution"]  # the profiled split: every op's self time once, within the profiled wall
+        assert 0 < check["work_ms"] <= check["profiled_ms"] and check["routes"] == {} and check["unattributed_ms"] == 0
+        assert set(check["top"]) >= {"rest", "projections_mlp"}
         want = extrapolate(timed["stages"], 48, 80, keys=32)
         assert all(_close(extra["stages"][s], want[s]) for s in STAGES)
         # the laws themselves: linear, constant, causal pairs, keys a top-2 x 16 selection reaches (32 per query)
@@ -60,6 +64,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
         assert _close(want["attention_dense"], st["attention_dense"] * (80 * 81) / (48 * 49))
         assert _close(want["attention_sparse"], st["attention_sparse"] * (528 + 48 * 32) / (528 + 16 * 32))
     assert rows[48, "dense"]["breakdown"]["indexer"] == 0 and rows[48, "msa"]["breakdown"]["indexer"] > 0
+    assert rows[48, "msa"]["stages"]["index_select"] > 0 and rows[48, "msa"]["stages"]["index_projections"] > 0
     assert rows[48, "msa"]["stages"]["attention_sparse"] > 0 and rows[48, "dense"]["stages"]["attention_sparse"] == 0
     for s in data["prefill_summary"]:
         d = rows[s["T"], "dense"]
@@ -73,6 +78,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
         assert row["eager_ms"] > 0 and row["eager_tokens_per_s"] > 0 and row["graph_ms"] is None
         assert "CUDA" in row["graph_unavailable"]
         assert _close(sum(row["breakdown"].values()), row["eager_ms"]), row
+        assert row["attribution"]["work_ms"] <= row["attribution"]["profiled_ms"] and row["stages"]["unattributed"] == 0
     assert dec["msa"]["breakdown"]["indexer"] > 0 and dec["dense"]["breakdown"]["indexer"] == 0
     assert dec["speedup"] is None and dec["speedup_eager"] > 0
     assert "extrapolated" in r.output and "conversion kept device cpu and dtype float32: yes" in r.output
@@ -100,7 +106,8 @@ def test_extrapolation_below_the_selection_reach_is_quadratic():
     stages = dict.fromkeys(STAGES, 1.0)
     got = extrapolate(stages, 8, 16, keys=64)  # both lengths within top-k x block: every key is reached
     assert got["attention_sparse"] == got["attention_dense"] == got["index_select"] == (16 * 17) / (8 * 9)
-    assert got["rest"] == 2.0 and got["host"] == 1.0
+    assert got["rest"] == got["projections_mlp"] == got["index_projections"] == got["unattributed"] == 2.0
+    assert got["host"] == 1.0
 
 
 def test_model_bench_refuses_bad_input(tmp_path):
