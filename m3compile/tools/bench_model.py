@@ -37,7 +37,8 @@ kernels/decode.py's selection) for B sequences at context T, eager and replayed 
 The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
 MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row
 says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Stages as for prefill, from one profiled
-eager step (attention = m3c.decode_attention, indexer = index branch + m3c.decode_select).
+eager step (attention = m3c.decode_attention, indexer = the index projections and norms + m3c.decode_select;
+the index RoPE, outside any module range, counts in rest).
 """
 from __future__ import annotations
 
