@@ -1,6 +1,8 @@
 """m3c bench --model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
-extrapolation laws, the decode batch that fits in memory, and its outputs."""
+extrapolation laws, the per-stage attribution (synthetic profiler events and a real CPU run), the decode batch that
+fits in memory, and its outputs."""
 import json
+from types import SimpleNamespace
 
 import torch
 from click.testing import CliRunner
@@ -8,7 +10,11 @@ from click.testing import CliRunner
 from m3compile.cli import main
 from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
-from m3compile.tools.bench_model import GROUPS, STAGES, cache_bytes, decode_batch, extrapolate, write_model_outputs
+from m3compile.pipelines import lower
+from m3compile.tools.bench_common import Profile, bench_models, module_ranges, profile_run
+from m3compile.tools.bench_model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, cache_bytes, decode_batch,
+                                         extrapolate, write_model_outputs)
+from m3compile.tools import bench_model
 from tests.conftest import LLAMA_BYTE
 
 
@@ -46,6 +52,10 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
             assert all(v >= 0 for v in row["stages"].values())
             assert _close(sum(row["breakdown"].values()), row["ms"]), row
             assert row["breakdown"]["attention"] > 0 and row["breakdown"]["projections_mlp"] > 0
+            assert row["stages"]["unattributed"] == 0
+        check = timed["attribution"]  # the profiled split: every op's self time once, within the profiled wall
+        assert 0 < check["work_ms"] <= check["profiled_ms"] and check["routes"] == {} and check["unattributed_ms"] == 0
+        assert set(check["top"]) >= {"rest", "projections_mlp"}
         want = extrapolate(timed["stages"], 48, 80, keys=32)
         assert all(_close(extra["stages"][s], want[s]) for s in STAGES)
         # the laws themselves: linear, constant, causal pairs, keys a top-2 x 16 selection reaches (32 per query)
@@ -54,6 +64,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
         assert _close(want["attention_dense"], st["attention_dense"] * (80 * 81) / (48 * 49))
         assert _close(want["attention_sparse"], st["attention_sparse"] * (528 + 48 * 32) / (528 + 16 * 32))
     assert rows[48, "dense"]["breakdown"]["indexer"] == 0 and rows[48, "msa"]["breakdown"]["indexer"] > 0
+    assert rows[48, "msa"]["stages"]["index_select"] > 0 and rows[48, "msa"]["stages"]["index_projections"] > 0
     assert rows[48, "msa"]["stages"]["attention_sparse"] > 0 and rows[48, "dense"]["stages"]["attention_sparse"] == 0
     for s in data["prefill_summary"]:
         d = rows[s["T"], "dense"]
@@ -67,6 +78,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
         assert row["eager_ms"] > 0 and row["eager_tokens_per_s"] > 0 and row["graph_ms"] is None
         assert "CUDA" in row["graph_unavailable"]
         assert _close(sum(row["breakdown"].values()), row["eager_ms"]), row
+        assert row["attribution"]["work_ms"] <= row["attribution"]["profiled_ms"] and row["stages"]["unattributed"] == 0
     assert dec["msa"]["breakdown"]["indexer"] > 0 and dec["dense"]["breakdown"]["indexer"] == 0
     assert dec["speedup"] is None and dec["speedup_eager"] > 0
     assert "extrapolated" in r.output and "conversion kept device cpu and dtype float32: yes" in r.output
@@ -94,7 +106,8 @@ def test_extrapolation_below_the_selection_reach_is_quadratic():
     stages = dict.fromkeys(STAGES, 1.0)
     got = extrapolate(stages, 8, 16, keys=64)  # both lengths within top-k x block: every key is reached
     assert got["attention_sparse"] == got["attention_dense"] == got["index_select"] == (16 * 17) / (8 * 9)
-    assert got["rest"] == 2.0 and got["host"] == 1.0
+    assert got["rest"] == got["projections_mlp"] == got["index_projections"] == got["unattributed"] == 2.0
+    assert got["host"] == 1.0
 
 
 def test_model_bench_refuses_bad_input(tmp_path):
@@ -138,3 +151,164 @@ def test_a_decode_only_run_keeps_the_earlier_prefill(tmp_path):
     write_model_outputs(result("b", True, True), tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.glob("*.json")) == \
         ["a.json", "b.json"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attribution: synthetic profiler events (the fields torch.profiler's FunctionEvent gives) and a real CPU run
+
+
+class _Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+def _ev(name, start, end, id=0, kind="cpu_op", device="CPU", linked=0, children=(), kernels=()):
+    e = SimpleNamespace(name=name, time_range=_Span(start, end), id=id, activity_type=kind, linked_correlation_id=linked,
+                        device_type=SimpleNamespace(name=device), is_async=False, cpu_parent=None,
+                        cpu_children=list(children), kernels=list(kernels), is_user_annotation=kind.endswith("annotation"))
+    for c in e.cpu_children:
+        c.cpu_parent = e
+    e.cpu_time_total = end - start
+    e.self_cpu_time_total = e.cpu_time_total - sum(c.cpu_time_total for c in e.cpu_children)
+    return e
+
+
+def _flat(roots):
+    out = []
+    for r in roots:
+        out += [r] + _flat(r.cpu_children)
+    return out
+
+
+def _launch(cid, t, name="cudaLaunchKernel"):
+    return _ev(name, t, t + 1, id=cid, kind="cuda_runtime" if name.startswith("cuda") else "cuda_driver", linked=cid + 1000)
+
+
+def _kernel(name, cid, start, us, linked=0):
+    return _ev(name, start, start + us, id=cid, kind="kernel", device="CUDA", linked=linked)
+
+
+def _gpu_trace():
+    """One layer's host ranges and the kernels they launched (times in us), with the profiler's quirks: GPU
+    annotations mirroring each range on the device, a Triton kernel launched directly inside a range (no aten op to
+    link it to), a kernel the profiler linked only to its op, one with no launch at all, and an op whose id equals a
+    kernel's CUPTI correlation id. Each kernel's expected stage is in its name."""
+    sdpa = _ev("aten::scaled_dot_product_attention", 11, 19, id=5, children=[
+        _ev("aten::_flash_attention_forward", 12, 18, id=6, children=[_launch(101, 13)])])
+    msa = _ev("m3c.msa_attention", 10, 30, id=4, children=[sdpa, _launch(102, 20, "cuLaunchKernelEx")])
+    select = _ev("m3c.msa_select", 42, 48, id=8, children=[_launch(104, 44, "cuLaunchKernelEx")])
+    branch = _ev("m3c.index_branch", 35, 50, id=7, children=[
+        _ev("aten::mm", 36, 40, id=9, children=[_launch(103, 37)]), select, _launch(105, 49, "cuLaunchKernelEx")])
+    mm = _ev("aten::mm", 55, 60, id=106)  # its id collides with a CUPTI correlation id: kernel 106 is not its
+    proj = _ev("m3c.proj_mlp", 52, 62, id=11, children=[mm])
+    roots = [_ev("aten::layer_norm", 0, 5, id=1, children=[_launch(100, 2)]), msa, branch, proj,
+             _ev("aten::add", 63, 66, id=12, children=[_launch(106, 64)])]
+    kernels = [
+        _kernel("rest: norm", 100, 100, 10),
+        _kernel("attention_sparse: flash (SDPA inside msa_attention)", 101, 110, 40),
+        _kernel("attention_sparse: sparse_attention_kernel", 102, 150, 30),
+        _kernel("index_projections: gemm", 103, 180, 20),
+        _kernel("index_select: index_topk_kernel", 104, 200, 25),
+        _kernel("index_projections: norm_rope_kernel", 105, 225, 5),
+        _kernel("projections_mlp: gemm (linked to its op only)", 900, 230, 50, linked=mm.id),
+        _kernel("rest: add (CUPTI id 106 = the mm op's id)", 106, 280, 7),
+        _kernel("unattributed: lost_kernel", 901, 290, 3),
+    ]
+    annotations = [_ev(r.name, a, b, id=r.id, kind="gpu_user_annotation", device="CUDA", linked=r.id)
+                   for r, (a, b) in ((msa, (110, 180)), (branch, (180, 230)), (select, (200, 225)), (proj, (230, 280)))]
+    for r, ann in zip((msa, branch, select, proj), annotations):
+        r.kernels = [SimpleNamespace(duration=ann.time_range.elapsed_us())]  # what the profiler lists for a range
+    return roots, kernels, annotations
+
+
+def test_attribution_books_each_kernel_once_to_the_innermost_range():
+    """Synthetic GPU trace: stage sums equal the kernels' total (every kernel once, none dropped), the innermost
+    labelled range wins (m3c.msa_select inside m3c.index_branch) except the enclosing m3c.msa_attention (its SDPA
+    stays sparse attention), annotations are not work, a kernel with no launch record is booked through its linked
+    op or reported as unattributed by name; the profiler's own per-range lists would count ranges twice."""
+    roots, kernels, annotations = _gpu_trace()
+    events = _flat(roots)
+    prof = Profile(events, True, 400.0, 0.0, device_events=annotations + kernels)
+    a = prof.attribute(PREFILL_LABELS, ENCLOSING)
+    want = {}
+    for k in kernels:
+        stage = k.name.split(":")[0]
+        want[stage] = want.get(stage, 0.0) + k.time_range.elapsed_us() / 1e3
+    assert {s: round(v, 6) for s, v in a.stages.items() if v} == {s: round(v, 6) for s, v in want.items()}
+    assert abs(a.work_ms - sum(k.time_range.elapsed_us() for k in kernels) / 1e3) < 1e-9
+    assert abs(a.busy_ms - a.work_ms) < 1e-9  # one stream, no overlap
+    assert a.routes == {"launch": 7, "op": 1, "none": 1}
+    assert a.top["unattributed"] == [["unattributed: lost_kernel", 0.003]]
+    assert a.stages["attention_dense"] == 0.0  # enclosing
+    stages = prof.stages(PREFILL_LABELS, ENCLOSING)
+    assert abs(sum(stages.values()) - 400.0) < 1e-9 and abs(stages["host"] - (400.0 - a.work_ms)) < 1e-9
+    # innermost: without the enclosing rule the SDPA inside msa_attention is dense attention
+    assert abs(prof.attribute(PREFILL_LABELS).stages["attention_dense"] - 0.040) < 1e-9
+    # the same trace from a torch without activity types: launches by name, annotations by their range's name
+    for e in events + annotations + kernels:
+        e.activity_type = ""
+        e.is_user_annotation = False
+    assert Profile(events, True, 400.0, 0.0, device_events=annotations + kernels).attribute(
+        PREFILL_LABELS, ENCLOSING).stages == a.stages
+    # what the profiler's per-range lists give: annotation + children's kernels, the Triton kernels nowhere
+    from m3compile.tools.bench_common import kernel_us
+    assert kernel_us(roots[2]) == 50 + 25  # index_branch: its annotation + select's annotation, no real kernel
+
+
+def test_attribution_overlapping_streams_and_cpu_trees():
+    """Busy time is the union of the device intervals (two streams overlapping), work their sum; on a CPU each op's
+    self time goes to the innermost labelled range among it and its ancestors (enclosing ranges keep theirs), so the
+    stages sum to the roots' total time."""
+    roots, kernels, _ = _gpu_trace()
+    kernels[1].time_range = _Span(140, 180)  # another stream: overlaps kernel 102 (150-180)
+    a = Profile(_flat(roots), True, 400.0, 0.0, device_events=kernels).attribute(PREFILL_LABELS, ENCLOSING)
+    assert abs(a.work_ms - 0.190) < 1e-9 and abs(a.busy_ms - (0.190 - 0.030)) < 1e-9
+    cpu_roots = [
+        _ev("m3c.msa_attention", 0, 100, children=[_ev("aten::scaled_dot_product_attention", 10, 50, children=[
+            _ev("aten::_flash", 20, 40)])]),
+        _ev("m3c.index_branch", 100, 160, children=[_ev("aten::mm", 105, 120), _ev("m3c.msa_select", 120, 150, children=[
+            _ev("aten::topk", 125, 145)])]),
+        _ev("aten::add", 160, 170),
+        _ev("aten::scaled_dot_product_attention", 170, 200),
+    ]
+    cpu = Profile(_flat(cpu_roots), False, 250.0, 0.0).attribute(PREFILL_LABELS, ENCLOSING)
+    assert {s: round(v * 1e3, 6) for s, v in cpu.stages.items() if v} == {
+        "attention_sparse": 100, "index_projections": 30, "index_select": 30, "rest": 10, "attention_dense": 30}
+    assert abs(cpu.work_ms - 0.200) < 1e-12 and cpu.routes == {}
+
+
+def test_attribution_of_a_real_cpu_run(monkeypatch):
+    """The converted and lowered m3-tiny on CPU, profiled: the stages sum to the profiled ops' total time, each
+    labelled range's time is in its stage once (the index branch, the selection and the sparse attention apart),
+    and the bench's split closes to the timed total."""
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
+    torch.manual_seed(0)
+    _, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2)
+    low = lower(sparse.model)
+    ids = torch.randint(0, sparse.args.vocab_size, (1, 80))
+    with torch.no_grad(), module_ranges(low, bench_model._classify):
+        prof = profile_run(lambda: low(ids), "cpu")
+    a = prof.attribute(PREFILL_LABELS, ENCLOSING)
+    roots_ms = sum(e.cpu_time_total for e in prof.events if e.cpu_parent is None) / 1e3
+    assert abs(a.work_ms - roots_ms) < 1e-6 * max(1.0, roots_ms) and abs(sum(a.stages.values()) - a.work_ms) < 1e-9
+    assert a.work_ms <= prof.wall_ms and a.stages["unattributed"] == 0.0
+
+    def inside_label(e):
+        p = e.cpu_parent
+        while p is not None and p.name not in PREFILL_LABELS:
+            p = p.cpu_parent
+        return p is not None
+
+    def ranges_ms(name):  # the outermost labelled ranges (an MoE block's expert projections nest in its range)
+        return sum(e.cpu_time_total for e in prof.events if e.name == name and not inside_label(e)) / 1e3
+
+    for name, stage in (("m3c.msa_select", "index_select"), ("m3c.index_branch", "index_projections"),
+                        ("m3c.msa_attention", "attention_sparse"), ("m3c.proj_mlp", "projections_mlp")):
+        assert ranges_ms(name) > 0 and abs(a.stages[stage] - ranges_ms(name)) < 1e-6, (name, a.stages)
+    sdpa = [e for e in prof.events if e.name == "aten::scaled_dot_product_attention"]  # layer 0 (dense)
+    assert sdpa and abs(a.stages["attention_dense"] - sum(e.cpu_time_total for e in sdpa) / 1e3) < 1e-6
+    stages, check = bench_model._split(prof, PREFILL_LABELS, 123.0)
+    assert abs(sum(stages.values()) - 123.0) < 1e-6 and check["routes"] == {} and check["unattributed_ms"] == 0

@@ -5,9 +5,10 @@ CUDA-event timing, and per-stage attribution of one profiled run through torch.p
     median_ms(fn, ...)            median milliseconds of repeated runs after warm-up (CUDA events on a GPU), peak memory
     profile_run(fn, device)       one run under torch.profiler -> Profile
     Profile.scope_ms(name)        device ms of the kernels launched inside the ranges called `name`
-    Profile.stages(labels)        the run's time split over groups of ranges: each kernel (or, on a CPU, each op)
-                                  counts for the outermost labelled range around it, the rest for "rest", and the
-                                  time the device waited ("host") closes the sum to the run's wall time
+    Profile.attribute(labels)     the run's work booked to stages, each kernel once (on a CPU each op's self time),
+                                  to the innermost labelled range that launched it, "rest" outside every one,
+                                  "unattributed" where the profiler recorded no launch (named, never dropped)
+    Profile.stages(labels)        the same plus "host" (the time the device waited), summing to the wall time
     module_ranges(model, classify)  profiler ranges around the modules `classify` names (hooks, while active)
 
 Ranges come from the graph ops (m3compile.ops: m3c.msa_select, m3c.msa_attention, ...), the decode step
@@ -15,10 +16,12 @@ Ranges come from the graph ops (m3compile.ops: m3c.msa_select, m3c.msa_attention
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +33,7 @@ from m3compile.io.load import from_preset, load
 from m3compile.models.decoder import PRESETS, Decoder
 from m3compile.pipelines import convert
 
-__all__ = ["bench_models", "conversion_check", "median_ms", "profile_run", "Profile", "kernel_us", "module_ranges",
+__all__ = ["bench_models", "conversion_check", "median_ms", "profile_run", "Profile", "Attribution", "kernel_us", "module_ranges",
            "sync", "is_cuda", "bench_presets"]
 
 
@@ -130,24 +133,85 @@ def median_ms(fn: Callable[[], object], *, steps: int, warmup: int, device) -> t
 
 
 def kernel_us(event) -> float:
-    """Device microseconds of the kernels an op launched, its children's included."""
+    """Device microseconds of the kernels the profiler tied to an op, its children's included. Not exclusive: a
+    record_function range's list also holds its GPU annotation (a device event spanning the range's kernels), and a
+    kernel launched with no aten op on the stack is tied to nothing (`Profile.attribute` does not use these lists)."""
     total = sum(float(getattr(k, "duration", 0.0)) for k in getattr(event, "kernels", ()) or ())
     return total + sum(kernel_us(c) for c in getattr(event, "cpu_children", ()) or ())
 
 
-def _own_kernel_us(event) -> float:
-    return sum(float(getattr(k, "duration", 0.0)) for k in getattr(event, "kernels", ()) or ())
+_LAUNCH_TYPES = ("cuda_runtime", "cuda_driver")
+_LAUNCH_NAME = re.compile(r"^cu(da)?[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
+
+
+def _activity(event) -> str:
+    return str(getattr(event, "activity_type", "") or "")
+
+
+def _is_launch(event) -> bool:
+    """A CUDA runtime or driver call on the host (its id is the CUPTI correlation id of what it launched)."""
+    kind = _activity(event)
+    return kind in _LAUNCH_TYPES if kind else bool(_LAUNCH_NAME.match(event.name))
+
+
+_WORK_TYPES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _is_work(event, host_names: set[str]) -> bool:
+    """A device event that occupies the device: a kernel, copy or set; not a range's device-side mirror (GPU user
+    annotation), a stream synchronisation or profiler overhead. Without activity types (older torch): every device
+    event not named like a host op or range."""
+    kind = _activity(event)
+    if kind:
+        return kind in _WORK_TYPES
+    return not getattr(event, "is_user_annotation", False) and event.name not in host_names
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Work of one profiled run booked to stages, each piece once (`Profile.attribute`)."""
+
+    stages: dict[str, float]  # ms per stage, "rest" (launched outside every labelled range) and "unattributed"
+    work_ms: float  # the sum of every kernel, copy and set (on a CPU: of every op's self time): sum(stages)
+    busy_ms: float  # the union of the device work's intervals (< work_ms where streams overlap; work_ms on a CPU)
+    routes: dict[str, int]  # device work by how its launch was found: "launch", "op", "none" (empty on a CPU)
+    top: dict[str, list]  # per stage, its largest kernels (ops on a CPU): [name, ms], largest first
+
+
+class _Segments:
+    """The labelled ranges flattened on the host's time line: each time -> the range that owns work launched then.
+
+    Owner: the innermost active range (the latest started), except that a range in `enclosing` keeps everything
+    launched inside it (the innermost enclosing one wins)."""
+
+    def __init__(self, ranges: list, enclosing: frozenset[str]):
+        points = sorted({t for e in ranges for t in (e.time_range.start, e.time_range.end)})
+        by_start = sorted(ranges, key=lambda e: (e.time_range.start, -e.time_range.end))
+        self.starts, self.owners, active, i = points, [], [], 0
+        for t in points:
+            while i < len(by_start) and by_start[i].time_range.start <= t:
+                active.append(by_start[i])
+                i += 1
+            active = [e for e in active if e.time_range.end > t]
+            pick = [e for e in active if e.name in enclosing] or active
+            self.owners.append(max(pick, key=lambda e: e.time_range.start).name if pick else None)
+
+    def owner(self, t: float) -> str | None:
+        j = bisect.bisect_right(self.starts, t) - 1
+        return self.owners[j] if j >= 0 else None
 
 
 @dataclass
 class Profile:
-    """One profiled run: its host-side events (ops and ranges, with their kernels on a GPU) and wall time."""
+    """One profiled run: its host-side events (ops, ranges, CUDA runtime calls), its device events (kernels, copies,
+    sets, range annotations; empty on a CPU) and wall time."""
 
     events: list
     cuda: bool
     wall_ms: float
-    device_busy_ms: float  # the device events' total time (0 on a CPU)
+    device_busy_ms: float  # the device events' total time, range annotations included (0 on a CPU)
     device_kernel_ms: float = 0.0  # the same without events named like a host op or range (GPU annotations)
+    device_events: list = field(default_factory=list)
 
     def scope_ms(self, name: str) -> float:
         """Device ms of the kernels launched inside every range called `name` (CPU ms of those ranges on a CPU)."""
@@ -155,34 +219,80 @@ class Profile:
             return sum(kernel_us(e) for e in self.events if e.name == name) / 1e3
         return sum(e.cpu_time_total for e in self.events if e.name == name and not _inside(e, name)) / 1e3
 
-    def stages(self, labels: dict[str, str]) -> dict[str, float]:
-        """{stage: ms} over the stages of `labels` (range name -> stage), plus "rest" (kernels, or ops on a CPU,
-        outside every labelled range) and "host" (wall time minus everything attributed: launch gaps, Python).
-        A kernel inside nested labelled ranges counts once, for the outermost. The values sum to wall_ms."""
-        out = dict.fromkeys(list(dict.fromkeys(labels.values())) + ["rest"], 0.0)
+    def attribute(self, labels: dict[str, str], enclosing: tuple[str, ...] = ()) -> Attribution:
+        """Book every piece of work once, to the stage of the labelled range that launched it (`labels`: range
+        name -> stage): the innermost labelled range around the launch, except that a range in `enclosing` keeps
+        all work inside it.
 
-        def walk(e):
-            stage = labels.get(e.name)
-            if stage is not None:
-                out[stage] += (kernel_us(e) if self.cuda else e.cpu_time_total) / 1e3
-                return
-            out["rest"] += (_own_kernel_us(e) if self.cuda else e.self_cpu_time_total) / 1e3
-            for c in e.cpu_children or ():
-                walk(c)
+        GPU: a kernel's launch is the CUDA runtime or driver call with its CUPTI correlation id (route "launch"),
+        else the host op the profiler linked it to ("op"); its stage is the owner of that call's start on the host
+        time line (`_Segments`), "rest" where no labelled range was open. A kernel with neither is "unattributed"
+        (route "none") and named in `top`. The profiler's per-op kernel lists are not used: a range's list also
+        holds its GPU annotation (double counting), and kernels launched with no aten op on the stack (Triton
+        kernels called directly inside a range) are in no list at all.
+        CPU: each op's self time, to the innermost labelled range among the op and its ancestors (the same
+        precedence); outside every one, "rest"."""
+        stages = dict.fromkeys(list(dict.fromkeys(labels.values())) + ["rest", "unattributed"], 0.0)
+        names: dict[str, dict[str, float]] = {s: {} for s in stages}
+        enclosing_set = frozenset(enclosing)
+        routes: dict[str, int] = {}
 
-        for e in self.events:
-            if e.cpu_parent is None:
-                walk(e)
-        out["host"] = self.wall_ms - sum(out.values())
-        return out
+        def book(stage: str, name: str, us: float) -> None:
+            stages[stage] += us / 1e3
+            names[stage][name] = names[stage].get(name, 0.0) + us / 1e3
+
+        if self.cuda:
+            ranges = [e for e in self.events if e.name in labels and not getattr(e, "is_async", False)]
+            segments = _Segments(ranges, enclosing_set)
+            host_names = {e.name for e in self.events}
+            launches, ops = {}, {}
+            for e in self.events:
+                (launches if _is_launch(e) else ops).setdefault(e.id, e)
+            work = [d for d in self.device_events if _is_work(d, host_names)]
+            for d in work:
+                host, route = launches.get(d.id), "launch"
+                if host is None:
+                    linked = int(getattr(d, "linked_correlation_id", 0) or 0)
+                    host, route = ops.get(linked) if linked > 0 else None, "op"
+                route = route if host is not None else "none"
+                routes[route] = routes.get(route, 0) + 1
+                if host is None:
+                    stage = "unattributed"
+                else:
+                    owner = segments.owner(host.time_range.start)
+                    stage = labels[owner] if owner is not None else "rest"
+                book(stage, d.name, d.time_range.elapsed_us())
+            busy = _union_us([(d.time_range.start, d.time_range.end) for d in work]) / 1e3
+        else:
+            def walk(e, owner: str | None) -> None:
+                if e.name in labels and (owner not in enclosing_set or e.name in enclosing_set):
+                    owner = e.name
+                book(labels[owner] if owner is not None else "rest", e.name, e.self_cpu_time_total)
+                for c in e.cpu_children or ():
+                    walk(c, owner)
+
+            for e in self.events:
+                if e.cpu_parent is None:
+                    walk(e, None)
+            busy = sum(stages.values())
+        top = {s: [[n[:100], round(ms, 3)] for n, ms in sorted(v.items(), key=lambda kv: -kv[1])[:5]]
+               for s, v in names.items() if v}
+        return Attribution(stages, sum(stages.values()), busy, routes, top)
+
+    def stages(self, labels: dict[str, str], enclosing: tuple[str, ...] = ()) -> dict[str, float]:
+        """{stage: ms} of `attribute`, plus "host" (wall time minus the work: launch gaps, Python, and on a CPU the
+        time outside every op). The values sum to wall_ms (host may be negative where streams overlap)."""
+        a = self.attribute(labels, enclosing)
+        return a.stages | {"host": self.wall_ms - a.work_ms}
 
 
-    def kernels_outside_ops_ms(self) -> float:
-        """Device ms of kernels the profiler tied to no host op (they count in no stage; 0 on a CPU): a check
-        that the stages saw every kernel. Ranges mirrored on the device (GPU user annotations) are not kernels."""
-        if not self.cuda:
-            return 0.0
-        return max(0.0, self.device_kernel_ms - sum(kernel_us(e) for e in self.events if e.cpu_parent is None) / 1e3)
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _inside(event, name: str) -> bool:
@@ -212,7 +322,7 @@ def profile_run(fn: Callable[[], object], device) -> Profile:
     busy = sum(e.time_range.elapsed_us() for e in device) / 1e3
     host_names = {e.name for e in cpu}
     kernels = sum(e.time_range.elapsed_us() for e in device if e.name not in host_names) / 1e3
-    return Profile(cpu, cuda, wall, busy, kernels)
+    return Profile(cpu, cuda, wall, busy, kernels, device)
 
 
 @contextlib.contextmanager

@@ -12,15 +12,23 @@ position only (no [T, vocab] tensor: at 128K tokens and a 128K vocabulary it alo
             attention in every MSA layer (layer 0 stays dense)
 Timed with CUDA events (the median of up to `steps` runs after one warm-up, fewer where one run is long) up to
 `dense_max` / `msa_max` tokens; one more run under torch.profiler splits the time into stages:
-    attention        SDPA in dense layers, the sparse attention (m3c.msa_attention) in MSA layers
-    indexer          the index branch's projections and norms, and the fused selection (m3c.msa_select)
+    attention        SDPA in dense layers, the sparse attention (m3c.msa_attention, SDPA inside it included) in MSA
+                     layers
+    indexer          index_projections: the index branch (lowered: m3c.index_branch, the fused projections, norms
+                     and RoPE); index_select: the fused scoring + top-k (m3c.msa_select)
     projections_mlp  the q/k/v/o projections and the MLP's matmuls (gate/up/down, or a whole MoE block)
     rest             every other kernel: norms, RoPE, residual adds, the SwiGLU product, the embedding, the logits
+    unattributed     kernels whose launch the profiler did not record (0 when it works; the JSON names them)
     host             the rest of the timed total: time the device waited for launches (on a CPU, where the
                      profiler's overhead inflates op times, the profiled split is scaled to the timed total)
+Each kernel counts once (bench_common.Profile.attribute): for the innermost labelled range open when the host
+launched it (its CUDA runtime / driver call, matched by CUPTI correlation id), except that m3c.msa_attention keeps
+everything inside it; so the stages sum to the profiled kernel time (`attribution.work_ms`, beside the device-busy
+union `busy_ms`, the launch routes and each stage's largest kernels) and, with host, to the timed total.
 Longer lengths are extrapolated stage by stage from the longest timed one and marked "extrapolated": dense attention
 and the selection as causal key pairs T(T+1)/2, the sparse attention as the keys a top-k selection reaches
-(min(t+1, topk * block) summed over the queries t), the rest linearly in T, host time constant.
+(min(t+1, topk * block) summed over the queries t), the index projections, projections + MLP, rest and
+unattributed linearly in T, host time constant.
 `ceiling` = dense time / dense time outside attention: the speedup if attention cost nothing.
 
 Decode, tokens/s: the decode step of m3compile.generate (paged KV cache, for MSA the paged index-key cache and
@@ -29,7 +37,8 @@ kernels/decode.py's selection) for B sequences at context T, eager and replayed 
 The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
 MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row
 says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Stages as for prefill, from one profiled
-eager step (attention = m3c.decode_attention, indexer = index branch + m3c.decode_select).
+eager step (attention = m3c.decode_attention, indexer = the index projections and norms + m3c.decode_select;
+the index RoPE, outside any module range, counts in rest).
 """
 from __future__ import annotations
 
@@ -55,12 +64,13 @@ from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "cache_bytes",
            "extrapolate", "STAGES", "GROUPS"]
 
-# range name -> fine stage; a kernel counts for the outermost labelled range around it
+# range name -> fine stage; a kernel counts once, for the innermost labelled range that launched it, except that a
+# range of ENCLOSING keeps everything inside it (Profile.attribute)
 PREFILL_LABELS = {
-    "m3c.msa_attention": "attention_sparse",  # outermost: its SDPA (every block selected) counts here
+    "m3c.msa_attention": "attention_sparse",  # enclosing: its SDPA (every block selected) counts here
     "aten::scaled_dot_product_attention": "attention_dense",
-    "m3c.msa_select": "index_select",
-    "m3c.index_branch": "index_projections",
+    "m3c.msa_select": "index_select",  # the fused scoring + top-k (and the fp8 key quantisation)
+    "m3c.index_branch": "index_projections",  # lowered: the fused projections + norms + RoPE; else the modules
     "m3c.proj_mlp": "projections_mlp",
 }
 DECODE_LABELS = {
@@ -69,10 +79,12 @@ DECODE_LABELS = {
     "m3c.index_branch": "index_projections",
     "m3c.proj_mlp": "projections_mlp",
 }
+ENCLOSING = ("m3c.msa_attention",)
 STAGES = ("attention_dense", "attention_sparse", "index_select", "index_projections", "projections_mlp", "rest",
-          "host")
+          "unattributed", "host")
 GROUPS = {"attention": ("attention_dense", "attention_sparse"), "indexer": ("index_select", "index_projections"),
-          "projections_mlp": ("projections_mlp",), "rest": ("rest",), "host": ("host",)}
+          "projections_mlp": ("projections_mlp",), "rest": ("rest",), "unattributed": ("unattributed",),
+          "host": ("host",)}
 _PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 _INDEX = {"index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm"}
 
@@ -124,17 +136,20 @@ def _classify(qualname: str, module: torch.nn.Module) -> str | None:
     return None
 
 
-def _split(prof, labels: dict[str, str], total_ms: float) -> dict[str, float]:
-    """Stages of one profiled run, closed to the timed total: on a GPU the kernels' own times per stage and
-    host = total - their sum (the profiler's host overhead does not count); on a CPU, where op times carry the
-    profiler's overhead, the profiled split scaled to the timed total."""
-    stages = prof.stages(labels)
+def _split(prof, labels: dict[str, str], total_ms: float) -> tuple[dict[str, float], dict]:
+    """(stages of one profiled run closed to the timed total, attribution check). GPU: each kernel's own time in
+    its stage (Profile.attribute: once each) and host = total - their sum (the profiler's host overhead does not
+    count; 0 where the profiled kernels outlast the timed run, which the check shows); CPU, where op times carry
+    the profiler's overhead: the profiled split (op self times, host = the profiled wall outside every op) scaled
+    to the timed total."""
+    a = prof.attribute(labels, ENCLOSING)
+    check = {"work_ms": round(a.work_ms, 3), "busy_ms": round(a.busy_ms, 3), "profiled_ms": round(prof.wall_ms, 3),
+             "routes": a.routes, "unattributed_ms": round(a.stages["unattributed"], 3), "top": a.top}
     if prof.cuda:
-        stages.pop("host")
-        stages["host"] = max(0.0, total_ms - sum(stages.values()))
-        return stages
+        return a.stages | {"host": max(0.0, total_ms - a.work_ms)}, check
     scale = total_ms / prof.wall_ms if prof.wall_ms > 0 else 0.0
-    return {k: v * scale for k, v in stages.items()}
+    stages = a.stages | {"host": max(0.0, prof.wall_ms - a.work_ms)}
+    return {k: v * scale for k, v in stages.items()}, check
 
 
 def _groups(stages: dict[str, float]) -> dict[str, float]:
@@ -180,14 +195,16 @@ def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchC
             prof = profile_run(lambda: fn(ids), cfg.device)
         runs = max(1, min(cfg.steps, int(cfg.figure_seconds * 1e3 // max(prof.wall_ms, 1e-3))))
         ms, peak = median_ms(lambda: fn(ids), steps=runs, warmup=0, device=cfg.device)
-    stages = _split(prof, PREFILL_LABELS, ms)
+    stages, check = _split(prof, PREFILL_LABELS, ms)
     row = {"T": T, "model": name, "measured": "timed", "from_T": None, "ms": round(ms, 3), "runs": runs,
            "first_ms": round(first, 3), "peak_gb": round(peak, 2), "profiled_ms": round(prof.wall_ms, 3),
-           "kernels_outside_ops_ms": round(prof.kernels_outside_ops_ms(), 3),
-           "stages": {s: round(stages.get(s, 0.0), 3) for s in STAGES}}
+           "attribution": check, "stages": {s: round(stages.get(s, 0.0), 3) for s in STAGES}}
     row["breakdown"] = _groups(row["stages"])
     log(f"prefill T={T:,} {name}: {ms:.1f} ms ({runs} runs; " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                         row["breakdown"].items()) + ")")
+    if check["routes"].get("none"):
+        log(f"prefill T={T:,} {name}: {check['routes']['none']} kernels with no recorded launch "
+            f"({check['unattributed_ms']:.1f} ms, stage 'unattributed'): {check['top'].get('unattributed')}")
     return row
 
 
@@ -318,11 +335,10 @@ def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cf
         with module_ranges(model, _classify):
             prof = profile_run(lambda: eager(tokens), dev)
         cache.seq_lens.fill_(T)
-        stages = _split(prof, DECODE_LABELS, eager_ms)
+        stages, check = _split(prof, DECODE_LABELS, eager_ms)
         row = {"T": T, "model": name, "batch": B, "eager_ms": round(eager_ms, 4),
                "eager_tokens_per_s": round(B * 1e3 / eager_ms, 1), "graph_ms": None, "graph_tokens_per_s": None,
-               "profiled_ms": round(prof.wall_ms, 4),
-               "kernels_outside_ops_ms": round(prof.kernels_outside_ops_ms(), 4),
+               "profiled_ms": round(prof.wall_ms, 4), "attribution": check,
                "stages": {s: round(stages.get(s, 0.0), 4) for s in STAGES}}
         row["breakdown"] = _groups(row["stages"])
         why = graph_unavailable(model, dev)
