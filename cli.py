@@ -758,6 +758,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="--model: the weights' dtype.")
 @click.option("--index-cache", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="--model: decode index-key cache dtype (auto: the model's).")
+@click.option("--index-dtype", "model_index_dtype", type=click.Choice(["auto", "fp8"]), default="auto",
+              show_default=True, help="--model: the converted model's index scoring (fp8: e4m3 scores in prefill and "
+                                      "an fp8 decode index cache).")
 @click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")
@@ -773,7 +776,8 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
           distill_batch, distill_dtype, distill_autocast, no_train, steps, model_name, msa_max, model_dtype,
-          index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph):
+          index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph,
+          model_index_dtype):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -793,7 +797,8 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
         given = lambda name, text: text if source(name) != click.core.ParameterSource.DEFAULT else None  # noqa: E731
         return _bench_model(model_name, given("prefill_lengths", prefill_lengths),
                             given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
-                            model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir)
+                            model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir,
+                            model_index_dtype)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
@@ -900,7 +905,7 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
 
 
 def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, dense_max, msa_max, dtype, index_cache,
-                 steps, decode_steps, figure_seconds, device, out_dir):
+                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto"):
     lengths = {}
     if prefill_lengths is not None:
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
@@ -911,7 +916,8 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
         _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
-               index_cache=index_cache, steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds,
+               index_cache=index_cache, index_dtype=index_dtype, steps=steps, decode_steps=decode_steps,
+               figure_seconds=figure_seconds,
                device=device, **lengths)
     console = _console()
     result = _run(run_model_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))

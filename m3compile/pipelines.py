@@ -132,14 +132,15 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
     return gm, report
 
 
-def lower(model: torch.nn.Module) -> torch.fx.GraphModule:
+def lower(model: torch.nn.Module, require_msa: bool = True) -> torch.fx.GraphModule:
     """The model (a converted GraphModule, or a Decoder loaded from a converted checkpoint) with its MSA ops lowered
-    to the Triton kernels (passes/lower_triton.py). The result runs Triton on CUDA and the torch reference on CPU."""
+    to the Triton kernels (passes/lower_triton.py). The result runs Triton on CUDA and the torch reference on CPU.
+    `require_msa` False also lowers a dense model (its RoPE and norms: the fair dense baseline of a benchmark)."""
     gm = model if isinstance(model, torch.fx.GraphModule) else trace(model)
     if isinstance(model, Decoder):
         gm.meta["model_args"] = model.args
     report = run_pipeline("lower", gm)[0]
-    if not report.replaced:
+    if require_msa and not report.replaced:
         raise M3CompileError("the model has no MSA layer to lower (convert it first)")
     gm.meta["lowering"] = report
     return gm

@@ -312,3 +312,23 @@ def test_attribution_of_a_real_cpu_run(monkeypatch):
     assert sdpa and abs(a.stages["attention_dense"] - sum(e.cpu_time_total for e in sdpa) / 1e3) < 1e-6
     stages, check = bench_model._split(prof, PREFILL_LABELS, 123.0)
     assert abs(sum(stages.values()) - 123.0) < 1e-6 and check["routes"] == {} and check["unattributed_ms"] == 0
+
+
+def test_fp8_index_option_and_a_lowered_dense_twin():
+    """--index-dtype fp8 converts with e4m3 index scoring (a converted model's setting replaced too), and the dense
+    baseline's backbone lowers like the MSA one (same RMSNorm / RoPE kernels; same output)."""
+    import pytest
+
+    from m3compile.errors import M3CompileError
+    from m3compile.tools.bench_model import ModelBenchConfig
+
+    dense, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2, index_dtype="fp8")
+    assert sparse.args.msa.index_dtype == "fp8"
+    dense_lowered = lower(dense.model, require_msa=False)
+    names = {getattr(n.target, "__name__", "") for n in dense_lowered.graph.nodes if n.op == "call_function"}
+    assert {"rms_norm_triton", "apply_rope_triton"} <= names
+    ids = torch.randint(0, dense.args.vocab_size, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(dense_lowered(ids), dense.model(ids))
+    with pytest.raises(M3CompileError, match="index_dtype must be"):
+        ModelBenchConfig(model="m3-tiny", device="cpu", index_dtype="int8")

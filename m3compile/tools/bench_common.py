@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import re
 import statistics
 import time
@@ -52,12 +53,13 @@ def bench_presets() -> list[str]:
 
 
 def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 128, topk: int = 16,
-                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None
+                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto"
                  ) -> tuple[Decoder, Decoder, str, dict | None]:
     """(dense model, converted model sharing its weights, description, conversion check) for a checkpoint
     directory (dense: converted in memory with block / topk / dense_layers; converted: the dense twin without the
     index branch) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
-    for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower)."""
+    for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower).
+    `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced)."""
     torch_dtype = parse_dtype(dtype)
     path = Path(model)
     if path.is_dir():
@@ -72,12 +74,15 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 12
     args = dense.args
     check = None
     if args.msa is None:  # dense: convert in memory
-        gm, _ = convert(dense, MSAConfig(block_size=block, topk=topk, dense_layers=dense_layers))
+        gm, _ = convert(dense, MSAConfig(block_size=block, topk=topk, dense_layers=dense_layers,
+                                         index_dtype=index_dtype))
         check = conversion_check(gm, dense)
         sparse_args = gm.meta["model_args"]
         state = dict(gm.state_dict())
     else:
         sparse_args, state, converted = args, dict(dense.state_dict()), dense
+        if index_dtype != "auto":
+            sparse_args = args.replace(msa=dataclasses.replace(args.msa, index_dtype=index_dtype))
         with torch.device("meta"):
             dense = Decoder(args.replace(sparse_layers=None, msa=None))
         dense.load_state_dict({k: v for k, v in state.items() if ".index_" not in k}, strict=False, assign=True)

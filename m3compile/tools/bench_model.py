@@ -7,7 +7,8 @@ gets its dense twin (the same weights without the index branch).
 
 Prefill, time to first token: one sequence of T random tokens through the backbone, then the logits of the last
 position only (no [T, vocab] tensor: at 128K tokens and a 128K vocabulary it alone would be 34 GB):
-    dense   the model as loaded: SDPA causal attention in every layer
+    dense   the model as loaded, its backbone through m3compile.lower too (the same RMSNorm / RoPE kernels as the
+            MSA side): SDPA causal attention in every layer
     msa     the converted model's backbone through m3compile.lower: the fused indexer and the gather-Q sparse
             attention in every MSA layer (layer 0 stays dense)
 Timed with CUDA events (the median of up to `steps` runs after one warm-up, fewer where one run is long) up to
@@ -101,6 +102,7 @@ class ModelBenchConfig:
     msa_max: int = 131072  # the same for the MSA model
     dtype: str = "bfloat16"
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
+    index_dtype: str = "auto"  # the converted model's index scoring: "auto" (bf16) or "fp8" (prefill and decode)
     steps: int = 5  # timed prefill runs per figure, at most
     figure_seconds: float = 10.0  # ... and fewer where one run is long (at least one)
     decode_steps: int = 32  # decode steps per timing
@@ -122,6 +124,8 @@ class ModelBenchConfig:
                 raise M3CompileError(f"{name} must be a finite number >= 0, got {v}")
         if self.index_cache not in ("auto", "fp8"):
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
+        if self.index_dtype not in ("auto", "fp8"):
+            raise M3CompileError(f"index_dtype must be 'auto' or 'fp8', got {self.index_dtype!r}")
         parse_dtype(self.dtype)
         if is_cuda(self.device) and not torch.cuda.is_available():
             raise M3CompileError("m3c bench --model needs a CUDA GPU (use --device cpu for a smoke run)")
@@ -215,8 +219,10 @@ def _vocab(model: torch.nn.Module) -> int:
 
 def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tuple[list[dict], list[dict]]:
     lowered = lower(sparse.model)  # the backbone: the last position's logits are taken outside it
+    # the dense twin lowered too (its RMSNorm and RoPE kernels): both sides run the same fused backbone ops
+    dense_lowered = lower(dense.model, require_msa=False)
     runners = {
-        "dense": (lambda ids: dense.lm_head(dense.model(ids)[:, -1]), dense, cfg.dense_max),
+        "dense": (lambda ids: dense.lm_head(dense_lowered(ids)[:, -1]), dense_lowered, cfg.dense_max),
         "msa": (lambda ids: sparse.lm_head(lowered(ids)[:, -1]), lowered, cfg.msa_max),
     }
     keys = _keys(sparse.args)
@@ -373,7 +379,8 @@ def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cf
 def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list[dict]:
     args = sparse.args
     dtype = next(sparse.parameters()).dtype
-    index_dtype = torch.float8_e4m3fn if cfg.index_cache == "fp8" else dtype
+    fp8 = cfg.index_cache == "fp8" or (args.msa is not None and args.msa.index_dtype == "fp8")
+    index_dtype = torch.float8_e4m3fn if fp8 else dtype
     page = args.msa.block_size if args.msa is not None else cfg.block
     rows = []
     for T in cfg.decode_lengths:
@@ -415,7 +422,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     log(f"building {cfg.model} on {cfg.device} ...")
     t0 = time.perf_counter()
     dense, sparse, what, check = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
-                                              topk=cfg.topk)
+                                              topk=cfg.topk, index_dtype=cfg.index_dtype)
     verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else \
         f"MISMATCH {check['mismatched'][:3]}"
     log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")
