@@ -367,13 +367,17 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
 @click.option("--cuda-graph", is_flag=True,
               help="CUDA, one process: after two eager steps per mode, capture the whole step in a CUDA graph and "
                    "replay it (no host dispatch per kernel); refused where the step cannot be captured.")
+@click.option("--block-loss", default=0.0, show_default=True,
+              help="Weight of the block-ranking loss added to the KL: the teacher's block mass against the index "
+                   "branch's block-max scores (what the selection ranks by), on up to 1,024 queries per sequence; "
+                   "0 = the KL alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @click.option("--shard/--no-shard", default=None,
               help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
                    "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
                    "fit the device].")
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, autocast, cuda_graph, as_json, shard):
+            resume, force, autocast, cuda_graph, block_loss, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -385,10 +389,13 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
     """
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph,
+                  block_loss=block_loss)
+    block = lambda m: f"  block {m['block']:.4f}" if "block" in m else ""  # noqa: E731
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
-                  lambda m: f"{m['mode']}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
-                  lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}")
+                  lambda m: f"{m['mode']}  KL {m['kl']:.4f}{block(m)}  recall {m['recall']:.3f}",
+                  lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}"
+                               + (f"   block loss {a['block']:.4f} -> {b['block']:.4f}" if "block" in a else ""))
 
 
 def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, force, shard, as_json, info, summary):

@@ -31,6 +31,8 @@ __all__ = [
     "oracle_blocks",
     "selected_blocks_mask",
     "index_kl",
+    "block_rank_kl",
+    "choice_rows",
     "query_chunk",
     "quantize_index_keys",
     "dequantize_index_keys",
@@ -536,6 +538,144 @@ def index_kl(
     chunk = chunk or query_chunk(B * Hq + 4 * B * k.shape[1], T)
     sparse = sparse and blocks is not None
     return _IndexKL.apply(q_idx, k_idx, q.detach(), k.detach(), blocks, sparse, block_size, scale, chunk)
+
+
+def choice_rows(T: int, block_size: int, topk: int, n: int | None = None, device=None) -> torch.Tensor:
+    """Query positions where the selection has a choice to make (t >= topk * block_size: more visible blocks than
+    slots), all of them, or `n` evenly spaced from the first to the last (distinct). 1-D int64, maybe empty."""
+    first = topk * block_size
+    count = max(0, T - first)
+    if n is None or count <= n:
+        return torch.arange(first, first + count, device=device)
+    return torch.linspace(first, T - 1, n, device=device).round().long()
+
+
+def _candidates(t_pos: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int):
+    """[C, n_blocks] bool: the blocks each query at `t_pos` may select beyond its forced ones (visible, neither among
+    the `local_blocks` most recent nor the first `init_blocks`)."""
+    b_pos = torch.arange(n_blocks, device=t_pos.device)[None, :]
+    q_block = (t_pos // block_size)[:, None]
+    return (b_pos <= q_block) & (b_pos <= q_block - local_blocks) & (b_pos >= init_blocks)
+
+
+def _block_rank_chunk(q_idx, k_idx, q, k, pos, block_size, init_blocks, local_blocks, scale, index_scale):
+    """For the queries at `pos`: the student's block scores S [B, H, C, nb] (block max of the index logits, keys
+    after the query masked) with each max's key id, the teacher's block mass P renormalised over the candidate
+    blocks, and the candidate mask [C, nb]; keys [0, T) (no host read of the positions)."""
+    B, H, T, _ = q_idx.shape
+    ct = _compute_dtype(q_idx)
+    nb = -(-T // block_size)
+    after = torch.arange(T, device=q.device)[None, :] > pos[:, None]  # [C, T]
+    z = torch.einsum("bhcd,bjd->bhcj", q_idx[:, :, pos].to(ct), k_idx.to(ct)) * index_scale
+    z = F.pad(z.masked_fill(after, float("-inf")), (0, nb * block_size - T), value=float("-inf"))
+    scores, arg = z.unflatten(-1, (nb, block_size)).max(-1)  # [B, H, C, nb]
+    arg = arg + torch.arange(nb, device=q.device) * block_size  # the key holding each block's max
+    qg = q[:, :, pos].to(ct).unflatten(1, (H, q.shape[1] // H))  # [B, H, G, C, D]
+    a = torch.einsum("bhgcd,bhjd->bhgcj", qg, k.to(ct)) * scale
+    p = torch.softmax(a.masked_fill(after, float("-inf")), -1).mean(2)  # dense group-mean teacher [B, H, C, T]
+    mass = F.pad(p, (0, nb * block_size - T)).unflatten(-1, (nb, block_size)).sum(-1)  # [B, H, C, nb]
+    cand = _candidates(pos, nb, block_size, init_blocks, local_blocks)
+    mass = mass * cand
+    total = mass.sum(-1, keepdim=True)
+    return scores, arg, mass / total.clamp(min=torch.finfo(ct).tiny), cand, total[..., 0] > 0
+
+
+class _BlockRankKL(torch.autograd.Function):
+    """Mean over (batch, group, row) of KL(P_b || softmax_b S_b); backward: (Q - P) to each block's argmax key."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, q, k, rows, block_size, init_blocks, local_blocks, scale, chunk):
+        B, H, T, Di = q_idx.shape
+        ct = _compute_dtype(q_idx)
+        index_scale = Di**-0.5
+        nb = -(-T // block_size)
+        R = rows.numel()
+        d_scores = torch.zeros(B, H, R, nb, dtype=ct, device=q.device)  # Q - P per (row, block), 0 off-candidates
+        arg = torch.zeros(B, H, R, nb, dtype=torch.long, device=q.device)
+        kl_sum = torch.zeros((), dtype=ct, device=q.device)
+        n_valid = torch.zeros((), dtype=ct, device=q.device)
+        for s in range(0, R, chunk):
+            pos = rows[s:s + chunk]
+            scores, a, p, cand, valid = _block_rank_chunk(q_idx, k_idx, q, k, pos, block_size, init_blocks,
+                                                          local_blocks, scale, index_scale)
+            keep = cand & valid[..., None]  # [B, H, C, nb]
+            log_q = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), -1).masked_fill(~keep, 0.0)
+            p = p * keep
+            kl_sum = kl_sum + (torch.xlogy(p, p) - p * log_q).sum()
+            n_valid = n_valid + valid.sum()
+            d_scores[:, :, s:s + chunk] = torch.where(keep, log_q.exp() - p, 0.0)
+            arg[:, :, s:s + chunk] = torch.where(cand, a, 0)
+        ctx.save_for_backward(q_idx, k_idx, rows, d_scores, arg, n_valid)
+        ctx.args = (index_scale, chunk)
+        return kl_sum / n_valid.clamp(min=1.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        q_idx, k_idx, rows, d_scores, arg, n_valid = ctx.saved_tensors
+        index_scale, chunk = ctx.args
+        B, H, T, Di = q_idx.shape
+        ct = d_scores.dtype
+        dq = torch.zeros(B, H, T, Di, dtype=ct, device=q_idx.device)
+        dk = torch.zeros(B, T, Di, dtype=ct, device=q_idx.device)
+        coeff = g.to(ct) * index_scale / n_valid.clamp(min=1.0)
+        i_b = torch.arange(B, device=q_idx.device)[:, None, None, None]
+        for s in range(0, rows.numel(), chunk):
+            pos = rows[s:s + chunk]
+            ds = d_scores[:, :, s:s + chunk] * coeff  # [B, H, C, nb]: d loss / d z at each block's argmax key
+            ids = arg[:, :, s:s + chunk]
+            dq.index_add_(2, pos, torch.einsum("bhcn,bhcnd->bhcd", ds, k_idx.to(ct)[i_b, ids]))
+            contrib = ds[..., None] * q_idx[:, :, pos].to(ct)[:, :, :, None, :]  # [B, H, C, nb, Di]
+            dk.view(B * T, Di).index_add_(0, (ids + torch.arange(B, device=ids.device)[:, None, None, None] * T)
+                                          .flatten(), contrib.reshape(-1, Di))
+        return dq.to(q_idx.dtype), dk.to(k_idx.dtype), None, None, None, None, None, None, None, None
+
+
+def block_rank_kl(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    rows: torch.Tensor | None = None,
+    topk: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """A block-ranking loss for the index branch: does the selection's block score rank blocks as the teacher's
+    attention mass does?
+
+    For each (KV group g, query t in `rows`) over its candidate blocks b (visible, not forced: neither among the
+    `local_blocks` most recent nor the first `init_blocks`): teacher P_b = the dense group-mean causal softmax
+    (MSA_SPEC section 4, detached) summed over block b, renormalised over the candidates; student Q_b = softmax
+    over b of S[g, t, b] = max_{j in b, j <= t} q_idx[g, t] . k_idx[j] / sqrt(Di) (M3's block score, section 2.4).
+    Returns the mean of KL(P || Q) over (batch, group, row) as a 0-d fp32 tensor (fp64 for fp64 inputs; 0 when no
+    row has a candidate).
+    The gradient reaches q_idx and k_idx through the max: each block's (Q_b - P_b) goes to its argmax key.
+    `rows`: query positions (1-D int64, distinct) [default: every t >= topk * block_size, which needs `topk`].
+    Memory O(chunk * T), never T x T; keys [0, T) are scored for every row (masked), so no value is read back to
+    the host (a CUDA graph can capture it).
+
+    q_idx [B, Hi, T, Di], k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D] (Hi == Hkv) -> [].
+    """
+    k_idx = _check_index_inputs(q_idx, k_idx)
+    _check_attention_inputs(q, k, k)
+    B, Hq, T, D = q.shape
+    if q_idx.shape[:3] != (B, k.shape[1], T):
+        raise ValueError(f"q_idx {tuple(q_idx.shape)} needs one index head per KV head of k {tuple(k.shape)}")
+    if rows is None:
+        if topk is None:
+            raise ValueError("block_rank_kl needs rows or topk")
+        rows = choice_rows(T, block_size, topk, device=q.device)
+    rows = rows.to(q.device)
+    if rows.numel() == 0:
+        return torch.zeros((), dtype=_compute_dtype(q_idx), device=q.device)  # no choice anywhere: nothing to rank
+    scale = D**-0.5 if scale is None else scale
+    chunk = chunk or query_chunk(B * (Hq + 3 * k.shape[1]), T)
+    return _BlockRankKL.apply(q_idx, k_idx, q.detach(), k.detach(), rows, block_size, init_blocks, local_blocks,
+                              scale, chunk)
 
 
 # ----------------------------------------------------------------------------------------------------------------

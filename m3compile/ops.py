@@ -13,6 +13,7 @@ lowering beside it, and access to its arguments by name.
     msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
                                                                     msa_attention_lse_triton (+ per-head LSE)
     msa_index_kl       kernels.reference.index_kl                   msa_index_kl_triton (fused sparse-support KL)
+    msa_block_loss     kernels.reference.block_rank_kl              - (the torch reference on every device, fp32)
     msa (torch.ops.m3compile.msa)  msa_select then msa_attention: the one node per layer that ONNX export emits
     frame_segments / window_segments / segment_attention   the ViT's attention segments and varlen attention
 
@@ -37,14 +38,17 @@ from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
-    "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_select_triton",
+    "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_block_loss",
+    "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
-    "RECALL_ROWS", "visible_blocks", "dense_support", "scope", "recording_scopes", "apply_rope_triton",
+    "RECALL_ROWS", "BLOCK_LOSS_ROWS", "block_loss_rows", "visible_blocks", "dense_support", "scope",
+    "recording_scopes", "apply_rope_triton",
     "apply_index_rope_triton", "index_branch_triton", "rms_norm_triton",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
+BLOCK_LOSS_ROWS = 1024  # queries per sequence the block-ranking loss is computed on, at most
 
 
 _FORCED_SCOPES = [0]  # > 0 inside `recording_scopes`
@@ -166,6 +170,35 @@ def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, spar
     kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
                               scale=scale)
     return kl.mean(), recall.mean()
+
+
+def block_loss_rows(T: int, block_size: int, topk: int, n: int = BLOCK_LOSS_ROWS, device=None) -> torch.Tensor:
+    """The queries the block-ranking loss is computed on: those with a choice to make (t >= topk * block_size),
+    all of them up to `n`, else `n` evenly spaced (kernels.reference.choice_rows). The same rows every step: the
+    loss stays a pure function of the batch (a resumed run continues bit for bit). Cached per shape and device
+    (a CUDA-graph capture finds them built): never write to the result."""
+    return _block_loss_rows(T, block_size, topk, n, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=16)
+def _block_loss_rows(T: int, block_size: int, topk: int, n: int, device: torch.device) -> torch.Tensor:
+    return ref.choice_rows(T, block_size, topk, n, device=device)
+
+
+@torch.fx.wrap
+@_scoped("msa_block_loss")
+def msa_block_loss(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
+                   local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
+    """The block-ranking loss of one MSA layer (kernels.reference.block_rank_kl): mean over (batch, group, sampled
+    query) of KL(teacher block mass || softmax of the index branch's block-max scores) over the non-forced visible
+    blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off (plain
+    torch on every device: no Triton kernel yet); gradients reach q_idx and k_idx only.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
+    positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
+    with torch.autocast(q.device.type, enabled=False):
+        return ref.block_rank_kl(q_idx.transpose(1, 2), k_idx, q, k, block_size=block_size, init_blocks=init_blocks,
+                                 local_blocks=local_blocks, scale=scale, rows=positions)
 
 
 def _grid(grid_thw) -> torch.Tensor:
@@ -392,9 +425,9 @@ LOWERING: dict[Callable, Callable] = {
     apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
 }
 GRAPH_OPS: tuple[Callable, ...] = (
-    apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, frame_segments, window_segments,
-    segment_attention, msa_select_triton, msa_attention_triton, msa_attention_lse_triton, msa_index_kl_triton,
-    apply_rope_triton, apply_index_rope_triton, index_branch_triton, rms_norm_triton,
+    apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, msa_block_loss,
+    frame_segments, window_segments, segment_attention, msa_select_triton, msa_attention_triton,
+    msa_attention_lse_triton, msa_index_kl_triton, apply_rope_triton, apply_index_rope_triton, index_branch_triton, rms_norm_triton,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}
 

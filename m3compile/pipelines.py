@@ -3,8 +3,9 @@
     convert   gqa_to_msa                                   dense GQA attention -> MSA (index branch + selection;
                                                            calibrated init when given attention-input moments)
     vision    vit_3d_window                                a ViT's per-frame attention -> 3D windows
-    distill   kl_distill [-> the lower passes on CUDA]     KL hooks for the index branch, then the Triton kernels
-                                                           (sharded with FSDP2: lower_triton only, no fusions)
+    distill   kl_distill [-> the lower passes on CUDA]     KL hooks for the index branch (+ the block-ranking loss),
+                                                           then the Triton kernels (sharded with FSDP2: lower_triton
+                                                           only, no fusions)
     lower     lower_triton -> fuse_index_branch -> lower_norms   reference ops -> Triton-backed ops (last)
     export    strip_kl_distill -> fuse_msa                 one torch.ops.m3compile.msa node per layer (ONNX)
 
@@ -41,8 +42,8 @@ def _lowering(fused: bool = True) -> list[Pass]:
 PIPELINES: dict[str, Callable[..., list[Pass]]] = {
     "convert": lambda config=None, moments=None: [GQAToMSA(config, moments)],
     "vision": lambda window=4: [ViT3DWindow(window)],
-    "distill": lambda mode="warmup", lowered=False, fused=True: [KLDistill(mode)] + (_lowering(fused) if lowered
-                                                                                       else []),
+    "distill": lambda mode="warmup", lowered=False, fused=True, block_loss=False: (
+        [KLDistill(mode, block_loss)] + (_lowering(fused) if lowered else [])),
     "lower": lambda: _lowering(),
     "export": lambda: [StripKLDistill(), FuseMSA()],
 }

@@ -2,12 +2,16 @@
 
     msa_select(q_idx, k_idx) -> blocks --> msa_attention(q, k, v, blocks)          (inference graph)
                                      \\--> msa_index_kl(q, k, q_idx, k_idx, blocks) -> (kl, recall) per layer
-    output: logits  ->  (logits, kl [n_msa_layers], recall [n_msa_layers])
+                                     \\--> msa_block_loss(q, k, q_idx, k_idx) -> block loss per layer (block_loss)
+    output: logits  ->  (logits, kl [n_msa_layers], recall [n_msa_layers] [, block [n_msa_layers]])
 
 Mode "warmup": the support of teacher and student is every visible key and the main branch runs dense attention
 (the warm-up of a dense checkpoint); mode "sparse": the support is the selected blocks and the main branch is
-sparse. Running the pass again with the other mode switches the mode (also on a lowered training graph); the
-`strip_kl_distill` pass undoes it exactly: the graph's code is again the inference graph's.
+sparse. With `block_loss`, each layer also gets the block-ranking loss (teacher block mass vs the index branch's
+block-max scores, kernels/reference.py: block_rank_kl; the same in both modes), returned as a fourth output; the
+distillation weighs it (DistillConfig.block_loss). Running the pass again with the other mode switches the mode
+(also on a lowered training graph); the `strip_kl_distill` pass undoes it exactly: the graph's code is again the
+inference graph's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch.fx
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
-from m3compile.ops import is_op, msa_index_kl, msa_select, op_args, set_op_arg
+from m3compile.ops import is_op, msa_block_loss, msa_index_kl, msa_select, op_args, set_op_arg
 
 __all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES"]
 
@@ -34,6 +38,7 @@ class KLHook:
     layer: int
     sparse_before: bool
     kl_node: str
+    block_node: str | None = None  # its msa_block_loss node (with block_loss)
 
 
 @dataclass
@@ -43,24 +48,28 @@ class DistillGraph:
     mode: str
     layers: list[int]
     output_before: tuple
+    block_loss: bool = False  # the output carries the block-ranking loss per layer
 
 
 @register_pass
 class KLDistill(Pass):
     """Add KL-distillation hooks: teacher and student distributions per (KV group, token), the loss and recall per layer.
 
-    The graph then returns (logits, kl, recall), kl and recall holding one mean per MSA layer in graph order.
-    Requires: MSA layers (run gqa_to_msa first). Running it again switches the mode or changes nothing.
+    The graph then returns (logits, kl, recall), kl and recall holding one mean per MSA layer in graph order, and
+    with `block_loss` (logits, kl, recall, block), block the block-ranking loss per layer (msa_block_loss).
+    Requires: MSA layers (run gqa_to_msa first). Running it again switches the mode or changes nothing (a hooked
+    graph keeps the block loss it was hooked with).
     """
 
     name = "kl_distill"
     stage = "distil"
     revisits = True  # on a hooked (possibly lowered) graph it only switches the mode
 
-    def __init__(self, mode: str = "warmup"):
+    def __init__(self, mode: str = "warmup", block_loss: bool = False):
         if mode not in MODES:
             raise M3CompileError(f"unknown distillation mode {mode!r} (use {' or '.join(MODES)})")
         self.mode = mode
+        self.block_loss = block_loss
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
         if gm.meta.get("m3_kl_distill") is not None:
@@ -74,13 +83,17 @@ class KLDistill(Pass):
         report = PassReport(self.name)
         state: DistillGraph | None = gm.meta.get("m3_kl_distill")
         if state is not None:
+            if state.block_loss != self.block_loss:
+                raise M3CompileError(f"the graph's distillation hooks were added with block_loss={state.block_loss}: "
+                                     "strip them (strip_kl_distill) before hooking with block_loss="
+                                     f"{self.block_loss}")
             if state.mode != self.mode:
                 report.details.append(f"mode {state.mode} -> {self.mode}")
                 _set_mode(gm, self.mode)
                 report.modified = True
             return report
         g = gm.graph
-        kls, recalls, layers = [], [], []
+        kls, recalls, blocks, layers = [], [], [], []
         for n in msa_nodes(gm):
             att = op_args(n)
             select = att["blocks"]
@@ -96,20 +109,28 @@ class KLDistill(Pass):
                 kl = g.call_function(operator.getitem, (hook, 0))
             with g.inserting_after(kl):
                 recall = g.call_function(operator.getitem, (hook, 1))
-            n.meta["m3_kl_hook"] = KLHook(msa_layer(n), sparse, hook.name)
+            block = None
+            if self.block_loss:
+                with g.inserting_after(recall):
+                    block = g.call_function(msa_block_loss, (), dict(
+                        q=att["q"], k=att["k"], q_idx=sel["q_idx"], k_idx=sel["k_idx"], block_size=att["block_size"],
+                        scale=att["scale"], topk=sel["topk"], init_blocks=sel["init_blocks"],
+                        local_blocks=sel["local_blocks"]))
+                blocks.append(block)
+            n.meta["m3_kl_hook"] = KLHook(msa_layer(n), sparse, hook.name, None if block is None else block.name)
             set_op_arg(n, "sparse", self.mode == "sparse" and sparse)
             kls.append(kl)
             recalls.append(recall)
             layers.append(msa_layer(n))
             report.replaced += 1
-            report.details.append(f"layer {layers[-1]}: KL hook ({self.mode} support)")
+            report.details.append(f"layer {layers[-1]}: KL hook ({self.mode} support)"
+                                  + (" + block-ranking loss" if self.block_loss else ""))
         out = g.output_node()
         before = out.args
         with g.inserting_before(out):
-            kl_all = g.call_function(torch.stack, (kls,))
-            recall_all = g.call_function(torch.stack, (recalls,))
-        out.args = ((before[0], kl_all, recall_all),)
-        gm.meta["m3_kl_distill"] = DistillGraph(self.mode, layers, before)
+            stacks = [g.call_function(torch.stack, (rows,)) for rows in ([kls, recalls] + [blocks] * self.block_loss)]
+        out.args = ((before[0], *stacks),)
+        gm.meta["m3_kl_distill"] = DistillGraph(self.mode, layers, before, self.block_loss)
         report.modified = True
         return report
 
@@ -118,6 +139,7 @@ class KLDistill(Pass):
         hooks = list(_hooks(gm))  # by the hooks' records: also on a lowered graph
         assert len(state.layers) == len(hooks), "every MSA layer has a KL hook"
         assert all(op_args(kl)["sparse"] == (state.mode == "sparse") for _, _, kl in hooks), "hooks in the mode"
+        assert all((hook.block_node is not None) == state.block_loss for _, hook, _ in hooks), "block-loss nodes"
 
 
 def _hooks(gm: torch.fx.GraphModule):
@@ -155,7 +177,10 @@ class StripKLDistill(Pass):
         out.args = state.output_before
         for s in stacks:
             g.erase_node(s)
+        by_name = {n.name: n for n in g.nodes}
         for n, hook, kl in list(_hooks(gm)):
+            if hook.block_node is not None:
+                g.erase_node(by_name[hook.block_node])
             for user in list(kl.users):
                 g.erase_node(user)
             g.erase_node(kl)

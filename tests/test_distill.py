@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m3compile import DistillConfig, DistillInterrupted, MSAConfig, convert_checkpoint, distill, load
+from m3compile import DistillConfig, DistillInterrupted, M3CompileError, MSAConfig, convert_checkpoint, distill, load
 from m3compile.io.data import load_tokens, windows
 from m3compile.graph.pass_manager import PassManager
 from m3compile.graph.tracing import trace
 from m3compile.passes.kl_distill import KLDistill
 from tests.conftest import CALIB_DATA, EVAL_DATA, LLAMA_BYTE
-from tests.test_cli import run
+from tests.test_cli import assert_clean_failure, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,6 +92,45 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
 
 
+def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(converted, tmp_path):
+    """block_loss 0 (the default) builds today's graph (no msa_block_loss node, three outputs) and leaves the block
+    loss out of the fingerprint; a weighted run logs it, learns differently, resumes bit for bit, and refuses a
+    resume with another weight (either way)."""
+    from m3compile.ops import msa_block_loss
+    from m3compile.train.distill import DistillStep
+
+    plain = DistillStep(load(converted, dtype="float32"), DistillConfig(steps=1, seq_len=128), "cpu", "warmup")
+    hooked = trace(load(converted, dtype="float32"))
+    PassManager([KLDistill("warmup")]).run(hooked)
+    assert plain.gm.code == hooked.code and not any(n.target is msa_block_loss for n in plain.gm.graph.nodes)
+    assert "block_loss" not in DistillConfig(steps=1).fingerprint(1)
+    base = dict(steps=4, seq_len=128, batch=2, lr=1e-2, warmup_steps=1)
+    distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**base))
+    config = DistillConfig(**base, block_loss=1.0)
+    report = distill(converted, CALIB_DATA, tmp_path / "straight", config)
+    assert all(h["block"] > 0 and len(h["block_layers"]) == 5 for h in report.history)
+    assert report.history[-1]["block"] < report.history[0]["block"]
+
+    def interrupt_at_2(step, total, metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(DistillInterrupted, match="after step 2"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_2)
+    code, output = distill_cli(converted, CALIB_DATA, tmp_path / "resumed", "--resume", "--steps", "4", "--batch",
+                               "2", "--lr", "1e-2", "--warmup-steps", "1")
+    assert code == 2 and "block_loss = 1.0" in output, output
+    distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
+    a, b = (load_file(str(tmp_path / d / "distill_state/index.safetensors")) for d in ("straight", "resumed"))
+    kl_only = load_file(str(tmp_path / "kl" / "distill_state/index.safetensors"))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert any(not torch.equal(a[key], kl_only[key]) for key in a)
+    with pytest.raises(M3CompileError, match="block_loss"):
+        distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**{**base, "steps": 6}, block_loss=0.5),
+                resume=True)
+
+
 def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path]:
     """Run `m3c *common` under torchrun with 2 gloo processes x batch 1, then in one process with batch 2; both must
     succeed. Returns the two output directories (ddp, single)."""
@@ -152,6 +191,12 @@ def test_cuda_graph_needs_cuda(converted, tmp_path):
         pytest.skip("a GPU is present: the capture itself is checked by m3c bench --distill --cuda-graph")
     code, output = distill_cli(converted, CALIB_DATA, tmp_path / "out", "--cuda-graph")
     assert code == 2 and "--cuda-graph needs a CUDA device" in output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_block_loss_must_be_a_finite_non_negative_weight(converted, tmp_path, value):
+    code, output = distill_cli(converted, CALIB_DATA, tmp_path / "out", "--block-loss", value)
+    assert_clean_failure(code, output, tmp_path / "out", "block_loss must be")
 
 
 def test_model_that_was_never_converted(tmp_path):

@@ -58,6 +58,47 @@ def test_hook_on_a_loaded_msa_model_equals_the_loss_on_its_own_tensors(tmp_path)
                            scale=attn.scale)
     _, kl, _ = gm(x)
     torch.testing.assert_close(kl[1], want.mean())
+    # with the block-ranking loss: its node sees the same tensors (17 tokens, block 4 / top-2: rows 8..16 choose)
+    PassManager([StripKLDistill(), KLDistill("sparse", block_loss=True)]).run(gm)
+    _, kl_b, _, block = gm(x)
+    torch.testing.assert_close(kl_b, kl, rtol=0, atol=0)
+    want = ref.block_rank_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], block_size=4, topk=2,
+                             scale=attn.scale)
+    assert block.shape == (3,) and float(want.detach()) > 0
+    torch.testing.assert_close(block[1], want)
+
+
+def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
+    """block_loss adds one msa_block_loss node per layer and a fourth output; mode switches keep it, lowering leaves
+    it the torch op (rewired to the fused index branch), a hooked graph refuses another block_loss setting, and
+    strip_kl_distill restores the inference graph's code."""
+    from m3compile.ops import msa_block_loss
+    from m3compile.pipelines import run_pipeline
+
+    _, gm = converted
+    x = torch.randint(0, 256, (2, 23))
+    code, inference = gm.code, gm(x)
+    run_pipeline("distill", gm, mode="warmup", block_loss=True)
+    assert len([n for n in gm.graph.nodes if n.target is msa_block_loss]) == 3
+    logits, kl, recall, block = gm(x)
+    assert block.shape == (3,) and block.requires_grad and bool((block > 0).all())
+    index = [p for n, p in gm.named_parameters() if ".index_" in n]
+    grads = torch.autograd.grad(block.sum(), index, allow_unused=True)
+    assert all(g is not None for g in grads) and any(bool(g.abs().sum() > 0) for g in grads)
+    run_pipeline("distill", gm, mode="sparse", block_loss=True)
+    _, _, _, block_sparse = gm(x)
+    # the loss itself is the same in both modes (dense teacher, block-max scores): the first MSA layer, whose input
+    # does not depend on the mode, agrees; later layers see the sparse main branch's hidden states
+    torch.testing.assert_close(block_sparse[0], block[0])
+    assert not torch.allclose(block_sparse, block)
+    with pytest.raises(M3CompileError, match="block_loss=True"):
+        run_pipeline("distill", gm, mode="sparse")
+    PassManager([StripKLDistill()]).run(gm)
+    assert gm.code == code
+    torch.testing.assert_close(gm(x), inference, rtol=0, atol=0)
+    run_pipeline("distill", gm, mode="sparse", lowered=True, block_loss=True)
+    _, _, _, block_lowered = gm(x)
+    torch.testing.assert_close(block_lowered, block_sparse)
 
 
 def test_needs_msa_layers():

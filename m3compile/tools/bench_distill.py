@@ -137,8 +137,8 @@ def _graph_check(model: Decoder, dcfg: DistillConfig, cfg: DistillBenchConfig, m
         for name, p in eager.params.items():
             p.copy_(graphed.params[name])
     eager.opt.load_state_dict(copy.deepcopy(graphed.opt.state_dict()))  # its own tensors, not the graph's
-    kl_e, rec_e, _ = eager(x)
-    kl_g, rec_g, _ = graphed(x)
+    kl_e, rec_e, *_ = eager(x)
+    kl_g, rec_g, *_ = graphed(x)
     sync(cfg.device)
 
     def rel(a, b):

@@ -69,9 +69,12 @@ class DistillConfig:
     weight_decay: float = 0.0
     autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
     cuda_graph: bool = False  # capture the step in a CUDA graph after warm-up (DistillStep); not part of a resume
+    # weight of the block-ranking loss added to the KL (kernels/reference.py: block_rank_kl): teacher block mass vs
+    # the index branch's block-max scores, on the queries that have a choice; 0 = the KL alone (no node is added)
+    block_loss: float = 0.0
 
     def __post_init__(self):
-        for name in ("lr", "weight_decay", "loss_coeff"):
+        for name in ("lr", "weight_decay", "loss_coeff", "block_loss"):
             value = getattr(self, name, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
@@ -87,6 +90,8 @@ class DistillConfig:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.lr > 0:
             raise M3CompileError(f"lr must be > 0, got {self.lr}")
+        if self.block_loss < 0:
+            raise M3CompileError(f"block_loss must be >= 0, got {self.block_loss}")
         parse_dtype(self.dtype)
         if self.autocast not in ("auto", "bf16", "none"):
             raise M3CompileError(f"autocast must be auto, bf16 or none, got {self.autocast!r}")
@@ -106,10 +111,14 @@ class DistillConfig:
         return "warmup" if step < self.warmup_steps else "sparse"
 
     def fingerprint(self, world_size: int) -> dict:
-        """What a resumed run must share with the run it continues (steps may grow)."""
-        return {"seq_len": self.seq_len, "global_batch": self.batch * world_size, "lr": self.lr,
-                "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype, "autocast": self.autocast,
-                "weight_decay": self.weight_decay}
+        """What a resumed run must share with the run it continues (steps may grow). `block_loss` only when set, so
+        a state saved before it existed still resumes (the check compares the keys of both)."""
+        out = {"seq_len": self.seq_len, "global_batch": self.batch * world_size, "lr": self.lr,
+               "warmup_steps": self.warmup_steps, "seed": self.seed, "dtype": self.dtype, "autocast": self.autocast,
+               "weight_decay": self.weight_decay}
+        if self.block_loss:
+            out["block_loss"] = self.block_loss
+        return out
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ class DistillReport:
     world_size: int
     tokens: int = 0  # tokens processed by this run (all ranks)
     seconds: float = 0.0
-    history: list[dict] = field(default_factory=list)  # per step: step, mode, kl, recall, per-layer lists
+    history: list[dict] = field(default_factory=list)  # per step: step, mode, kl, recall (block), per-layer lists
     interrupted: bool = False
     sharded: bool = False  # FSDP2: each rank held its shard of the parameters (else a replica)
     param_bytes_per_rank: list[int] = field(default_factory=list)  # parameter storage each rank kept between steps
@@ -278,7 +287,8 @@ class DistillStep:
         # reference otherwise): the fused indexer, sparse attention and fused KL (+ backwards)
         lowered = str(device).startswith("cuda") if lowered is None else lowered
         # sharded: without the norm / index-branch fusions (they read weights outside their modules' FSDP calls)
-        run_pipeline("distill", self.gm, mode=mode, lowered=lowered, fused=not shard)
+        self.block_loss = config.block_loss > 0
+        run_pipeline("distill", self.gm, mode=mode, lowered=lowered, fused=not shard, block_loss=self.block_loss)
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
@@ -310,13 +320,16 @@ class DistillStep:
 
     def set_mode(self, mode: str) -> None:
         if self.mode != mode:
-            run_pipeline("distill", self.gm, mode=mode)  # switches the hooks' mode (the graph stays lowered)
+            # switches the hooks' mode (the graph stays lowered)
+            run_pipeline("distill", self.gm, mode=mode, block_loss=self.block_loss)
 
     def backward(self, x: torch.Tensor, y: torch.Tensor | None = None, cache: bool = True):
         """Forward and backward of one batch: the trained parameters' .grad (the mean over ranks, sharded as the
-        parameters are); returns detached (kl, recall, lm)."""
+        parameters are); returns detached (kl, recall, lm, block), lm None when distilling, block (the block-ranking
+        loss per layer) None without config.block_loss."""
         with scope("m3c.forward"), self.config.autocast_context(self.device, cache):
-            logits, kl, recall = self.net(x)
+            logits, kl, recall, *block = self.net(x)
+            block = block[0] if block else None
             lm = None
             if self.training:  # next-token loss through the sparse attention + the index KL
                 lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -324,8 +337,11 @@ class DistillStep:
         with scope("m3c.backward"):
             with scope("m3c.loss"):
                 loss = kl.float().sum() if lm is None else lm + self.config.loss_coeff * kl.float().sum()
+                if block is not None:
+                    loss = loss + self.config.block_loss * block.float().sum()
             loss.backward()
-        return kl.detach(), recall.detach(), None if lm is None else lm.detach()
+        return (kl.detach(), recall.detach(), None if lm is None else lm.detach(),
+                None if block is None else block.detach())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None):
         if not self.cuda_graph:
@@ -451,9 +467,9 @@ class _Run:
                 ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                 x = wins[ids, :-1].to(self.device)
                 y = wins[ids, 1:].to(self.device) if self.training else None
-                kl, recall, lm = stepper(x, y)
+                kl, recall, lm, block = stepper(x, y)
                 step += 1
-                metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm)
+                metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
                 report.history.append(metrics)
                 report.tokens += cfg.batch * self.world * cfg.seq_len
                 report.seconds = time.perf_counter() - t0
@@ -470,8 +486,10 @@ class _Run:
         return report
 
     def _metrics(self, step: int, mode: str, kl: torch.Tensor, recall: torch.Tensor, layers: list[int],
-                 lm: torch.Tensor | None = None) -> dict:
+                 lm: torch.Tensor | None = None, block: torch.Tensor | None = None) -> dict:
         rows = [kl.float(), recall.float()]
+        if block is not None:
+            rows.append(block.float())
         if lm is not None:
             rows.append(lm.float().expand_as(rows[0]))
         both = torch.stack(rows)
@@ -481,8 +499,11 @@ class _Run:
         kl_l, rec_l = both[:2].tolist()
         out = {"step": step, "mode": mode, "kl": sum(kl_l) / len(kl_l), "recall": sum(rec_l) / len(rec_l),
                "layers": layers, "kl_layers": kl_l, "recall_layers": rec_l}
+        if block is not None:
+            block_l = both[2].tolist()
+            out.update(block=sum(block_l) / len(block_l), block_layers=block_l)
         if lm is not None:
-            out["lm"] = both[2, 0].item()
+            out["lm"] = both[-1, 0].item()
         return out
 
     # -- state -------------------------------------------------------------------------------------------------
@@ -503,7 +524,8 @@ class _Run:
 
     def _check_resume(self, state: dict, fingerprint: dict) -> tuple[int, list[dict]]:
         saved = state.get("fingerprint", {})
-        for key, value in fingerprint.items():
+        for key in [*fingerprint, *(k for k in saved if k not in fingerprint)]:  # a setting either run has
+            value = fingerprint.get(key)
             if saved.get(key) != value:
                 raise M3CompileError(
                     f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, this run has {value!r}"
