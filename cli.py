@@ -747,6 +747,8 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-dtype", default="bfloat16", show_default=True, help="--distill: the backbone's weight dtype.")
 @click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="--distill: as m3c distill --autocast.")
+@click.option("--distill-block-loss", type=float, default=0.0, show_default=True,
+              help="--distill: the distillation rows with m3c distill --block-loss L (the training rows keep the KL).")
 @click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
 @click.option("--distill-shard", is_flag=True,
               help="--distill: the distillation and MSA training steps sharded with FSDP2 as m3c distill --shard "
@@ -784,7 +786,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
           distill_batch, distill_dtype, distill_autocast, no_train, steps, model_name, msa_max, model_dtype,
           index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph,
-          model_index_dtype):
+          model_index_dtype, distill_block_loss):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -809,7 +811,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
-                              distill_layers, count_ops, bench_cuda_graph)
+                              distill_layers, count_ops, bench_cuda_graph, distill_block_loss)
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
                                _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
@@ -861,10 +863,10 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
 
 def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir, layers,
-                   count_only, cuda_graph):
+                   count_only, cuda_graph, block_loss=0.0):
     cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
                autocast=autocast, train=train, shard=shard, steps=steps, device=device, layers=layers,
-               count_only=count_only, cuda_graph=cuda_graph)
+               count_only=count_only, cuda_graph=cuda_graph, block_loss=block_loss)
     console = _console()
     result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out_dir.mkdir(parents=True, exist_ok=True)

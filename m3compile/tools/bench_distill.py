@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class DistillBenchConfig:
     topk: int = 8
     dtype: str = "bfloat16"  # the backbone's weights (index weights are fp32 under autocast)
     autocast: str = "auto"  # as DistillConfig.autocast
+    block_loss: float = 0.0  # as DistillConfig.block_loss (the distillation rows; training keeps the KL alone)
     train: bool = True
     shard: bool = False  # FSDP2 for the distillation and MSA training steps
     steps: int = 5
@@ -69,6 +71,8 @@ class DistillBenchConfig:
         for name in ("seq_len", "batch", "block", "topk", "steps"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.block_loss) and self.block_loss >= 0):
+            raise M3CompileError(f"block_loss must be a finite number >= 0, got {self.block_loss}")
         if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):
             raise M3CompileError("--cuda-graph needs --device cuda (and timing: not with --count-ops)")
         if self.layers is not None and (self.layers < 2 or Path(self.model).is_dir()):
@@ -204,7 +208,7 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         record("dense forward", dense_forward, profiled=False)
     # lowered on CUDA; counting alone, lowered anywhere (on CPU: the Triton kernels under TRITON_INTERPRET=1)
     step = DistillStep(sparse, DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
-                                             autocast=cfg.autocast),
+                                             autocast=cfg.autocast, block_loss=cfg.block_loss),
                        cfg.device, "warmup", shard=cfg.shard, lowered=True if cfg.count_only else None)
     record("distill warm-up", lambda: step(x), stepper=step)
     step.set_mode("sparse")
@@ -212,7 +216,8 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
     step = None  # frees the distillation graph before the training steps
     graph_errors: dict[str, str] = {}
     if cfg.cuda_graph:
-        dcfg = DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype, autocast=cfg.autocast)
+        dcfg = DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype, autocast=cfg.autocast,
+                             block_loss=cfg.block_loss)
         for mode, name in (("warmup", "distill warm-up"), ("sparse", "distill sparse")):
             log(f"{name}, CUDA graph ...")
             try:
