@@ -155,3 +155,37 @@ def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):
 def test_distill_bench_refuses_an_unknown_model(tmp_path):
     r = CliRunner().invoke(main, ["bench", "--distill", "no-such-model", "--device", "cpu", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "neither a checkpoint directory nor a preset" in r.output
+
+
+def test_distill_breakdown_books_each_kernel_once():
+    """The distillation rows' per-stage GPU ms (synthetic trace, the profiler's fields): each kernel once, to the
+    innermost labelled range that launched it; backward kernels go to their autograd function (run outside the
+    forward's ranges, inside m3c.backward); range annotations on the device are not work; stages sum to the work."""
+    from m3compile.tools.bench_common import Profile
+    from m3compile.tools.bench_distill import _breakdown
+    from tests.test_bench_model import _ev, _flat, _kernel, _launch
+
+    fwd = _ev("m3c.forward", 0, 40, id=1, children=[
+        _ev("aten::mm", 1, 4, id=2, children=[_launch(100, 2)]),
+        _ev("m3c.msa_select", 5, 10, id=3, children=[_launch(101, 6, "cuLaunchKernelEx")]),
+        _ev("m3c.msa_attention", 11, 20, id=4, children=[_launch(102, 12, "cuLaunchKernelEx")]),
+        _ev("m3c.msa_index_kl", 21, 30, id=5, children=[_launch(103, 22, "cuLaunchKernelEx")])])
+    bwd = _ev("m3c.backward", 41, 80, id=6, children=[_ev("m3c.loss", 42, 44, id=7, children=[_launch(104, 43)])])
+    engine = [_ev("autograd::engine::evaluate_function: _SparseKLBackward", 50, 60, id=8,
+                  children=[_launch(105, 51, "cuLaunchKernelEx")]),
+              _ev("autograd::engine::evaluate_function: _SparseAttentionBackward", 61, 70, id=9,
+                  children=[_launch(106, 62, "cuLaunchKernelEx")]),
+              _ev("aten::mm", 71, 75, id=10, children=[_launch(107, 72)])]  # an index-projection gradient
+    opt = _ev("m3c.optimizer", 81, 90, id=11, children=[_launch(108, 82)])
+    kernels = [_kernel(n, cid, 100 + 40 * i, us) for i, (n, cid, us) in enumerate((
+        ("gemm", 100, 10), ("index_topk", 101, 5), ("gather_q", 102, 7), ("kl_fwd", 103, 9), ("sum", 104, 1),
+        ("kl_bwd", 105, 11), ("attn_bwd", 106, 13), ("gemm_bwd", 107, 3), ("adamw", 108, 2)))]
+    annotation = _ev("m3c.forward", 100, 300, id=1, kind="gpu_user_annotation", device="CUDA", linked=1)
+    roots = [fwd, bwd, *engine, opt]
+    prof = Profile(_flat(roots), True, 0.5, 0.0, 0.0, kernels + [annotation])
+    got = _breakdown(prof)
+    want = {"select_ms": 0.005, "attention_fwd_ms": 0.007, "kl_fwd_ms": 0.009, "rest_of_forward_ms": 0.01,
+            "kl_bwd_ms": 0.011, "attention_bwd_ms": 0.013, "rest_of_backward_ms": 0.004, "optimizer_ms": 0.002,
+            "outside_ranges_ms": 0.0, "unattributed_ms": 0.0}
+    assert {k: got[k] for k in want} == want
+    assert got["gpu_work_ms"] == got["gpu_busy_ms"] == 0.061 and got["host_wait_ms"] == round(0.5 - 0.061, 3)

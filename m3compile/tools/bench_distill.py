@@ -37,7 +37,7 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Decoder
-from m3compile.tools.bench_common import bench_models, is_cuda, kernel_us, median_ms, profile_run, sync
+from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, profile_run, sync
 from m3compile.tools.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
@@ -88,27 +88,35 @@ def _time(fn, cfg: DistillBenchConfig) -> tuple[float, float]:
 
 
 def _profile(fn, cfg: DistillBenchConfig) -> dict:
-    """Per-stage GPU milliseconds of one step (see the module doc): kernel time attributed to the profiler range of
-    the op that launched it; host wait = wall time minus the kernels' total."""
+    """Per-stage GPU milliseconds of one step (see the module doc); {} on a CPU."""
     if not is_cuda(cfg.device):
         return {}
     fn()
-    prof = profile_run(fn, cfg.device)
-    wall, busy = prof.wall_ms, prof.device_busy_ms
+    return _breakdown(profile_run(fn, cfg.device))
 
-    def backward_of(word):  # autograd functions run outside the forward's ranges
-        return sum(kernel_us(e) for e in prof.events if e.name.endswith("Backward") and word in e.name
-                   and not e.name.startswith("autograd::")) / 1e3
 
-    stage = {k: prof.scope_ms(v) for k, v in _SCOPES.items()}
-    kl_bwd, attn_bwd = backward_of("KL"), backward_of("SparseAttention")
+def _breakdown(prof) -> dict:
+    """One profiled step's kernels, each booked once (Profile.attribute: the innermost labelled range whose host call
+    launched it): selection, sparse attention and KL forward inside the m3c.forward range, their autograd backward
+    functions (which the engine runs outside the forward's ranges), the rest of the forward and of the backward, the
+    optimizer, kernels launched outside every range, and any with no launch record. Host wait = wall time minus the
+    device's busy time (the union of the kernels' intervals)."""
+    labels = {v: k for k, v in _SCOPES.items()}
+    for name in {e.name for e in prof.events}:
+        if "Backward" in name and "KL" in name:
+            labels[name] = "kl_bwd"
+        elif "Backward" in name and "SparseAttention" in name:
+            labels[name] = "attention_bwd"
+    a = prof.attribute(labels)
+    st = a.stages
     out = {
-        "select_ms": stage["select"], "attention_fwd_ms": stage["attention"], "kl_fwd_ms": stage["kl"],
-        "rest_of_forward_ms": stage["forward"] - stage["select"] - stage["attention"] - stage["kl"],
-        "kl_bwd_ms": kl_bwd, "attention_bwd_ms": attn_bwd,
-        # the autograd engine launches the backward from its own thread, outside the m3c.backward range
-        "rest_of_backward_ms": busy - stage["forward"] - stage["optimizer"] - kl_bwd - attn_bwd,
-        "optimizer_ms": stage["optimizer"], "gpu_busy_ms": busy, "wall_ms": wall, "host_wait_ms": max(0.0, wall - busy),
+        "select_ms": st.get("select", 0.0), "attention_fwd_ms": st.get("attention", 0.0),
+        "kl_fwd_ms": st.get("kl", 0.0), "rest_of_forward_ms": st.get("forward", 0.0),
+        "kl_bwd_ms": st.get("kl_bwd", 0.0), "attention_bwd_ms": st.get("attention_bwd", 0.0),
+        "rest_of_backward_ms": st.get("backward", 0.0), "optimizer_ms": st.get("optimizer", 0.0),
+        "outside_ranges_ms": st.get("rest", 0.0), "unattributed_ms": st.get("unattributed", 0.0),
+        "gpu_work_ms": a.work_ms, "gpu_busy_ms": a.busy_ms, "wall_ms": prof.wall_ms,
+        "host_wait_ms": max(0.0, prof.wall_ms - a.busy_ms),
         "host_cpu_ms": sum(e.self_cpu_time_total for e in prof.events) / 1e3,
     }
     return {k: round(v, 3) for k, v in out.items()}
