@@ -116,16 +116,21 @@ def block_scores(
     return s.view(*s.shape[:3], n_blocks, block_size).amax(-1)
 
 
+def _block_masks(t_pos: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int):
+    """[C, n_blocks] bool masks of the queries at `t_pos`: the visible blocks, and among them the forced ones: the
+    `local_blocks` most recent (the query's own included) and the first `init_blocks`."""
+    b_pos = torch.arange(n_blocks, device=t_pos.device)[None, :]
+    q_block = (t_pos // block_size)[:, None]  # [C, 1]
+    visible = b_pos <= q_block
+    return visible, visible & (b_pos > q_block - local_blocks), visible & (b_pos < init_blocks)
+
+
 def _select_from_scores(
     scores: torch.Tensor, t_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int, local_blocks: int
 ) -> torch.Tensor:
     """Top-k over block scores [B, Hi, C, NB] for queries at positions `t_pos` [C]; forced blocks win; -1 pads."""
     n_blocks = scores.shape[-1]
-    b_pos = torch.arange(n_blocks, device=scores.device)
-    q_block = (t_pos // block_size)[:, None]  # [C, 1]
-    visible = b_pos[None, :] <= q_block
-    local = visible & (b_pos[None, :] > q_block - local_blocks)
-    init = visible & (b_pos[None, :] < init_blocks)
+    visible, local, init = _block_masks(t_pos, n_blocks, block_size, init_blocks, local_blocks)
     # forced blocks win; when they outnumber the slots, local blocks win over init blocks
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(init, torch.finfo(torch.float32).max)
     scores = scores.masked_fill(local, float("inf"))
@@ -552,10 +557,9 @@ def choice_rows(T: int, block_size: int, topk: int, n: int | None = None, device
 
 def _candidates(t_pos: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int):
     """[C, n_blocks] bool: the blocks each query at `t_pos` may select beyond its forced ones (visible, neither among
-    the `local_blocks` most recent nor the first `init_blocks`)."""
-    b_pos = torch.arange(n_blocks, device=t_pos.device)[None, :]
-    q_block = (t_pos // block_size)[:, None]
-    return (b_pos <= q_block) & (b_pos <= q_block - local_blocks) & (b_pos >= init_blocks)
+    the `local_blocks` most recent nor the first `init_blocks`): what the selection ranks."""
+    visible, local, init = _block_masks(t_pos, n_blocks, block_size, init_blocks, local_blocks)
+    return visible & ~local & ~init
 
 
 def _block_rank_chunk(q_idx, k_idx, q, k, pos, block_size, init_blocks, local_blocks, scale, index_scale):
