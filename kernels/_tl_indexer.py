@@ -38,7 +38,9 @@ def _prune(cfgs, named_args, **kw):
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
         interpret=dict(ROWS=64, num_warps=4, num_stages=1),
-        default=dict(ROWS=128, num_warps=8, num_stages=3),
+        # M3C_AUTOTUNE=0: the fastest of the sweep at Llama-3-8B index shapes, 128K, bf16 and fp8 alike (28.7 / 22.9 ms
+        # against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py, BENCHMARKS.md)
+        default=dict(ROWS=128, num_warps=4, num_stages=2),
     ),
     key=["HP", "DP", "BS", "KP", "HAS_SCALE", "FP8_DOT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
