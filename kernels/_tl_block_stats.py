@@ -39,7 +39,7 @@ def _prune(cfgs, named_args, **kw):
 
 @autotune(
     configs=configs(
-        [dict(TOK=t, num_warps=w, num_stages=s) for t in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)],
+        [dict(TOK=t, num_warps=w, num_stages=s) for t in (16, 32, 64) for w in (4, 8) for s in (2, 3)],
         interpret=dict(TOK=16, num_warps=4, num_stages=1),
         default=dict(TOK=16, num_warps=4, num_stages=2),
     ),
