@@ -892,15 +892,17 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
                     f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
                     f"{', sharded over ' + str(result['world_size']) + ' process(es)' if shard else ''}")
     for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
-              "rest fwd", "rest bwd", "optimizer", "host wait"):
+              "block loss", "rest fwd", "rest bwd", "optimizer", "host wait"):
         t.add_column(c, justify="right")
     for r in result["rows"]:
         b = r.get("breakdown") or {}
         cell = (lambda k: f"{b[k]:.1f}" if k in b else "-")
         attention = f"{b['attention_fwd_ms'] + b['attention_bwd_ms']:.1f}" if b else "-"
+        block = f"{b['block_loss_fwd_ms'] + b['block_loss_bwd_ms']:.1f}" if b else "-"
         t.add_row(r["stage"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", r["ratio_to"],
                   f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
-                  cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"), cell("host_wait_ms"))
+                  block, cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"),
+                  cell("host_wait_ms"))
     console.print(t)
     for r in result["rows"]:
         if "check" in r:

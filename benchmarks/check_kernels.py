@@ -1,6 +1,7 @@
 """Full-size correctness of the Triton kernels on a GPU (CI runs the small shapes under the interpreter).
 
-    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|varlen|decode|generate] [--json OUT.json]
+    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|block_loss|varlen|decode|generate]
+                                       [--json OUT.json]
 
 Each check prints one line: the shapes, the measured error against the torch reference (fp32 on upcast inputs)
 and PASS/FAIL against the issue's tolerances (fp32 1e-5, bf16 2e-2 relative). Selections are compared as sets;
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from m3compile.kernels import block_stats as bst
 from m3compile.kernels import decode as dk
 from m3compile.kernels import indexer
 from m3compile.kernels import reference as ref
@@ -212,9 +214,77 @@ def check_norm_rope(B, T, H, D, R, dtype):
            rel_err_index_branch=f"{idx_err:.2e}", rel_err_rms_norm=f"{norm_err:.2e}")
 
 
-def check_lowered_distill(T, mode):
-    """The lowered distillation graph (fused index branch, norms, RoPE, KL with the attention's CSR) against the
-    reference graph on SmolLM2's shapes (4 layers, random weights, fp32): per-layer KL, recall, index gradients."""
+def _cuda_ms(fn, steps=5):
+    """Median CUDA-event milliseconds of fn() after one untimed call."""
+    fn()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def check_block_loss(B, Hq, Hkv, T, D, Di, bs, k, dtype, n_rows=1024):
+    """The block-stats kernel (per-block teacher log-sum-exp, student block max and its key, on the sampled rows of
+    ops.block_loss_rows) against reference.block_stats on fp32-upcast inputs, then the block-ranking loss built on it
+    and its index-branch gradients against reference.block_rank_kl; and the time of each (loss forward + backward).
+    blse / scores errors are absolute (logit units) over the visible blocks; -inf must match exactly; arg_gap is the
+    worst shortfall of the score at the kernel's key below the reference's block max."""
+    from m3compile.ops import block_loss_rows
+
+    q_idx = torch.randn(B, T, Hkv, Di, device="cuda", dtype=dtype, requires_grad=True)
+    k_idx = torch.randn(B, T, Di, device="cuda", dtype=dtype, requires_grad=True)
+    q = 2 * torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
+    rows = block_loss_rows(T, bs, k, n_rows, q.device)
+    with torch.no_grad():
+        blse, scores, arg = bst.block_stats(q_idx, k_idx, q, kk, rows, block_size=bs)
+        w_blse, w_scores, w_arg = ref.block_stats(q_idx.float().transpose(1, 2), k_idx.float(), q.float(), kk.float(),
+                                                  rows, block_size=bs)
+    same_inf = all(torch.equal(torch.isinf(a), torch.isinf(b)) for a, b in ((blse, w_blse), (scores, w_scores)))
+    fin = torch.isfinite(w_scores)
+    err_lse = (blse - w_blse)[torch.isfinite(w_blse)].abs().max().item()
+    err_s = (scores - w_scores)[fin].abs().max().item()
+    i_b = torch.arange(B, device="cuda")[:, None, None, None]
+    at = torch.einsum("bhrd,bhrnd->bhrn", q_idx.detach().float()[:, rows].transpose(1, 2),
+                      k_idx.detach().float()[i_b, arg.long()]) * Di**-0.5
+    gap = (w_scores - at)[fin].max().item()
+    same_arg = (arg.long() == w_arg)[fin].float().mean().item()
+    del at, w_blse, w_scores, w_arg
+
+    def lowered():
+        return bst.block_rank_kl(q_idx, k_idx, q, kk, block_size=bs, rows=rows)
+
+    x32 = [t.detach().float().requires_grad_() for t in (q_idx, k_idx)]
+
+    def reference():
+        return ref.block_rank_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), block_size=bs, rows=rows)
+
+    loss = lowered()
+    got = torch.autograd.grad(loss, (q_idx, k_idx))
+    want_loss = reference()
+    want = torch.autograd.grad(want_loss, x32)
+    errs = [rel_err(loss, want_loss)] + [rel_err(g, w) for g, w in zip(got, want)]
+    ms = _cuda_ms(lambda: torch.autograd.grad(lowered(), (q_idx, k_idx)))
+    ms_ref = _cuda_ms(lambda: torch.autograd.grad(reference(), x32), steps=3)
+    tol_abs = 1e-4 if dtype == torch.float32 else 2e-3  # logits: both accumulate the same products in fp32
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    report(f"block loss B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} Di={Di} bs={bs} topk={k} rows={rows.numel()} "
+           f"{str(dtype)[6:]}", same_inf and err_lse < tol_abs and err_s < tol_abs and gap < tol_abs and max(errs) < tol,
+           same_inf=same_inf, max_abs_err_blse=f"{err_lse:.2e}", max_abs_err_scores=f"{err_s:.2e}",
+           arg_gap=f"{gap:.2e}", identical_arg=round(same_arg, 5),
+           **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(("loss", "dq_idx", "dk_idx"), errs)},
+           ms_fwd_bwd=round(ms, 3), ms_reference=round(ms_ref, 2))
+
+
+def check_lowered_distill(T, mode, block_loss=False):
+    """The lowered distillation graph (fused index branch, norms, RoPE, KL with the attention's CSR, with
+    `block_loss` the block-stats kernel's loss) against the reference graph on SmolLM2's shapes (4 layers, random
+    weights, fp32): per-layer KL, recall, index gradients (of KL + block loss)."""
     import copy
 
     import m3compile
@@ -231,14 +301,21 @@ def check_lowered_distill(T, mode):
     out = []
     for lowered in (False, True):
         gm = copy.deepcopy(base)
-        run_pipeline("distill", gm, mode=mode, lowered=lowered)
+        run_pipeline("distill", gm, mode=mode, lowered=lowered, block_loss=block_loss)
         params = index_parameters(gm)
-        _, kl, recall = gm(ids)
-        out.append((kl.detach(), recall.detach(), torch.autograd.grad(kl.sum(), list(params.values()))))
-    (kl0, r0, g0), (kl1, r1, g1) = out
+        _, kl, recall, *block = gm(ids)
+        total = kl.sum() + (block[0].sum() if block else 0.0)
+        out.append((kl.detach(), recall.detach(), [b.detach() for b in block],
+                    torch.autograd.grad(total, list(params.values()))))
+    (kl0, r0, b0, g0), (kl1, r1, b1, g1) = out
     errs = [rel_err(kl1, kl0), rel_err(r1, r0), max(rel_err(a, b) for a, b in zip(g1, g0))]
-    report(f"lowered distillation graph vs reference, smollm2 shapes 4 layers T={T} {mode} fp32", max(errs) < 1e-3,
-           **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(("kl", "recall", "index_grads"), errs)})
+    names = ["kl", "recall", "index_grads"]
+    if block_loss:
+        errs.append(rel_err(b1[0], b0[0]))
+        names.append("block_loss")
+    report(f"lowered distillation graph vs reference, smollm2 shapes 4 layers T={T} {mode}"
+           f"{' + block loss' if block_loss else ''} fp32", max(errs) < 1e-3,
+           **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(names, errs)})
 
 
 def check_varlen(steps, grid, window, H, D, dtype):
@@ -302,7 +379,8 @@ def check_generate():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "varlen", "decode", "generate"],
+    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "block_loss", "varlen", "decode",
+                                       "generate"],
                     help="run one family of checks")
     args = ap.parse_args()
     run = lambda family: args.only in (None, family)  # noqa: E731
@@ -348,6 +426,12 @@ def main():
         check_norm_rope(1, 1000, 4, 128, 64, fp32)
         for mode in ("sparse", "warmup"):
             check_lowered_distill(2048, mode)
+    if run("block_loss"):  # issue 15: the block-ranking loss's kernel, at SmolLM2's distillation shapes first
+        check_block_loss(2, 9, 3, 8192, 64, 64, 64, 8, bf16)
+        check_block_loss(1, 8, 2, 3001, 48, 40, 64, 8, fp32, n_rows=700)  # G 4, D and Di not powers of two
+        check_block_loss(1, 6, 6, 2000, 64, 64, 48, 4, fp32, n_rows=1)  # G 1, block 48, one row
+        check_block_loss(1, 64, 4, 8192, 128, 128, 128, 16, bf16)  # M3: G 16
+        check_lowered_distill(2048, "sparse", block_loss=True)
     if run("varlen"):
         check_varlen([8, 13, 21], 32, 4, 16, 80, bf16)
         check_varlen([1, 3, 5, 2], 9, 4, 16, 80, fp32)

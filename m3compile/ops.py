@@ -13,7 +13,8 @@ lowering beside it, and access to its arguments by name.
     msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
                                                                     msa_attention_lse_triton (+ per-head LSE)
     msa_index_kl       kernels.reference.index_kl                   msa_index_kl_triton (fused sparse-support KL)
-    msa_block_loss     kernels.reference.block_rank_kl              - (the torch reference on every device, fp32)
+    msa_block_loss     kernels.reference.block_rank_kl              msa_block_loss_triton (fused block stats, then
+                                                                    the loss and its backward in vectorised torch)
     msa (torch.ops.m3compile.msa)  msa_select then msa_attention: the one node per layer that ONNX export emits
     frame_segments / window_segments / segment_attention   the ViT's attention segments and varlen attention
 
@@ -33,14 +34,16 @@ import torch.fx
 import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES
-from m3compile.kernels import causal_lse, indexer, norm_rope, reference as ref, sparse_attention as _sparse, sparse_kl
+from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope, reference as ref
+from m3compile.kernels import sparse_attention as _sparse, sparse_kl
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
     "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_block_loss",
     "msa_select_triton",
-    "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "frame_segments", "window_segments",
+    "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "msa_block_loss_triton",
+    "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
     "RECALL_ROWS", "BLOCK_LOSS_ROWS", "block_loss_rows", "visible_blocks", "dense_support", "scope",
     "recording_scopes", "apply_rope_triton",
@@ -191,8 +194,8 @@ def msa_block_loss(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int,
                    local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
     """The block-ranking loss of one MSA layer (kernels.reference.block_rank_kl): mean over (batch, group, sampled
     query) of KL(teacher block mass || softmax of the index branch's block-max scores) over the non-forced visible
-    blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off (plain
-    torch on every device: no Triton kernel yet); gradients reach q_idx and k_idx only.
+    blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off (the
+    query-chunked torch reference; msa_block_loss_triton is the lowering); gradients reach q_idx and k_idx only.
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
     positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
@@ -377,6 +380,24 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
 
 
 @torch.fx.wrap
+@_scoped("msa_block_loss")
+def msa_block_loss_triton(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
+                          local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
+    """msa_block_loss with the per-block statistics of its rows (teacher log-sum-exp per head, the index branch's
+    block max and its key) from one Triton kernel (kernels/block_stats.py), then the loss and its backward over all
+    rows at once in vectorised torch: no chunk loop, no host read (a CUDA graph captures it). fp32 (the kernel
+    takes the bf16 inputs as they come), autocast off. CPU tensors keep the chunked torch reference.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
+    if not use_triton(q, k, q_idx, k_idx):
+        return msa_block_loss(q, k, q_idx, k_idx, block_size, scale, topk, init_blocks, local_blocks, rows)
+    positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
+    with torch.autocast(q.device.type, enabled=False):
+        return block_stats.block_rank_kl(q_idx, k_idx, q, k, block_size=block_size, rows=positions,
+                                         init_blocks=init_blocks, local_blocks=local_blocks, scale=scale)
+
+
+@torch.fx.wrap
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope as one fused kernel (forward and backward; the reference's roundings), the reference elsewhere."""
     if not use_triton(x, cos, sin):
@@ -422,12 +443,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: st
 
 LOWERING: dict[Callable, Callable] = {
     msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
-    apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
+    msa_block_loss: msa_block_loss_triton, apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
 }
 GRAPH_OPS: tuple[Callable, ...] = (
     apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, msa_block_loss,
     frame_segments, window_segments, segment_attention, msa_select_triton, msa_attention_triton,
-    msa_attention_lse_triton, msa_index_kl_triton, apply_rope_triton, apply_index_rope_triton, index_branch_triton, rms_norm_triton,
+    msa_attention_lse_triton, msa_index_kl_triton, msa_block_loss_triton, apply_rope_triton, apply_index_rope_triton,
+    index_branch_triton, rms_norm_triton,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}
 

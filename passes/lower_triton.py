@@ -3,6 +3,8 @@
     msa_select(q_idx, k_idx, ...)      -> msa_select_triton     fused scores + causal block max + top-k
     msa_attention(q, k, v, blocks, ...) -> msa_attention_triton  gather-Q sparse prefill + LSE combine (+ backward)
     msa_index_kl(q, k, q_idx, ...)      -> msa_index_kl_triton   fused sparse-support KL (+ backward), streamed recall
+    msa_block_loss(q, k, q_idx, ...)    -> msa_block_loss_triton fused per-block stats of the sampled rows, then the
+                                                                  block-ranking loss (+ backward) in vectorised torch
     apply_rope / apply_index_rope       -> apply_rope_triton / apply_index_rope_triton   one RoPE kernel (+ backward)
 
 A layer with a KL hook gets msa_attention_lse_triton instead, which also returns the attention's per-head
@@ -25,7 +27,7 @@ import torch.fx
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.ops import (
     LOWERING, apply_index_rope_triton, apply_rope_triton, msa_attention_lse_triton, msa_attention_triton,
-    msa_index_kl_triton, set_op_arg,
+    msa_block_loss_triton, msa_index_kl_triton, set_op_arg,
 )
 
 __all__ = ["LowerTriton"]
@@ -33,8 +35,8 @@ __all__ = ["LowerTriton"]
 
 @register_pass
 class LowerTriton(Pass):
-    """Swap the reference msa_select / msa_attention / msa_index_kl ops for Triton kernels (fused indexer, gather-Q
-    prefill, fused sparse KL)."""
+    """Swap the reference msa_select / msa_attention / msa_index_kl / msa_block_loss ops for Triton kernels (fused
+    indexer, gather-Q prefill, fused sparse KL, fused block statistics)."""
 
     name = "lower_triton"
     stage = "lower"
@@ -56,6 +58,8 @@ class LowerTriton(Pass):
                     report.details.append(f"layer {layer}: msa_attention -> {msa_attention_triton.__name__}")
                 elif n.target is msa_index_kl_triton:
                     report.details.append(f"{n.name}: msa_index_kl -> {msa_index_kl_triton.__name__}")
+                elif n.target is msa_block_loss_triton:
+                    report.details.append(f"{n.name}: msa_block_loss -> {msa_block_loss_triton.__name__}")
         for n in list(g.nodes):  # hooked layers: the attention's log-sum-exp feeds the KL's teacher
             hook = n.meta.get("m3_kl_hook")
             if hook is None or n.target is not msa_attention_triton:

@@ -69,10 +69,11 @@ def test_hook_on_a_loaded_msa_model_equals_the_loss_on_its_own_tensors(tmp_path)
 
 
 def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
-    """block_loss adds one msa_block_loss node per layer and a fourth output; mode switches keep it, lowering leaves
-    it the torch op (rewired to the fused index branch), a hooked graph refuses another block_loss setting, and
-    strip_kl_distill restores the inference graph's code."""
-    from m3compile.ops import msa_block_loss
+    """block_loss adds one msa_block_loss node per layer and a fourth output; mode switches keep it, lowering swaps
+    in msa_block_loss_triton (the block-stats kernel, here under the interpreter; rewired to the fused index branch)
+    with the same loss and index gradients, a hooked graph refuses another block_loss setting, and strip_kl_distill
+    restores the inference graph's code."""
+    from m3compile.ops import msa_block_loss, msa_block_loss_triton
     from m3compile.pipelines import run_pipeline
 
     _, gm = converted
@@ -87,6 +88,7 @@ def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
     assert all(g is not None for g in grads) and any(bool(g.abs().sum() > 0) for g in grads)
     run_pipeline("distill", gm, mode="sparse", block_loss=True)
     _, _, _, block_sparse = gm(x)
+    grads_sparse = torch.autograd.grad(block_sparse.sum(), index)
     # the loss itself is the same in both modes (dense teacher, block-max scores): the first MSA layer, whose input
     # does not depend on the mode, agrees; later layers see the sparse main branch's hidden states
     torch.testing.assert_close(block_sparse[0], block[0])
@@ -97,8 +99,13 @@ def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
     assert gm.code == code
     torch.testing.assert_close(gm(x), inference, rtol=0, atol=0)
     run_pipeline("distill", gm, mode="sparse", lowered=True, block_loss=True)
+    assert len([n for n in gm.graph.nodes if n.target is msa_block_loss_triton]) == 3
+    assert not any(n.target is msa_block_loss for n in gm.graph.nodes)
     _, _, _, block_lowered = gm(x)
-    torch.testing.assert_close(block_lowered, block_sparse)
+    torch.testing.assert_close(block_lowered, block_sparse, rtol=1e-5, atol=1e-7)
+    index = [p for n, p in gm.named_parameters() if ".index_" in n]
+    for got, want in zip(torch.autograd.grad(block_lowered.sum(), index), grads_sparse):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_needs_msa_layers():

@@ -13,8 +13,9 @@ under torchrun each process times its own step on the same batch, else in a proc
 with and without, give the sharded path's overhead.
 Each is timed as the median of repeated steps after warm-up (CUDA events on a GPU), with its peak memory and a
 per-stage breakdown from one profiled step (torch.profiler): selection, sparse attention, KL (forward and
-backward), the rest of the forward (backbone and index projections), the rest of the backward, the optimizer,
-and the host time the GPU waited (wall time minus the kernels' busy time).
+backward), the block loss (forward and backward, with `block_loss`), the rest of the forward (backbone and
+index projections), the rest of the backward, the optimizer, and the host time the GPU waited (wall time minus
+the kernels' busy time).
 
 Each distillation row also counts one step's host dispatches (tools/op_count.py: aten ops and Triton launches,
 by stage and layer), the host-cost proxy that needs no GPU: `count_only` skips the timing and counts one step
@@ -45,7 +46,7 @@ from m3compile.train.shard import process_group
 __all__ = ["DistillBenchConfig", "run_distill_bench"]
 
 _SCOPES = {"select": "m3c.msa_select", "attention": "m3c.msa_attention", "kl": "m3c.msa_index_kl",
-           "forward": "m3c.forward", "backward": "m3c.backward", "optimizer": "m3c.optimizer"}
+           "block_loss": "m3c.msa_block_loss", "forward": "m3c.forward", "backward": "m3c.backward", "optimizer": "m3c.optimizer"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ def _breakdown(prof) -> dict:
     device's busy time (the union of the kernels' intervals)."""
     labels = {v: k for k, v in _SCOPES.items()}
     for name in {e.name for e in prof.events}:
-        if "Backward" in name and "KL" in name:
+        if "Backward" in name and "BlockRank" in name:  # the block loss's (before the KL's: its name has "KL")
+            labels[name] = "block_loss_bwd"
+        elif "Backward" in name and "KL" in name:
             labels[name] = "kl_bwd"
         elif "Backward" in name and "SparseAttention" in name:
             labels[name] = "attention_bwd"
@@ -111,8 +114,9 @@ def _breakdown(prof) -> dict:
     st = a.stages
     out = {
         "select_ms": st.get("select", 0.0), "attention_fwd_ms": st.get("attention", 0.0),
-        "kl_fwd_ms": st.get("kl", 0.0), "rest_of_forward_ms": st.get("forward", 0.0),
-        "kl_bwd_ms": st.get("kl_bwd", 0.0), "attention_bwd_ms": st.get("attention_bwd", 0.0),
+        "kl_fwd_ms": st.get("kl", 0.0), "block_loss_fwd_ms": st.get("block_loss", 0.0),
+        "rest_of_forward_ms": st.get("forward", 0.0), "kl_bwd_ms": st.get("kl_bwd", 0.0),
+        "block_loss_bwd_ms": st.get("block_loss_bwd", 0.0), "attention_bwd_ms": st.get("attention_bwd", 0.0),
         "rest_of_backward_ms": st.get("backward", 0.0), "optimizer_ms": st.get("optimizer", 0.0),
         "outside_ranges_ms": st.get("rest", 0.0), "unattributed_ms": st.get("unattributed", 0.0),
         "gpu_work_ms": a.work_ms, "gpu_busy_ms": a.busy_ms, "wall_ms": prof.wall_ms,

@@ -35,7 +35,8 @@ __all__ = ["OpCount", "count_ops", "node_categories", "CATEGORIES"]
 
 # graph-node categories, in report order; "(bwd)" is appended to those of backward ops
 CATEGORIES = ("embedding", "rope tables", "backbone", "rope", "index projections", "index norms", "index rope",
-              "index branch", "select", "attention", "KL", "recall", "lm head", "loss", "optimizer", "other")
+              "index branch", "select", "attention", "KL", "recall", "block loss", "lm head", "loss", "optimizer",
+              "other")
 _RANGES = {"m3c.recall": "recall", "m3c.loss": "loss", "m3c.optimizer": "optimizer"}  # ranges that name a stage
 _CASTS = ("_to_copy", "copy_")
 _SYNCS = ("_local_scalar_dense", "item")
@@ -105,6 +106,8 @@ def _category(n: torch.fx.Node, path: str, inputs: list[tuple[str, str]], output
         return "attention"
     if ops.is_op(n, ops.msa_index_kl, ops.msa_index_kl_triton):
         return "KL"
+    if ops.is_op(n, ops.msa_block_loss, ops.msa_block_loss_triton):
+        return "block loss"
     if n in outputs and n.op == "call_function" and n.target is torch.stack:
         return "loss"
     if "rotary_emb" in path:
