@@ -16,8 +16,7 @@ def _prune(cfgs, named_args, **kw):
         [dict(ROWS=r, BN=n, num_warps=w, num_stages=s) for r in (64, 128) for n in (64, 128) for w in (4, 8)
          for s in (2, 3)],
         interpret=dict(ROWS=16, BN=16, num_warps=4, num_stages=1),
-        # M3C_AUTOTUNE=0: the H200's tuned choice for the warm-up KL's teacher LSE (SmolLM2 shapes, 8K; session 9)
-        default=dict(ROWS=128, BN=128, num_warps=4, num_stages=3),
+        default=dict(ROWS=128, BN=64, num_warps=8, num_stages=2),
     ),
     key=["GP", "DP", "RECALL", "IEEE", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
