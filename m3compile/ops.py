@@ -415,18 +415,20 @@ def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 @torch.fx.wrap
 @_scoped("index_branch")
-def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float):
+def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float, qk_weight=None):
     """One MSA layer's index branch after its (detached) input, fused (passes/fuse_index_branch.py): the two
     projections as one matmul, then per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward).
 
     x [B, T, hidden], q_weight [Hi * Di, hidden], k_weight [Di, hidden], q/k_norm_weight [Di], cos/sin [B, T, R]
-    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order."""
+    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order.
+    qk_weight: [q_weight; k_weight] concatenated by the caller (the eager Decoder keeps it per layer), so no
+    concatenation runs per call; None: concatenated here (differentiable in both weights)."""
     Di = q_norm_weight.shape[0]
     if not use_triton(x, cos, sin):
         q = ref.gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
         k = ref.gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
         return apply_index_rope(q, cos, sin), apply_index_rope(k, cos, sin)[:, :, 0]
-    y = F.linear(x, torch.cat((q_weight, k_weight)))
+    y = F.linear(x, torch.cat((q_weight, k_weight)) if qk_weight is None else qk_weight)
     return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps,
                                      width=index_rope_dim(cos.shape[-1], Di))
 

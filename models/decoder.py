@@ -13,6 +13,7 @@ Attention is written in one of three forms (`attn_impl`), all of which the graph
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES
+from m3compile.kernels._common import use_triton
 from m3compile.kernels.reference import oracle_blocks
-from m3compile.ops import (apply_index_rope, apply_rope, msa_attention, msa_attention_lse_triton, msa_attention_triton,
-                           msa_select, msa_select_triton, split_heads)
+from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
+                           msa_attention_lse_triton, msa_attention_triton, msa_select, msa_select_triton,
+                           rms_norm_triton, split_heads)
 
 __all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "Selection", "SELECTIONS"]
 
@@ -138,8 +141,12 @@ class RMSNorm(nn.Module):
             raise ValueError(f"unknown norm style {style!r}")
         self.eps, self.style = eps, style
         self.weight = nn.Parameter(torch.ones(dim) if style == "rms" else torch.zeros(dim))
+        # True: rms_norm_triton, one kernel where no gradient is needed (this formula elsewhere; Decoder.set_kernels)
+        self.kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return rms_norm_triton(x, self.weight, self.eps, self.style)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.style == "gemma":
@@ -226,7 +233,10 @@ class Attention(nn.Module):
         # attention's per-head log-sum-exp over the selected keys (lse [B, T, Hq] fp32 base 2; None where the
         # lowered kernel did not run or every visible block was selected)
         self.lse_probe = None
-        self.kernels = False  # True: MSA layers run the lowered ops (Triton on CUDA / interpreter; `m3c eval`)
+        # True: the lowered ops (Triton on CUDA / under the interpreter, the references elsewhere): fused RoPE, the
+        # fused index branch, the MSA selection and attention kernels (Decoder.set_kernels: `m3c eval`, decode)
+        self.kernels = False
+        self._index_weight = None  # (q weight, k weight, their versions and storages, [W_qi; W_ki]) while kernels
         if self.msa is not None:
             m = self.msa
             self.index_q_proj = nn.Linear(args.hidden_size, m.index_heads * m.index_dim, bias=False)
@@ -242,8 +252,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        rope = apply_rope_triton if self.kernels else apply_rope
+        q = rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
         return q, k, v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -267,9 +278,33 @@ class Attention(nn.Module):
     def index_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q_idx [B, T, Hi, Di], k_idx [B, T, Di]; input detached (the index branch never trains the backbone)."""
         x = x.detach()
+        qn, kn = self.index_q_norm, self.index_k_norm
+        if self.kernels and qn.eps == kn.eps and qn.style == kn.style == "gemma":  # one matmul, one norm + RoPE kernel
+            return index_branch_triton(x, self.index_q_proj.weight, self.index_k_proj.weight, qn.weight, kn.weight,
+                                       cos, sin, qn.eps, qk_weight=self.fused_index_weight() if use_triton(x) else None)
         q_idx = self.index_q_norm(split_heads(self.index_q_proj(x), self.msa.index_heads, self.msa.index_dim))
         k_idx = self.index_k_norm(split_heads(self.index_k_proj(x), 1, self.msa.index_dim))
         return apply_index_rope(q_idx, cos, sin), apply_index_rope(k_idx, cos, sin)[:, :, 0]
+
+    def fused_index_weight(self) -> torch.Tensor | None:
+        """[W_qi; W_ki] [(Hi + 1) * Di, hidden], the two index projections' weights as index_branch_triton's one
+        matmul reads them: concatenated once and kept while both weights are the same tensors with the same
+        in-place version and storage (an optimizer step, load_state_dict or .to() rebuilds it on the next call).
+        None (the op then concatenates per call) for a dense layer, where a gradient is needed (a kept
+        concatenation would carry a spent autograd graph) and for inference-mode weights (no version counter: an
+        in-place change would go unseen). A CUDA graph that read it keeps reading the tensor it had."""
+        if self.msa is None:
+            return None
+        wq, wk = self.index_q_proj.weight, self.index_k_proj.weight
+        grad = torch.is_grad_enabled() and (wq.requires_grad or wk.requires_grad)
+        if grad or wq.is_inference() or wk.is_inference():
+            return None
+        key = (wq._version, wk._version, wq.data_ptr(), wk.data_ptr(), wq.dtype, wk.dtype, wq.device, wk.device)
+        kept = self._index_weight
+        if kept is None or kept[0] is not wq or kept[1] is not wk or kept[2] != key:
+            with torch.no_grad():
+                kept = self._index_weight = (wq, wk, key, torch.cat((wq, wk)))
+        return kept[3]
 
     def _msa(self, x, q, k, v, cos, sin):
         m = self.msa
@@ -419,6 +454,7 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._kernels = False  # the last set_kernels / using_kernels setting
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(input_ids))
@@ -442,12 +478,40 @@ class Decoder(nn.Module):
                 module.msa = self.args.msa
 
     def set_kernels(self, enabled: bool) -> None:
-        """Run MSA layers with the lowered ops (True: msa_select_triton, msa_attention(_lse)_triton, which launch
-        Triton on CUDA tensors or under TRITON_INTERPRET=1 and run the references elsewhere) or the plain-torch
-        reference ops (False, the default, what tracing sees). Same results within the kernels' tolerance."""
+        """Run the whole model with the lowered ops (True) or the plain-torch reference ops (False, the default,
+        what tracing sees). True: every RMSNorm (input, post-attention and final norms, QK norms) is rms_norm_triton
+        (one kernel where no gradient is needed, its own formula where one is), the attention's RoPE
+        apply_rope_triton, each MSA layer's index branch index_branch_triton (one matmul over the two index weights,
+        concatenated once per layer: Attention.fused_index_weight; one norm + RoPE kernel) and its selection and
+        attention msa_select_triton / msa_attention(_lse)_triton. They launch Triton on CUDA tensors or under
+        TRITON_INTERPRET=1 and run the references elsewhere. Same results within the kernels' tolerance.
+        False also drops the kept index weights. The switch of the model: set module flags through it (or
+        `using_kernels`), which remembers the setting."""
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, RMSNorm)):
                 module.kernels = enabled
+                if isinstance(module, Attention) and not enabled:
+                    module._index_weight = None
+        self._kernels = enabled
+
+    @contextlib.contextmanager
+    def using_kernels(self, enabled: bool):
+        """set_kernels(enabled) inside the block, each module's own setting restored after (the kept index
+        weights stay: the next block with kernels on reuses them). A no-op where the model is already so set."""
+        if self._kernels == enabled:
+            yield
+            return
+        kept = [(m, m.kernels) for m in self.modules() if isinstance(m, (Attention, RMSNorm))]
+        before = self._kernels
+        for m, _ in kept:
+            m.kernels = enabled
+        self._kernels = enabled
+        try:
+            yield
+        finally:
+            for m, k in kept:
+                m.kernels = k
+            self._kernels = before
 
     def set_selection(self, selection: Selection) -> None:
         """How sparse MSA layers pick their blocks: "index" (the index branch) or "oracle" (each layer's dense

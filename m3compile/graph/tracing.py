@@ -5,6 +5,8 @@ the matcher has to see its dataflow. Every graph op of m3compile.ops stays one n
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,11 +36,27 @@ class Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
+@contextlib.contextmanager
+def _reference_ops(model: torch.nn.Module):
+    """Modules switched to their fused kernels (Decoder.set_kernels: a `kernels` flag) run their reference ops
+    inside the block: a trace records the reference graph, which the passes rewrite and lower."""
+    on = [m for m in model.modules() if getattr(m, "kernels", None) is True]
+    for m in on:
+        m.kernels = False
+    try:
+        yield
+    finally:
+        for m in on:
+            m.kernels = True
+
+
 def trace(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """Symbolically trace `model` (forward(input_ids) -> logits) into a GraphModule with the same state-dict names."""
+    """Symbolically trace `model` (forward(input_ids) -> logits) into a GraphModule with the same state-dict names
+    (always the reference ops, whatever the model's kernel setting)."""
     tracer = Tracer()
     try:
-        graph = tracer.trace(model)
+        with _reference_ops(model):
+            graph = tracer.trace(model)
     except Exception as e:  # fx raises TraceError / TypeError with long messages
         raise M3CompileError(f"torch.fx could not trace {type(model).__name__}: {str(e).splitlines()[0]}") from None
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)

@@ -37,9 +37,11 @@ kernels/decode.py's selection) for B sequences at context T, eager and replayed 
 (tools/generate.py DecodeStep), after a check that the replay's logits equal the eager step's from the same state.
 The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
 MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row
-says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Stages as for prefill, from one profiled
-eager step (attention = m3c.decode_attention, indexer = the index projections and norms + m3c.decode_select;
-the index RoPE, outside any module range, counts in rest).
+says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Both models run the step on the same fused
+backbone kernels on CUDA (Decoder.set_kernels, as `m3c generate` does: RMSNorm, RoPE and, for MSA, the index branch
+as one matmul + one norm/RoPE kernel). Stages as for prefill, from one profiled eager step (attention =
+m3c.decode_attention, indexer = the index branch (m3c.index_branch; with the reference ops the index projections
+and norms, the index RoPE then counting in rest) + m3c.decode_select).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from m3compile.kernels.indexer import quantize_index_keys
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.pipelines import lower
 from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
-from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable
+from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable, kernels_default
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "cache_bytes",
            "extrapolate", "STAGES", "GROUPS"]
@@ -335,7 +337,8 @@ def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cf
     g = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, model.args.vocab_size, (B,), generator=g).to(dev)
     eager = DecodeStep(model, cache, B)
-    with torch.no_grad():
+    # the steps' kernel switch held for the whole row (DecodeStep's own is then a no-op, not host time per step)
+    with torch.no_grad(), model.using_kernels(kernels_default(dev)):
         _steps_ms(eager, tokens, cache, T, 1, dev)  # warm-up: compiles, autotunes
         eager_ms = _steps_ms(eager, tokens, cache, T, cfg.decode_steps, dev)
         with module_ranges(model, _classify):

@@ -166,14 +166,12 @@ def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 def _eval_mode(model: Decoder, kernels: bool):
     """The model's MSA switches as evaluation needs them, restored afterwards: sparse on, index selection, no
     probes, and the lowered ops when `kernels`."""
-    layers = [layer.self_attn for layer in model.model.layers]
-    kept = [a.kernels for a in layers]
-    model.set_kernels(kernels)
     try:
-        yield
+        with model.using_kernels(kernels):
+            yield
     finally:
-        for a, k in zip(layers, kept):
-            a.kernels, a.lse_probe = k, None
+        for layer in model.model.layers:
+            layer.self_attn.lse_probe = None
         model.set_sparse(True)
         model.set_selection("index")
 
@@ -195,8 +193,9 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
     per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport.
 
-    batch: windows per forward. kernels: run the MSA layers with the lowered ops (Triton selection, gather-Q sparse
-    attention with its log-sum-exp, recall from causal_lse.dense_recall); default (None) on CUDA. The losses and
+    batch: windows per forward. kernels: run the model with the lowered ops (Decoder.set_kernels: fused RMSNorm,
+    RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
+    causal_lse.dense_recall); default (None) on CUDA. The losses and
     counts stay on the device until the end (no host synchronisation per window)."""
     if batch < 1:
         raise M3CompileError(f"batch must be >= 1, got {batch}")

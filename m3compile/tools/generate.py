@@ -7,7 +7,9 @@ selected block id is a logical page of the block table. Prefill runs the fused i
 selection and split-K attention for every layer (a dense layer selects every page). On CPU the same code runs the
 torch references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
 static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
-and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers.
+and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers. On a
+GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels
+instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
     result = m3compile.generate(m3compile.load("out", device="cuda", dtype="bf16"), [[1, 2, 3], [4, 5]], 32)
 """
@@ -30,8 +32,10 @@ from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention, Decoder, MoE
+from m3compile.ops import scope
 
-__all__ = ["generate", "GenerationResult", "PagedCache", "DecodeStep", "graph_unavailable", "TextCodec"]
+__all__ = ["generate", "GenerationResult", "PagedCache", "DecodeStep", "graph_unavailable", "kernels_default",
+           "TextCodec"]
 
 
 class PagedCache:
@@ -43,6 +47,8 @@ class PagedCache:
         per_seq = -(-max_len // page)
         self.block_table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, per_seq)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
+        self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
         self.k, self.v, self.idx, self.idx_scale = {}, {}, {}, {}
         for i in range(a.n_layers):
@@ -53,12 +59,14 @@ class PagedCache:
                 self.idx_scale[i] = (torch.ones(P, page, dtype=torch.float32, device=device)
                                      if index_dtype == torch.float8_e4m3fn else None)
 
-    def _slots(self, b: torch.Tensor, pos: torch.Tensor):
+    def slots(self, b: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(physical page, offset in it) of positions `pos` of sequences `b`: the same for every layer."""
         return self.block_table[b, pos // self.page].long(), pos % self.page
 
-    def write(self, layer: int, b: torch.Tensor, pos: torch.Tensor, k, v, k_idx=None) -> None:
-        """Store tokens at positions `pos` of sequences `b`: k/v [N, Hkv, D], k_idx [N, Di]."""
-        page, off = self._slots(b, pos)
+    def write(self, layer: int, b: torch.Tensor, pos: torch.Tensor, k, v, k_idx=None, slots=None) -> None:
+        """Store tokens at positions `pos` of sequences `b`: k/v [N, Hkv, D], k_idx [N, Di]. `slots`: what
+        slots(b, pos) gives, computed once for all layers by the caller."""
+        page, off = self.slots(b, pos) if slots is None else slots
         self.k[layer][page, off] = k.to(self.k[layer].dtype)
         self.v[layer][page, off] = v.to(self.v[layer].dtype)
         if k_idx is not None:
@@ -76,8 +84,8 @@ class GenerationResult:
 
 
 def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
-    n = cache.block_table.shape[1]
-    ids = torch.arange(n, dtype=torch.int32, device=cache.seq_lens.device)
+    """Every page of each sequence as the blocks [B, n_kv, pages] of a dense layer (-1 past the sequence's end)."""
+    ids = cache.page_ids
     n_pages = (cache.seq_lens + cache.page - 1) // cache.page
     blocks = torch.where(ids[None, :] < n_pages[:, None], ids[None, :], -1)
     return blocks[:, None, :].expand(-1, n_kv, -1).contiguous()
@@ -118,14 +126,19 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
 @torch.no_grad()
 def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend: str) -> torch.Tensor:
     """One token per sequence [B] at position seq_lens[b]; returns logits [B, vocab]. Reads and writes only
-    `tokens` and the cache's tensors, on the device, with no host synchronisation: capturable as a CUDA graph."""
+    `tokens` and the cache's tensors, on the device, with no host synchronisation: capturable as a CUDA graph.
+    What every layer shares is computed once per step: the RoPE tables, the cache slots of the new tokens and
+    the dense layers' blocks (every page). The model's modules run as the model is set (Decoder.set_kernels:
+    DecodeStep and generate switch the fused kernels on for CUDA)."""
     bb = model.model
     B = tokens.shape[0]
     pos = cache.seq_lens.long()
     x = bb.embed_tokens(tokens[:, None])  # [B, 1, hidden]
     cos, sin = bb.rotary_emb(x, pos[:, None])
-    b_ids = torch.arange(B, device=x.device)
+    b_ids = cache.rows if cache.rows.shape[0] == B else torch.arange(B, device=x.device)
+    slots = cache.slots(b_ids, pos)
     cache.seq_lens += 1
+    dense: dict[int, torch.Tensor] = {}  # n_kv -> every page of each sequence, built by the first layer needing it
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
         h = layer.input_layernorm(x)
@@ -133,22 +146,30 @@ def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backen
         m = attn.msa
         if m is not None:
             q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
-            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0])
-            with torch.profiler.record_function("m3c.decode_select"):
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots)
+        else:
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots)
+        if m is not None and attn.sparse:
+            with scope("m3c.decode_select"):
                 blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
                                             topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
                                             idx_scale=cache.idx_scale[i], backend=backend)
-            if not attn.sparse:
-                blocks = _dense_blocks(cache, attn.n_kv_heads)
-        else:
-            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0])
-            blocks = _dense_blocks(cache, attn.n_kv_heads)
-        with torch.profiler.record_function("m3c.decode_attention"):
+        else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
+            if attn.n_kv_heads not in dense:
+                dense[attn.n_kv_heads] = _dense_blocks(cache, attn.n_kv_heads)
+            blocks = dense[attn.n_kv_heads]
+        with scope("m3c.decode_attention"):
             o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
                                       cache.seq_lens, scale=attn.scale, backend=backend)  # [B, Hq, D]
         x = x + attn.o_proj(o.reshape(B, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(bb.norm(x[:, 0])).float()
+
+
+def kernels_default(device, backend: str = "auto") -> bool:
+    """Whether generation runs the model's fused kernels (Decoder.set_kernels) by default: on a CUDA device, unless
+    backend "torch" asks for the references."""
+    return torch.device(device).type == "cuda" and backend != "torch"
 
 
 def graph_unavailable(model: Decoder, device, backend: str = "auto") -> str | None:
@@ -171,11 +192,20 @@ class DecodeStep:
     Python or launch overhead. The logits a replay returns are a static buffer, overwritten by the next replay.
     Capture warms the step up first (compiles the Triton kernels, runs their autotuning) on a side stream and
     restores seq_lens after, so capturing changes no visible state (the warm-up writes only at positions past
-    each sequence's end, which the next step overwrites)."""
+    each sequence's end, which the next step overwrites).
+
+    kernels: the model's backbone runs its fused kernels for the step (Decoder.using_kernels: RMSNorm, RoPE and
+    the index branch as single kernels) during the warm-up, the capture and every eager call; the model's own
+    setting is restored after each (a walk over the modules per eager call, unless the caller holds
+    `model.using_kernels(...)` around its loop, as generate does). None (default): kernels_default (on for a CUDA
+    cache unless backend "torch").
+    The index branch's concatenated weights (Attention.fused_index_weight) are built by the warm-up, before the
+    capture, and kept alive with the graph, which reads them as they were then."""
 
     def __init__(self, model: Decoder, cache: PagedCache, batch: int, backend: str = "auto", graph: bool = False,
-                 warmup: int = 2):
+                 warmup: int = 2, kernels: bool | None = None):
         self.model, self.cache, self.backend = model, cache, backend
+        self.kernels = kernels_default(cache.seq_lens.device, backend) if kernels is None else kernels
         self.graph = None
         if not graph:
             return
@@ -188,14 +218,17 @@ class DecodeStep:
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    _decode_step(model, cache, self.tokens, backend)
-                    cache.seq_lens.copy_(saved)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = _decode_step(model, cache, self.tokens, backend)
+            with model.using_kernels(self.kernels):
+                with torch.cuda.stream(side):
+                    for _ in range(max(1, warmup)):  # (at least one: it builds the kept weights before capture)
+                        _decode_step(model, cache, self.tokens, backend)
+                        cache.seq_lens.copy_(saved)
+                torch.cuda.current_stream(device).wait_stream(side)
+                # what the graph reads besides the model's parameters and the cache: kept alive with it
+                self._kept = [m.fused_index_weight() for m in model.modules() if isinstance(m, Attention)]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.logits = _decode_step(model, cache, self.tokens, backend)
             self.graph = graph
         finally:
             cache.seq_lens.copy_(saved)  # capture runs nothing, but a failed warm-up may have counted a step
@@ -203,7 +236,8 @@ class DecodeStep:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per sequence) -> logits [B, vocab] fp32; every seq_len grows by one."""
         if self.graph is None:
-            return _decode_step(self.model, self.cache, tokens, self.backend)
+            with self.model.using_kernels(self.kernels):
+                return _decode_step(self.model, self.cache, tokens, self.backend)
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits
@@ -227,7 +261,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
              eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool | None = None) -> GenerationResult:
+             cuda_graph: bool | None = None, kernels: bool | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -237,6 +271,9 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
     step is capturable (`graph_unavailable`) and at least 8 decode steps follow; eager on a CPU. True: required.
+    kernels: prefill and decode run the model's fused backbone kernels (Decoder.set_kernels: RMSNorm, RoPE, the
+    index branch), the model's setting restored after. None (default): on a CUDA device unless backend "torch"
+    (kernels_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
@@ -269,39 +306,42 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
     B = len(prompts)
     cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
-    prefill_logits = []
-    for b, p in enumerate(prompts):
-        prefill_logits.append(_prefill(model, cache, b, torch.tensor(p, device=device), backend))
-        cache.seq_lens[b] = len(p)
-    auto = cuda_graph is None
-    if auto:
-        cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
-    try:
-        step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1)
-    except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
-        if not auto:
-            raise
-        warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
-        step_fn = DecodeStep(model, cache, B, backend)
-    out = [[] for _ in range(B)]
-    done = [False] * B
-    step_logits = []
-    next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
-    for step in range(max_new_tokens):
-        chosen = next_tok.tolist()  # one host synchronisation per step
-        for b in range(B):
-            if not done[b]:
-                out[b].append(chosen[b])
-                if on_token is not None:
-                    on_token(b, chosen[b])
-                done[b] = chosen[b] == eos_token_id
-        if eos_token_id is not None and all(done):
-            break
-        if step == max_new_tokens - 1:
-            break
-        logits = step_fn(next_tok)
-        step_logits.append(logits.clone() if step_fn.graph is not None else logits)
-        next_tok = _pick(logits, temperature, top_p, generator)
+    kernels = kernels_default(device, backend) if kernels is None else kernels
+    with model.using_kernels(kernels):  # prefill and decode on the fused backbone kernels (CUDA by default)
+        prefill_logits = []
+        for b, p in enumerate(prompts):
+            prefill_logits.append(_prefill(model, cache, b, torch.tensor(p, device=device), backend))
+            cache.seq_lens[b] = len(p)
+        auto = cuda_graph is None
+        if auto:
+            cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
+        try:
+            step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1,
+                                 kernels=kernels)
+        except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
+            if not auto:
+                raise
+            warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
+            step_fn = DecodeStep(model, cache, B, backend, kernels=kernels)
+        out = [[] for _ in range(B)]
+        done = [False] * B
+        step_logits = []
+        next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
+        for step in range(max_new_tokens):
+            chosen = next_tok.tolist()  # one host synchronisation per step
+            for b in range(B):
+                if not done[b]:
+                    out[b].append(chosen[b])
+                    if on_token is not None:
+                        on_token(b, chosen[b])
+                    done[b] = chosen[b] == eos_token_id
+            if eos_token_id is not None and all(done):
+                break
+            if step == max_new_tokens - 1:
+                break
+            logits = step_fn(next_tok)
+            step_logits.append(logits.clone() if step_fn.graph is not None else logits)
+            next_tok = _pick(logits, temperature, top_p, generator)
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     return GenerationResult(out, prefill_logits, steps)
 
