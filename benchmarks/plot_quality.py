@@ -1,6 +1,9 @@
 """Loss vs distillation tokens (PNG) from benchmarks/quality_real.sh results merged into one JSON per model.
 
-    python3 benchmarks/plot_quality.py RESULTS_DIR OUT.png
+    python3 benchmarks/plot_quality.py RESULTS_DIR OUT.png [BLOCK_LOSS_JSON]
+
+BLOCK_LOSS_JSON (optional): a merged JSON of `m3c distill --block-loss 1` runs from the same calibrated SmolLM2 init
+(keys d1_<steps>.distill.json / d1_<steps>.eval.json), drawn as a second curve on the SmolLM2 panel.
 """
 import json
 import sys
@@ -26,13 +29,30 @@ def curve(merged: dict, tag: str):
     return [t for t, _ in points], [100 * v for _, v in points], 100 * oracle, 100 * weight_only
 
 
-def main(results: Path, out: Path) -> None:
+def block_curve(merged: dict, start: float):
+    """(tokens, loss increase %) of the block-loss runs d1_<steps>, from the shared calibrated init's `start`."""
+    points = [(0, start)]
+    for name, d in merged.items():
+        if name.startswith("d1_") and name.endswith(".distill.json"):
+            tokens = d["tokens"] * d["steps"] / (d["steps"] - d["start_step"])
+            points.append((tokens, 100 * merged[name.replace(".distill.json", ".eval.json")]["loss_increase"]))
+    points.sort()
+    return [t for t, _ in points], [v for _, v in points]
+
+
+def main(results: Path, out: Path, block: Path | None = None) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (name, tag, title) in zip(axes, [("smollm2.json", "smollm2-b64k8", "SmolLM2-135M (real, BPE)"),
                                              ("byte.json", "byte-b64k8", "dense-llama-byte (../shared)")]):
         merged = json.loads((results / name).read_text())
         tokens, loss, oracle, weight_only = curve(merged, tag)
-        ax.plot([t / 1e6 for t in tokens], loss, "o-", label="calibrated init, then KL distillation")
+        ax.plot([t / 1e6 for t in tokens], loss, "o-", label="calibrated init, then token-KL distillation")
+        if block is not None and tag.startswith("smollm2"):
+            bt, bl = block_curve(json.loads(block.read_text()), loss[0])
+            ax.plot([t / 1e6 for t in bt], bl, "s-", color="C1", label="token KL + block loss (lambda 1)")
+            for t, v in zip(bt[1:], bl[1:]):
+                ax.annotate(f"{v:+.2f}%", (t / 1e6, v), textcoords="offset points", xytext=(4, -12), fontsize=8,
+                            color="C1")
         ax.axhline(oracle, color="g", ls="--", label=f"oracle selection ({oracle:+.2f}%)")
         ax.axhline(weight_only, color="r", ls=":", label=f"weight-only init ({weight_only:+.1f}%)")
         for t, v in zip(tokens, loss):
@@ -47,4 +67,4 @@ def main(results: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)
