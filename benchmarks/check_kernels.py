@@ -23,6 +23,7 @@ from m3compile.kernels import reference as ref
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels import sparse_kl
 from m3compile.kernels import varlen_attention as va
+from m3compile.tools.bench_common import median_ms
 
 results = []
 
@@ -216,16 +217,7 @@ def check_norm_rope(B, T, H, D, R, dtype):
 
 def _cuda_ms(fn, steps=5):
     """Median CUDA-event milliseconds of fn() after one untimed call."""
-    fn()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, steps=steps, warmup=1, device="cuda")[0]
 
 
 def check_block_loss(B, Hq, Hkv, T, D, Di, bs, k, dtype, n_rows=1024):

@@ -30,6 +30,7 @@ from m3compile.kernels._tl_common import quantize_rows_e4m3
 from m3compile.kernels._tl_indexer import _block_scores, _insert, index_topk_kernel
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks_reference
 from m3compile.kernels._common import next_pow2
+from m3compile.tools.bench_common import median_ms
 
 MODES = {"topk": 0, "scores": 1, "packed": 2, "write": 3}
 I64_MIN = -9223372036854775807 - 1
@@ -142,17 +143,7 @@ def _launch(mode: str, q, k, scale, out, sc, T, H, D, block, topk, cfg, fp8):
 
 
 def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, steps=reps, warmup=1, device="cuda")[0]
 
 
 def main() -> None:

@@ -20,21 +20,11 @@ import torch
 
 from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention
-from m3compile.tools.bench_common import profile_run
+from m3compile.tools.bench_common import median_ms, profile_run
 
 
 def _time(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
+    return median_ms(fn, steps=reps, warmup=1, device="cuda")[0]
 
 
 def main() -> None:
