@@ -12,6 +12,8 @@ shared key head, block 128, top-16), variants of the same loop that differ only 
     write    the block scores written out [B, H, T, n_blocks] bf16 (the two-pass design), then torch.topk timed apart
 
 and checks that `packed` selects the production kernel's blocks (as sets per row). Prints one JSON object.
+(Session 9 ran these variants as one loop with a branch, which pipelined worse than production's two loops: their
+times then bounded nothing. They now loop as production does; not yet re-run on the GPU.)
 
     python benchmarks/experiments/indexer_split.py [--lengths 32768,131072] [--modes topk,scores,packed,write]
 """
@@ -51,6 +53,20 @@ def _insert_packed(vals, new):
     return tl.where(hit, new[:, None], vals)
 
 
+@triton.jit
+def _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE: tl.constexpr):
+    # what follows a key block's score in each variant
+    if MODE == 1:
+        run = tl.maximum(run, score)
+    elif MODE == 2:
+        pk = _insert_packed(pk, _pack(score, j))
+    elif MODE == 3:
+        tl.store(p_sc + j, score.to(tl.bfloat16), mask=m_row)
+    else:
+        vals, ids = _insert(vals, ids, score, j, o_kp)
+    return vals, ids, pk, run
+
+
 @triton.jit(do_not_specialize=["T"])
 def variant_kernel(
     q, k, k_scale, out, sc,
@@ -88,24 +104,20 @@ def variant_kernel(
     p_k0 = k + i_b * stride_kb + o_d[None, :]
     p_s0 = k_scale + i_b * stride_sb
     p_sc = sc + i_b * stride_ob + o_h * stride_oh + o_tok.to(tl.int64) * stride_ot
-    for j in range(0, n_all):
+    for j in range(0, n_full):  # two loops as in the production kernel (one loop with a branch pipelines worse)
+        o_key = j * BS + o_n
+        m_key = o_n < BS
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
+                              o_tok, m_d, False, HAS_SCALE, False)
+        score = tl.where(j > q_block - LOCAL, float("inf"), score)
+        vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
+    for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
-        if j < n_full:
-            score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                                  o_tok, m_d, False, HAS_SCALE, False)
-        else:
-            score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                                  o_tok, m_d, True, HAS_SCALE, False)
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
+                              o_tok, m_d, True, HAS_SCALE, False)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
-        if MODE == 1:
-            run = tl.maximum(run, score)
-        elif MODE == 2:
-            pk = _insert_packed(pk, _pack(score, j))
-        elif MODE == 3:
-            tl.store(p_sc + j, score.to(tl.bfloat16), mask=m_row)
-        else:
-            vals, ids = _insert(vals, ids, score, j, o_kp)
+        vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
     p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
     m_o = m_row[:, None] & (o_kp[None, :] < TOPK)
     if MODE == 1:
