@@ -7,6 +7,12 @@ import torch
 # The suite runs the Triton kernels in Triton's interpreter on CPU tensors, with or without a GPU (set before any
 # kernel module is imported); full-size GPU checks are benchmarks/check_kernels.py
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# and import Triton now, under that setting: triton.language's own @triton.jit helpers (the reductions' combine
+# functions behind tl.max / tl.argmin, ...) are built when Triton is first imported, as interpreted functions only if
+# the interpreter is on then. A test that turns it off (test_readme, "as on a reader's CPU") and happens to be the
+# first to import Triton (torch imports it lazily) would otherwise leave compiled-only helpers behind, and every
+# later interpreted kernel in that process fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
+import triton  # noqa: E402,F401
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 LLAMA_BYTE = SHARED / "checkpoints" / "dense-llama-byte"
