@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket", "autotune", "launch_fp8"]
+__all__ = ["interpreting", "use_triton", "next_pow2", "configs", "tune_bucket", "autotune", "launch_fp8", "detached"]
 
 _FP8_DOT = [True]  # becomes False after the first fp8 matmul this Triton build failed to compile
 
@@ -36,6 +36,11 @@ def use_triton(*tensors: torch.Tensor, backend: str = "auto") -> bool:
     if backend == "triton":
         raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     return False
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """t.detach() where t requires grad, else t itself (no dispatch where there is nothing to detach)."""
+    return t.detach() if t.requires_grad else t
 
 
 def next_pow2(n: int) -> int:

@@ -31,7 +31,7 @@ import math
 import torch
 
 from m3compile.kernels import reference as ref
-from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels._common import detached, next_pow2, tune_bucket, use_triton
 
 __all__ = ["block_stats", "block_stats_reference", "block_rank_kl"]
 
@@ -153,9 +153,6 @@ def block_rank_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: 
                                  local_blocks=local_blocks, scale=scale, rows=rows)
     if rows.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=q.device)  # no choice anywhere: nothing to rank
-    return _BlockRankKL.apply(q_idx, k_idx, _detached(q), _detached(k), rows, block_size, init_blocks, local_blocks,
+    return _BlockRankKL.apply(q_idx, k_idx, detached(q), detached(k), rows, block_size, init_blocks, local_blocks,
                               scale)
 
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach() if t.requires_grad else t  # no dispatch where there is nothing to detach

@@ -26,7 +26,7 @@ import math
 import torch
 
 from m3compile.kernels import reference as ref
-from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels._common import detached, next_pow2, tune_bucket, use_triton
 from m3compile.kernels.sparse_attention import BlockCSR, block_csr, selected_lse
 
 __all__ = ["sparse_index_kl", "CSR_CHUNK"]
@@ -138,15 +138,12 @@ def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
-    q, k = _detached(q), _detached(k)
+    q, k = detached(q), detached(k)
     if teacher_lse is None:  # the attention forward's per-head log-sum-exp over the same support
         teacher_lse = selected_lse(q, k, blocks, block_size=block_size, scale=scale, csr=csr)
     elif teacher_lse.shape != (B, T, q.shape[1]):
         raise ValueError(f"teacher_lse must be [B, T, Hq] = [{B}, {T}, {q.shape[1]}], got {tuple(teacher_lse.shape)}")
-    teacher_lse = _detached(teacher_lse).float()
+    teacher_lse = detached(teacher_lse).float()
     return _SparseKL.apply(q_idx, k_idx, q, k, blocks, teacher_lse, block_size, scale, csr, reduction == "mean",
                            block_mass)
 
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach() if t.requires_grad else t  # no dispatch where there is nothing to detach
