@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from m3compile.tools.bench_common import bench_models, profile_run
+from m3compile.tools.bench_common import bench_models, profile_run, union_us
 from m3compile.tools.bench_model import _fill, _steps_ms
 from m3compile.tools.generate import DecodeStep, PagedCache
 
@@ -34,11 +34,7 @@ def _kernels(prof, top: int) -> dict:
     for d in work:
         names.setdefault(d.name, []).append(d.time_range.elapsed_us() / 1e3)
     spans = sorted((d.time_range.start, d.time_range.end) for d in work)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    busy = union_us(spans)
     first, last = (spans[0][0], max(b for _, b in spans)) if spans else (0, 0)
     rows = sorted(((n, sum(v), len(v)) for n, v in names.items()), key=lambda r: -r[1])
     return {"kernels": len(work), "kernel_ms": round(sum(r[1] for r in rows), 4), "busy_ms": round(busy / 1e3, 4),

@@ -34,8 +34,8 @@ from m3compile.io.load import from_preset, load
 from m3compile.models.decoder import PRESETS, Decoder
 from m3compile.pipelines import convert
 
-__all__ = ["bench_models", "conversion_check", "median_ms", "profile_run", "Profile", "Attribution", "kernel_us", "module_ranges",
-           "sync", "is_cuda", "bench_presets"]
+__all__ = ["bench_models", "conversion_check", "median_ms", "profile_run", "union_us", "Profile", "Attribution",
+           "kernel_us", "module_ranges", "sync", "is_cuda", "bench_presets"]
 
 
 def is_cuda(device) -> bool:
@@ -267,7 +267,7 @@ class Profile:
                     owner = segments.owner(host.time_range.start)
                     stage = labels[owner] if owner is not None else "rest"
                 book(stage, d.name, d.time_range.elapsed_us())
-            busy = _union_us([(d.time_range.start, d.time_range.end) for d in work]) / 1e3
+            busy = union_us([(d.time_range.start, d.time_range.end) for d in work]) / 1e3
         else:
             def walk(e, owner: str | None) -> None:
                 if e.name in labels and (owner not in enclosing_set or e.name in enclosing_set):
@@ -291,7 +291,8 @@ class Profile:
         return a.stages | {"host": self.wall_ms - a.work_ms}
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (overlaps counted once): a device time line's busy time."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b > end:
