@@ -15,14 +15,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def total_tokens(distill: dict) -> float:
+    """The run's total distillation tokens, resumed runs included (a report counts its own steps' tokens)."""
+    return distill["tokens"] * distill["steps"] / (distill["steps"] - distill["start_step"])
+
+
 def curve(merged: dict, tag: str):
     """(tokens, loss increase %) from the calibrated init through each distillation total, and the oracle's %."""
     points = [(0, merged[f"{tag}-c.eval.json"]["loss_increase"])]
     for name, d in sorted(merged.items()):
         if name.startswith(f"{tag}-d") and name.endswith(".distill.json"):
-            steps = d["steps"]
-            tokens = d["tokens"] * steps / (steps - d["start_step"])  # the run's total, resumed runs included
-            points.append((tokens, merged[name.replace(".distill.json", ".eval.json")]["loss_increase"]))
+            points.append((total_tokens(d), merged[name.replace(".distill.json", ".eval.json")]["loss_increase"]))
     points.sort()
     oracle = merged[f"{tag}-w.eval.json"]["oracle_loss_increase"]
     weight_only = merged[f"{tag}-w.eval.json"]["loss_increase"]
@@ -34,8 +37,7 @@ def block_curve(merged: dict, start: float):
     points = [(0, start)]
     for name, d in merged.items():
         if name.startswith("d1_") and name.endswith(".distill.json"):
-            tokens = d["tokens"] * d["steps"] / (d["steps"] - d["start_step"])
-            points.append((tokens, 100 * merged[name.replace(".distill.json", ".eval.json")]["loss_increase"]))
+            points.append((total_tokens(d), 100 * merged[name.replace(".distill.json", ".eval.json")]["loss_increase"]))
     points.sort()
     return [t for t, _ in points], [v for _, v in points]
 
