@@ -9,11 +9,15 @@ import torch
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES"]
+__all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer.py)
 INDEX_DTYPES = ("auto", "fp8")
+# The index branch's RoPE table (ops.apply_index_rope): "m3" the main table cut to the index width (transformers' M3
+# rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary pairs turn at the
+# main table's Di/2 lowest frequencies (what the converter writes when index_dim < R: sparse_index_rope "low")
+INDEX_ROPES = ("m3", "low")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -94,8 +98,10 @@ class MSAConfig:
     def from_json(cls, text: str) -> "MSAConfig":
         return cls.from_dict(json.loads(text))
 
-    def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool]) -> dict:
-        """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring)."""
+    def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool],
+                  index_rope: str = "m3") -> dict:
+        """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring, and
+        sparse_index_rope for an index head narrower than the rotary width: not M3 keys, written only when set)."""
         out = {
             "use_sparse_attention": True,
             "sparse_num_index_heads": index_heads,
@@ -110,4 +116,6 @@ class MSAConfig:
         }
         if self.index_dtype != "auto":
             out["sparse_index_dtype"] = self.index_dtype
+        if index_rope != "m3":
+            out["sparse_index_rope"] = index_rope
         return out

@@ -33,14 +33,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope, reference as ref
 from m3compile.kernels import sparse_attention as _sparse, sparse_kl
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
-    "apply_rope", "apply_index_rope", "index_rope_dim", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_block_loss",
+    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_tables", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_block_loss",
     "msa_select_triton",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "msa_block_loss_triton",
     "frame_segments", "window_segments",
@@ -109,18 +109,38 @@ def index_rope_dim(rope_dim: int, index_dim: int) -> int:
     return min(rope_dim, index_dim)
 
 
+def index_rope_tables(cos: torch.Tensor, sin: torch.Tensor, index_dim: int, rope: str = "m3"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index branch's RoPE tables [.., T, w] from the main ones [.., T, R] (NeoX layout: the R/2 frequencies
+    twice), as `rope` (config.INDEX_ROPES) says:
+        "m3"   the first w = min(R, Di) channels (transformers' M3 rule; see apply_index_rope)
+        "low"  the Di/2 lowest frequencies, twice (w = Di <= R): channel p of the index head and p + Di/2 turn as
+               one pair at frequency R/2 - Di/2 + p, a true rotation at any index width (even Di < R)."""
+    if rope not in INDEX_ROPES:
+        raise ValueError(f"index rope must be one of {', '.join(INDEX_ROPES)}, got {rope!r}")
+    R = cos.shape[-1]
+    if rope == "m3" or index_dim >= R:
+        w = index_rope_dim(R, index_dim)
+        return cos[..., :w], sin[..., :w]
+    if index_dim % 2:
+        raise ValueError(f"index rope 'low' needs an even index dim, got {index_dim}")
+    h, n = R // 2, index_dim // 2
+    return (torch.cat((cos[..., h - n:h], cos[..., R - n:]), -1), torch.cat((sin[..., h - n:h], sin[..., R - n:]), -1))
+
+
 @torch.fx.wrap
-def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
     """RoPE of the index branch, the one rule every path uses: x [B, T, H, Di], cos/sin the main table [B, T, R].
 
-    The table is cut to its first index_rope_dim(R, Di) channels and NeoX RoPE runs over that cut width w, as
-    transformers' M3 indexer does. With Di >= R this is the main branch's RoPE; with Di < R the cut table keeps
-    the first w entries of the frequencies [f_0 .. f_{R/2-1}, f_0 .. f_{R/2-1}] and rotate_half pairs channel p
-    with p + w/2 of the cut width (not p + R/2): each pair then mixes two frequencies, so it is not a rotation,
-    but it is the reference.
+    rope "m3" (the default): the table is cut to its first index_rope_dim(R, Di) channels and NeoX RoPE runs over
+    that cut width w, as transformers' M3 indexer does. With Di >= R this is the main branch's RoPE; with Di < R the
+    cut table keeps the first w entries of the frequencies [f_0 .. f_{R/2-1}, f_0 .. f_{R/2-1}] and rotate_half
+    pairs channel p with p + w/2 of the cut width (not p + R/2): each pair then mixes two frequencies, so it is not
+    a rotation, but it is the reference. rope "low" (a converted model whose index head is narrower than R): the
+    Di/2 lowest frequencies (index_rope_tables), so scores depend on relative position only.
     """
-    w = index_rope_dim(cos.shape[-1], x.shape[-1])
-    return apply_rope(x, cos[..., :w], sin[..., :w])
+    cos, sin = index_rope_tables(cos, sin, x.shape[-1], rope)
+    return apply_rope(x, cos, sin)
 
 
 @torch.fx.wrap
@@ -406,31 +426,33 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 @torch.fx.wrap
-def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
     """apply_index_rope as one fused kernel, the reference elsewhere."""
     if not use_triton(x, cos, sin):
-        return apply_index_rope(x, cos, sin)
-    return norm_rope.rope(x, cos, sin, width=index_rope_dim(cos.shape[-1], x.shape[-1]))
+        return apply_index_rope(x, cos, sin, rope)
+    cos, sin = index_rope_tables(cos, sin, x.shape[-1], rope)
+    return norm_rope.rope(x, cos, sin, width=cos.shape[-1])
 
 
 @torch.fx.wrap
 @_scoped("index_branch")
-def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float, qk_weight=None):
+def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float, qk_weight=None,
+                        rope: str = "m3"):
     """One MSA layer's index branch after its (detached) input, fused (passes/fuse_index_branch.py): the two
     projections as one matmul, then per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward).
 
     x [B, T, hidden], q_weight [Hi * Di, hidden], k_weight [Di, hidden], q/k_norm_weight [Di], cos/sin [B, T, R]
     -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order.
     qk_weight: [q_weight; k_weight] concatenated by the caller (the eager Decoder keeps it per layer), so no
-    concatenation runs per call; None: concatenated here (differentiable in both weights)."""
+    concatenation runs per call; None: concatenated here (differentiable in both weights). rope: as apply_index_rope."""
     Di = q_norm_weight.shape[0]
     if not use_triton(x, cos, sin):
         q = ref.gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
         k = ref.gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
-        return apply_index_rope(q, cos, sin), apply_index_rope(k, cos, sin)[:, :, 0]
+        return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
     y = F.linear(x, torch.cat((q_weight, k_weight)) if qk_weight is None else qk_weight)
-    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps,
-                                     width=index_rope_dim(cos.shape[-1], Di))
+    cos, sin = index_rope_tables(cos, sin, Di, rope)
+    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps, width=cos.shape[-1])
 
 
 @torch.fx.wrap

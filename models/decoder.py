@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.kernels._common import use_triton
 from m3compile.kernels.reference import oracle_blocks
 from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
@@ -49,10 +49,15 @@ class MSALayerArgs:
     init_blocks: int = 0
     local_blocks: int = 1
     index_dtype: str = "auto"  # "fp8": e4m3 index scoring (m3compile.config.INDEX_DTYPES)
+    index_rope: str = "m3"  # the index RoPE table (m3compile.config.INDEX_ROPES; ops.index_rope_tables)
 
     def __post_init__(self):
         if self.index_dtype not in INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
+        if self.index_rope not in INDEX_ROPES:
+            raise ValueError(f"index_rope must be one of {', '.join(INDEX_ROPES)}, got {self.index_rope!r}")
+        if self.index_rope == "low" and self.index_dim % 2:
+            raise ValueError(f"index_rope 'low' needs an even index_dim, got {self.index_dim}")
 
 
 @dataclass(frozen=True)
@@ -281,10 +286,12 @@ class Attention(nn.Module):
         qn, kn = self.index_q_norm, self.index_k_norm
         if self.kernels and qn.eps == kn.eps and qn.style == kn.style == "gemma":  # one matmul, one norm + RoPE kernel
             return index_branch_triton(x, self.index_q_proj.weight, self.index_k_proj.weight, qn.weight, kn.weight,
-                                       cos, sin, qn.eps, qk_weight=self.fused_index_weight() if use_triton(x) else None)
+                                       cos, sin, qn.eps, qk_weight=self.fused_index_weight() if use_triton(x) else None,
+                                       rope=self.msa.index_rope)
         q_idx = self.index_q_norm(split_heads(self.index_q_proj(x), self.msa.index_heads, self.msa.index_dim))
         k_idx = self.index_k_norm(split_heads(self.index_k_proj(x), 1, self.msa.index_dim))
-        return apply_index_rope(q_idx, cos, sin), apply_index_rope(k_idx, cos, sin)[:, :, 0]
+        rope = self.msa.index_rope
+        return apply_index_rope(q_idx, cos, sin, rope), apply_index_rope(k_idx, cos, sin, rope)[:, :, 0]
 
     def fused_index_weight(self) -> torch.Tensor | None:
         """[W_qi; W_ki] [(Hi + 1) * Di, hidden], the two index projections' weights as index_branch_triton's one

@@ -33,8 +33,8 @@ _ROPES = (apply_index_rope, apply_index_rope_triton)
 
 
 def _head(gm: torch.fx.GraphModule, rope: torch.fx.Node, heads: int | None):
-    """(rope, norm, split, projection) nodes and (projection input, weight name, norm weight name, eps, cos, sin)
-    of one index head chain ending in `rope`, or None."""
+    """(rope, norm, split, projection) nodes and (projection input, weight name, norm weight name, eps, cos, sin,
+    index rope rule) of one index head chain ending in `rope`, or None."""
     if not is_op(rope, *_ROPES):
         return None
     r = op_args(rope)
@@ -57,7 +57,7 @@ def _head(gm: torch.fx.GraphModule, rope: torch.fx.Node, heads: int | None):
     if (heads is not None and s["n_heads"] != heads) or s["head_dim"] != norm_mod.weight.shape[0]:
         return None
     return (rope, norm, split, proj), (proj.args[0], f"{proj.target}.weight", f"{norm.target}.weight", norm_mod.eps,
-                                       r["cos"], r["sin"])
+                                       r["cos"], r["sin"], r.get("rope", "m3"))
 
 
 @register_pass
@@ -80,14 +80,14 @@ class FuseIndexBranch(Pass):
             k = _head(gm, k_out.args[0], 1)
             if k is None:
                 continue
-            (x, wq, nq, eps, cos, sin), (xk, wk, nk, eps_k, cos_k, sin_k) = q[1], k[1]
-            if (x, cos, sin, eps) != (xk, cos_k, sin_k, eps_k):
+            (x, wq, nq, eps, cos, sin, rope), (xk, wk, nk, eps_k, cos_k, sin_k, rope_k) = q[1], k[1]
+            if (x, cos, sin, eps, rope) != (xk, cos_k, sin_k, eps_k, rope_k):
                 continue
             with g.inserting_before(select):
                 weights = [g.get_attr(name) for name in (wq, wk, nq, nk)]
                 fused = g.call_function(index_branch_triton, (), dict(
                     x=x, q_weight=weights[0], k_weight=weights[1], q_norm_weight=weights[2],
-                    k_norm_weight=weights[3], cos=cos, sin=sin, eps=eps))
+                    k_norm_weight=weights[3], cos=cos, sin=sin, eps=eps, rope=rope))
                 new_q = g.call_function(operator.getitem, (fused, 0))
                 new_k = g.call_function(operator.getitem, (fused, 1))
             q_out.replace_all_uses_with(new_q)

@@ -26,7 +26,8 @@ class GQAToMSA(Pass):
     Adds, per converted layer, `index_q_proj` [Hkv*Di, hidden], `index_k_proj` [Di, hidden], `index_q_norm` and
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
     (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
-    branch's RoPE table cut to the index width (apply_index_rope), and `msa_select` picks top-k blocks per KV
+    branch's RoPE table cut to the index width (apply_index_rope; an index head narrower than the rotary width
+    turns its pairs at the model's lowest frequencies instead, index_rope "low"), and `msa_select` picks top-k blocks per KV
     group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the attention op.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
     of the layers' attention inputs on calibration data (passes/calibration.py), for the calibrated init; a layer
@@ -84,8 +85,14 @@ class GQAToMSA(Pass):
                 "each KV group selects its own blocks"
             )
         index_dim = cfg.index_dim or m.head_dim
+        if index_dim < m.rope_dim and index_dim % 2:
+            raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({m.rope_dim}) and odd: "
+                                 "a narrower index head turns in channel pairs (use an even index_dim)")
+        # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies (ops.
+        # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there
+        rope = "low" if index_dim < m.rope_dim else "m3"
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
-                                cfg.index_dtype)
+                                cfg.index_dtype, rope)
         self.layer_settings[m.layer] = settings
         weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
@@ -108,8 +115,8 @@ class GQAToMSA(Pass):
             k_idx = g.call_function(split_heads, (), dict(x=k_idx, n_heads=1, head_dim=index_dim))
             q_idx = g.call_module(names["index_q_norm"], (q_idx,))
             k_idx = g.call_module(names["index_k_norm"], (k_idx,))
-            q_idx = g.call_function(apply_index_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin))
-            k_idx = g.call_function(apply_index_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin))
+            q_idx = g.call_function(apply_index_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin, rope=rope))
+            k_idx = g.call_function(apply_index_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin, rope=rope))
             k_idx = g.call_function(operator.getitem, (k_idx, (slice(None), slice(None), 0)))
             blocks = g.call_function(msa_select, (), dict(
                 q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,

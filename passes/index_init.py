@@ -26,9 +26,13 @@ mapped by C^1/2, fitted as above, and mapped back by C^-1/2 (C regularised by 1e
 SmolLM2-135M at 4K tokens this lifts layer 3's block recall from 0.53 to 0.80 (oracle 0.83), as much as 100 steps of
 KL fitting on the same data; 256 calibration tokens already give it (passes/calibration.py collects C).
 
-The index dim must be at least the rotary width R: a narrower index head gets the main table cut to its width
-(models.decoder.apply_index_rope, the `transformers` rule), whose channel pairs (p, p + Di/2) mix two
-frequencies, so no per-pair map commutes with it; the converter refuses such an index_dim with an M3CompileError.
+An index dim below the rotary width R (a cheaper indexer: its cost is linear in Di): M3's rule would give the
+index head the main table cut to its width (ops.apply_index_rope "m3"), whose channel pairs (p, p + Di/2) mix two
+frequencies, so no per-pair map commutes with it. The converter then gives the index head the rule "low"
+(ops.index_rope_tables): its Di/2 pairs turn at the model's Di/2 lowest frequencies, pair p + R/2 - Di/2 of the main
+table in index channels (p, p + Di/2), and the fit above runs on exactly those pairs; the higher-frequency pairs
+(which mostly tell nearby positions apart, inside the always-kept local block) and any non-rotated channels are
+dropped. An odd index dim below R is refused with an M3CompileError.
 """
 from __future__ import annotations
 
@@ -86,9 +90,9 @@ def init_index_weights(
     x_moment [hidden, hidden]: the second moment of the attention input on calibration data (the calibrated fit of
     the module docstring), None for the weight-only fit.
     """
-    if index_dim < rope_dim:  # the index RoPE would be the main table cut to index_dim (apply_index_rope): no fit
-        raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({rope_dim}): "
-                             f"conversion needs index_dim >= {rope_dim}")
+    if index_dim < rope_dim and index_dim % 2:
+        raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({rope_dim}) and odd: "
+                             "a narrower index head turns in channel pairs (use an even index_dim)")
     hidden, dtype = wq.shape[1], wq.dtype
     if wq.is_meta:
         return (torch.empty(n_kv_heads * index_dim, hidden, device="meta", dtype=dtype),
@@ -109,13 +113,15 @@ def init_index_weights(
     half = rope_dim // 2
     wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64, device=wq.device)
     wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64, device=wq.device)
-    if half:
-        alpha = torch.complex(a[:, :half], a[:, half:rope_dim]).transpose(0, 1)  # [P, G, hidden]
-        beta = torch.complex(b[:, :half], b[:, half:rope_dim]).transpose(0, 1)
+    n = min(half, index_dim // 2)  # pairs the index head keeps: all, or (index rope "low") the n lowest frequencies
+    if n:
+        lo = half - n
+        alpha = torch.complex(a[:, lo:half], a[:, half + lo:rope_dim]).transpose(0, 1)  # [n, G, hidden]
+        beta = torch.complex(b[:, lo:half], b[:, half + lo:rope_dim]).transpose(0, 1)
         mu, nu = _shared_key(alpha, beta)
-        wq_idx[:, :half], wq_idx[:, half:rope_dim] = mu.real.transpose(0, 1), mu.imag.transpose(0, 1)
-        wk_idx[:half], wk_idx[half:rope_dim] = nu.real, nu.imag
-    n_pass, slots = head_dim - rope_dim, index_dim - rope_dim
+        wq_idx[:, :n], wq_idx[:, n:2 * n] = mu.real.transpose(0, 1), mu.imag.transpose(0, 1)
+        wk_idx[:n], wk_idx[n:2 * n] = nu.real, nu.imag
+    n_pass, slots = head_dim - rope_dim, max(0, index_dim - rope_dim)
     if n_pass and slots:
         alpha = a[:, rope_dim:].transpose(0, 1)  # [n_pass, G, hidden]
         beta = b[:, rope_dim:].transpose(0, 1)

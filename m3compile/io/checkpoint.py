@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from m3compile.config import INDEX_DTYPES
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.errors import M3CompileError
 from m3compile.io.remote_code import REMOTE_MODEL_TYPE, source_config
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
@@ -214,6 +214,9 @@ def check_config_types(cfg: dict, where: str = "") -> None:
     if "sparse_index_dtype" in sparse and sparse["sparse_index_dtype"] not in INDEX_DTYPES:
         raise M3CompileError(f"config.json {where}sparse_attention_config.sparse_index_dtype must be one of "
                              f"{', '.join(map(json.dumps, INDEX_DTYPES))}, got {json.dumps(sparse['sparse_index_dtype'])}")
+    if "sparse_index_rope" in sparse and sparse["sparse_index_rope"] not in INDEX_ROPES:
+        raise M3CompileError(f"config.json {where}sparse_attention_config.sparse_index_rope must be one of "
+                             f"{', '.join(map(json.dumps, INDEX_ROPES))}, got {json.dumps(sparse['sparse_index_rope'])}")
     for key in ("sparse_attention_freq", "moe_layer_freq", "layer_types", "mlp_layer_types"):
         value = sparse.get(key) if key == "sparse_attention_freq" else cfg.get(key)
         if value is not None and not isinstance(value, list):
@@ -308,7 +311,7 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
             index_heads=cfg.get("index_n_heads", 4), index_dim=cfg.get("index_head_dim", 128),
             block_size=cfg.get("index_block_size", 128), topk=cfg.get("index_topk_blocks", 16),
             init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
-            index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"),
+            index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
         )
         return args.replace(sparse_layers=sparse, msa=msa if any(sparse) else None), flavour
     msa = _msa_from_release(sparse_cfg, args)
@@ -331,7 +334,7 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
         index_dim=sparse_cfg.get("sparse_index_dim", args.head_dim),
         block_size=sparse_cfg.get("sparse_block_size", 128), topk=sparse_cfg.get("sparse_topk_blocks", 16),
         init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
-        index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"),
+        index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
     )
     return {"sparse_layers": tuple(bool(f) for f in freq), "msa": msa}
 

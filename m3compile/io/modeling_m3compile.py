@@ -108,6 +108,9 @@ class Settings:
         self.topk = sparse.get("sparse_topk_blocks", 16)
         self.init_blocks = sparse.get("sparse_init_block", 0)
         self.local_blocks = sparse.get("sparse_local_block", 1)
+        self.index_rope = sparse.get("sparse_index_rope", "m3")
+        if self.index_rope not in ("m3", "low"):
+            raise ValueError(f"sparse_index_rope must be 'm3' or 'low', got {self.index_rope!r}")
         if any(self.sparse) and self.index_heads != self.n_kv_heads:
             raise ValueError(f"MSA needs one index head per KV head: {self.index_heads} index heads, "
                              f"{self.n_kv_heads} KV heads")
@@ -165,9 +168,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The index branch's RoPE: the main table cut to min(R, Di) channels (transformers' M3 indexer rule)."""
-    w = min(cos.shape[-1], x.shape[-1])
+def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
+    """The index branch's RoPE. "m3": the main table cut to min(R, Di) channels (transformers' M3 indexer rule);
+    "low" (sparse_index_rope, an index head narrower than R): its Di/2 pairs turn at the table's Di/2 lowest
+    frequencies."""
+    R, Di = cos.shape[-1], x.shape[-1]
+    if rope == "low" and Di < R:
+        h, n = R // 2, Di // 2
+        cos = torch.cat((cos[..., h - n:h], cos[..., R - n:]), -1)
+        sin = torch.cat((sin[..., h - n:h], sin[..., R - n:]), -1)
+        return apply_rope(x, cos, sin)
+    w = min(R, Di)
     return apply_rope(x, cos[..., :w], sin[..., :w])
 
 
@@ -291,9 +302,9 @@ class M3CompileAttention(nn.Module):
         if self.msa:
             s, xd = self.s, x.detach()  # the index branch never trains the backbone
             q_idx = apply_index_rope(self.index_q_norm(self.index_q_proj(xd).view(B, T, s.index_heads, s.index_dim)),
-                                     cos, sin)  # [B, T, Hi, Di]
+                                     cos, sin, s.index_rope)  # [B, T, Hi, Di]
             k_idx = apply_index_rope(self.index_k_norm(self.index_k_proj(xd).view(B, T, 1, s.index_dim)),
-                                     cos, sin)[:, :, 0]  # [B, T, Di]
+                                     cos, sin, s.index_rope)[:, :, 0]  # [B, T, Di]
         if cache is not None:
             stored = k if k_idx is None else torch.cat([k, self._pack(k_idx.to(k.dtype))], dim=1)
             stored, v = cache.update(stored, v, self.layer)

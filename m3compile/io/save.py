@@ -34,7 +34,7 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
     text["sparse_attention_config"] = dataclasses.replace(
         config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
         index_dtype=m.index_dtype,
-    ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse)
+    ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse, m.index_rope)
     m3_type = out.get("model_type") in ("minimax_m3_vl", "minimax_m3_vl_text")
     if m3_type and ("layer_types" in text or "index_n_heads" in text):  # keep transformers' flavour of keys consistent
         text["layer_types"] = ["minimax_m3_sparse" if s else "full_attention" for s in sparse]
