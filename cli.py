@@ -715,7 +715,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
 @click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
 @click.option("--head-dim", default=128, show_default=True)
-@click.option("--index-dim", default=128, show_default=True)
+@click.option("--index-dim", default=128, show_default=True,
+              help="Index head dim (--model: the conversion's, default the model's head dim; below its rotary "
+                   "width the index head keeps the lowest RoPE frequencies).")
 @click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
 @click.option("--topk", default=16, show_default=True)
 @click.option("--selection", "selections", multiple=True, default=("independent", "shared"), show_default=True,
@@ -807,7 +809,8 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
         return _bench_model(model_name, given("prefill_lengths", prefill_lengths),
                             given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
                             model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir,
-                            model_index_dtype)
+                            model_index_dtype, index_dim if source("index_dim") != click.core.ParameterSource.DEFAULT
+                            else None)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
@@ -916,7 +919,7 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
 
 
 def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, dense_max, msa_max, dtype, index_cache,
-                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto"):
+                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto", index_dim=None):
     lengths = {}
     if prefill_lengths is not None:
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
@@ -927,7 +930,8 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
         _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
-               index_cache=index_cache, index_dtype=index_dtype, steps=steps, decode_steps=decode_steps,
+               index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, steps=steps,
+               decode_steps=decode_steps,
                figure_seconds=figure_seconds,
                device=device, **lengths)
     console = _console()

@@ -332,3 +332,6 @@ def test_fp8_index_option_and_a_lowered_dense_twin():
         torch.testing.assert_close(dense_lowered(ids), dense.model(ids))
     with pytest.raises(M3CompileError, match="index_dtype must be"):
         ModelBenchConfig(model="m3-tiny", device="cpu", index_dtype="int8")
+    # --index-dim below the rotary width (m3-tiny: 8 of 16): the lowest-frequency index rope
+    _, narrow, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2, index_dim=4)
+    assert (narrow.args.msa.index_dim, narrow.args.msa.index_rope) == (4, "low")

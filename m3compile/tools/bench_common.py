@@ -53,13 +53,14 @@ def bench_presets() -> list[str]:
 
 
 def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 128, topk: int = 16,
-                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto"
-                 ) -> tuple[Decoder, Decoder, str, dict | None]:
+                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto",
+                 index_dim: int | None = None) -> tuple[Decoder, Decoder, str, dict | None]:
     """(dense model, converted model sharing its weights, description, conversion check) for a checkpoint
     directory (dense: converted in memory with block / topk / dense_layers; converted: the dense twin without the
     index branch) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
     for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower).
-    `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced)."""
+    `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced).
+    `index_dim`: the conversion's index head dim (MSAConfig.index_dim; a dense model or preset only)."""
     torch_dtype = parse_dtype(dtype)
     path = Path(model)
     if path.is_dir():
@@ -75,11 +76,14 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 12
     check = None
     if args.msa is None:  # dense: convert in memory
         gm, _ = convert(dense, MSAConfig(block_size=block, topk=topk, dense_layers=dense_layers,
-                                         index_dtype=index_dtype))
+                                         index_dtype=index_dtype, index_dim=index_dim))
         check = conversion_check(gm, dense)
         sparse_args = gm.meta["model_args"]
         state = dict(gm.state_dict())
     else:
+        if index_dim is not None and index_dim != args.msa.index_dim:
+            raise M3CompileError(f"{model} is already converted with index dim {args.msa.index_dim}: "
+                                 f"--index-dim {index_dim} needs its dense source")
         sparse_args, state, converted = args, dict(dense.state_dict()), dense
         if index_dtype != "auto":
             sparse_args = args.replace(msa=dataclasses.replace(args.msa, index_dtype=index_dtype))

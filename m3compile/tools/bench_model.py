@@ -105,6 +105,7 @@ class ModelBenchConfig:
     dtype: str = "bfloat16"
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
     index_dtype: str = "auto"  # the converted model's index scoring: "auto" (bf16) or "fp8" (prefill and decode)
+    index_dim: int | None = None  # conversion of a dense model: the index head dim (None: the head dim)
     steps: int = 5  # timed prefill runs per figure, at most
     figure_seconds: float = 10.0  # ... and fewer where one run is long (at least one)
     decode_steps: int = 32  # decode steps per timing
@@ -425,7 +426,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     log(f"building {cfg.model} on {cfg.device} ...")
     t0 = time.perf_counter()
     dense, sparse, what, check = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
-                                              topk=cfg.topk, index_dtype=cfg.index_dtype)
+                                              topk=cfg.topk, index_dtype=cfg.index_dtype, index_dim=cfg.index_dim)
     verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else \
         f"MISMATCH {check['mismatched'][:3]}"
     log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")
