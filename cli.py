@@ -742,8 +742,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--vision-head-dim", default=80, show_default=True, help="--vision: ViT head dim (M3: 80).")
 @click.option("--distill", "distill_model", default=None, metavar="MODEL_DIR|PRESET",
               help="Instead: distillation and training steps vs the frozen dense forward on this model (a checkpoint "
-                   "directory or a preset: llama3-8b, qwen2.5-7b, smollm2-135m, m3-tiny); writes distill.json. Uses "
-                   "--block/--topk to convert a dense model.")
+                   "directory or a preset: llama3-8b, qwen2.5-7b, smollm2-135m, m3-tiny), and m3c eval's forwards "
+                   "and evaluate() itself on the same batch (ratio: its forwards' ms over its ms); writes "
+                   "distill.json. Uses --block/--topk to convert a dense model.")
 @click.option("--distill-seq-len", default="8K", show_default=True, help="--distill: tokens per sequence.")
 @click.option("--distill-batch", default=2, show_default=True, help="--distill: sequences per step.")
 @click.option("--distill-dtype", default="bfloat16", show_default=True, help="--distill: the backbone's weight dtype.")
@@ -752,6 +753,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-block-loss", type=float, default=0.0, show_default=True,
               help="--distill: the distillation rows with m3c distill --block-loss L (the training rows keep the KL).")
 @click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
+@click.option("--no-eval", is_flag=True,
+              help="--distill: skip the eval rows (the converted model's dense, MSA and oracle forwards, and "
+                   "m3c eval with and without the oracle pass).")
 @click.option("--distill-shard", is_flag=True,
               help="--distill: the distillation and MSA training steps sharded with FSDP2 as m3c distill --shard "
                    "(under torchrun, or in a process group of one).")
@@ -786,7 +790,7 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
           dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
-          distill_batch, distill_dtype, distill_autocast, no_train, steps, model_name, msa_max, model_dtype,
+          distill_batch, distill_dtype, distill_autocast, no_train, no_eval, steps, model_name, msa_max, model_dtype,
           index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph,
           model_index_dtype, distill_block_loss):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
@@ -814,7 +818,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
-                              distill_layers, count_ops, bench_cuda_graph, distill_block_loss)
+                              distill_layers, count_ops, bench_cuda_graph, distill_block_loss, not no_eval)
     if backward:
         return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
                                _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
@@ -866,10 +870,10 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
 
 
 def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir, layers,
-                   count_only, cuda_graph, block_loss=0.0):
+                   count_only, cuda_graph, block_loss=0.0, eval_rows=True):
     cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
                autocast=autocast, train=train, shard=shard, steps=steps, device=device, layers=layers,
-               count_only=count_only, cuda_graph=cuda_graph, block_loss=block_loss)
+               count_only=count_only, cuda_graph=cuda_graph, block_loss=block_loss, eval=eval_rows)
     console = _console()
     result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -915,6 +919,11 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
                           f"weights {c['param_rel_max']:.1e})")
     for name, error in result.get("cuda_graph_errors", {}).items():
         console.print(f"{name}, CUDA graph: {error}")
+    for r in result["rows"]:
+        if "passes" in r:
+            console.print(f"{r['stage']}: its {r['passes']} forwards {r['forwards_ms']:.1f} ms / its {r['ms']:.1f} ms "
+                          f"= {r['ratio']:.2f} (1: at the forwards' speed; {r['dtype']}, no autocast, "
+                          f"{'lowered' if r['kernels'] else 'reference'} ops)")
     console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
 
 

@@ -9,7 +9,10 @@ from torch.nn.attention.flex_attention import flex_attention
 from m3compile.cli import main
 from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
+from m3compile.models.decoder import Attention
+from m3compile.tools import bench_distill
 from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
+from m3compile.tools.bench_common import bench_models
 
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():
@@ -99,23 +102,50 @@ def test_bench_backward_smoke_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replica", "sharded"])
-def test_distill_bench_runs_every_stage_on_cpu(tmp_path, shard):
+def test_distill_bench_runs_every_stage_on_cpu(tmp_path, monkeypatch, shard):
     """`m3c bench --distill` on CPU (timings meaningless there): every stage is run and reported, with the ratios
-    against the dense forward (distillation) and the dense training step (MSA training); also sharded (FSDP2 in a
-    process group of one)."""
+    against the dense forward (distillation, m3c eval's forwards), the dense training step (MSA training) and eval's
+    own forwards (eval); also sharded (FSDP2 in a process group of one), there with --no-eval (no eval rows). The
+    converted model's MSA switches are as before after the eval rows (so the training step traced it sparse, with
+    the index selection)."""
+    built = []
+
+    def keep(*args, **kwargs):
+        built.append(bench_models(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(bench_distill, "bench_models", keep)
     r = CliRunner().invoke(main, ["bench", "--distill", "m3-tiny", "--device", "cpu", "--distill-seq-len", "48",
-                                  "--distill-batch", "1", "--steps", "1", "--block", "8", "--topk", "2",
-                                  "--out", str(tmp_path)] + (["--distill-shard"] if shard else []))
+                                  "--distill-batch", "1" if shard else "2", "--steps", "1", "--block", "8",
+                                  "--topk", "2", "--out", str(tmp_path)] + (["--distill-shard", "--no-eval"]
+                                                                            if shard else []))
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "distill.json").read_text())
-    assert result["config"]["shard"] == shard and result["world_size"] == 1
+    assert result["config"]["shard"] == shard and result["world_size"] == 1 and result["config"]["eval"] != shard
     stages = [r["stage"] for r in result["rows"]]
-    assert stages == ["dense forward", "distill warm-up", "distill sparse", "dense train", "msa train"]
+    forwards = ["converted dense forward", "msa forward", "oracle forward"]
+    evals = [] if shard else [*forwards, "eval", "eval --no-oracle"]
+    assert stages == ["dense forward", "distill warm-up", "distill sparse", *evals, "dense train", "msa train"]
     assert result["msa"]["block_size"] == 8 and result["msa"]["topk"] == 2
-    assert [r["ratio_to"] for r in result["rows"]] == ["dense forward"] * 4 + ["dense train"]
-    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert [r["ratio_to"] for r in result["rows"]] == (["dense forward"] * (6 if evals else 3)
+                                                       + ["its forwards"] * (2 if evals else 0)
+                                                       + ["dense forward", "dense train"])
+    assert all(r["tokens_per_s"] > 0 and r["ms"] > 0 and r["ratio"] > 0 for r in result["rows"])
     for r in result["rows"][1:3]:  # each distillation step's host dispatches, by layer
         assert r["ops"]["total"] > 0 and set(r["ops"]["layers"]) == {"0", "1", "2", "3", "model"}
+    if shard:
+        return
+    rows = {r["stage"]: r for r in result["rows"]}
+    for name, passes in (("eval", 3), ("eval --no-oracle", 2)):
+        row = rows[name]
+        spent = sum(rows[f]["ms"] for f in forwards[:passes])
+        assert row["passes"] == passes and row["forwards_ms"] == pytest.approx(spent, abs=1e-2)
+        assert row["ratio"] == pytest.approx(spent / row["ms"], rel=1e-2)
+    for name in evals:  # as m3c eval runs: in the weights' dtype, no autocast, the reference ops on a CPU
+        assert (rows[name]["dtype"], rows[name]["autocast"], rows[name]["kernels"]) == ("bfloat16", None, False)
+    attns = [m for m in built[0][1].modules() if isinstance(m, Attention)]  # the one converted model (unsharded)
+    assert len(built) == 1 and {(a.sparse, a.selection, a.lse_probe, a.kernels) for a in attns} == \
+        {(True, "index", None, False)}
 
 
 def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):

@@ -6,6 +6,13 @@ shape preset with random weights built on the device):
     distill warm-up   one step of `m3c distill` in warm-up mode (dense support, dense main branch), the same
                       DistillStep the command runs (lowered to the Triton kernels on CUDA, bf16 autocast)
     distill sparse    the same step after warm-up (the selected blocks)
+    converted dense forward, msa forward, oracle forward  (`eval`) the converted model's three forwards as
+                      `m3c eval` runs them (no autograd, its MSA layers dense / sparse with the index selection /
+                      sparse with the oracle selection), each with its ratio to the dense forward
+    eval              tools.evaluate.evaluate over the batch's windows (batch windows per forward, with the oracle
+                      pass): its `ratio` is the sum of its three forwards' ms over its own ms (1: eval runs at
+                      its forwards' speed), `passes` 3
+    eval --no-oracle  the same without the oracle pass (2 forwards)
     dense train       forward + backward + AdamW of the dense model on the next-token loss (--train)
     msa train         one step of `m3c train` (LM + KL, sparse attention, every parameter) (--train)
 With `shard` the two distillation steps and the MSA training step run sharded with FSDP2 (as `m3c distill --shard`;
@@ -16,6 +23,13 @@ per-stage breakdown from one profiled step (torch.profiler): selection, sparse a
 backward), the block loss (forward and backward, with `block_loss`), the rest of the forward (backbone and
 index projections), the rest of the backward, the optimizer, and the host time the GPU waited (wall time minus
 the kernels' busy time).
+
+The `eval` rows run as `m3c eval` does: the lowered ops on CUDA (Decoder.using_kernels), the reference ops
+elsewhere, in the weights' own dtype with no autocast (the dense forward row runs under the distillation's
+autocast: on CUDA by default bf16, the same compute dtype as bf16 weights). They are timed before the
+distillation rows, on the model as converted (a distillation step casts its index weights to fp32 and trains
+them, and `shard` shards it), and listed after them; evaluate() restores the model's switches, and the
+forwards' switches are restored after each call, so the rows after them see the model as before.
 
 Each distillation row also counts one step's host dispatches (tools/op_count.py: aten ops and Triton launches,
 by stage and layer), the host-cost proxy that needs no GPU: `count_only` skips the timing and counts one step
@@ -37,8 +51,9 @@ import torch
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
-from m3compile.models.decoder import PRESETS, Decoder
+from m3compile.models.decoder import PRESETS, Attention, Decoder
 from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, profile_run, sync
+from m3compile.tools.evaluate import evaluate
 from m3compile.tools.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
@@ -60,6 +75,7 @@ class DistillBenchConfig:
     autocast: str = "auto"  # as DistillConfig.autocast
     block_loss: float = 0.0  # as DistillConfig.block_loss (the distillation rows; training keeps the KL alone)
     train: bool = True
+    eval: bool = True  # the eval rows (m3c eval's forwards and evaluate() itself)
     shard: bool = False  # FSDP2 for the distillation and MSA training steps
     steps: int = 5
     warmup: int = 2
@@ -170,6 +186,51 @@ def _graph_check(model: Decoder, dcfg: DistillConfig, cfg: DistillBenchConfig, m
                                                                       for k, v in check.items()}}
 
 
+@contextlib.contextmanager
+def _switched(model: Decoder, sparse: bool, selection: str):
+    """The model's MSA layers run sparsely or densely, with this selection, inside the block; each attention
+    module's own setting restored after."""
+    kept = [(m, m.sparse, m.selection) for m in model.modules() if isinstance(m, Attention)]
+    model.set_sparse(sparse)
+    model.set_selection(selection)
+    try:
+        yield
+    finally:
+        for m, on, sel in kept:
+            m.sparse, m.selection = on, sel
+
+
+def _eval_rows(model: Decoder, ids: torch.Tensor, cfg: DistillBenchConfig, record) -> list[dict]:
+    """The eval rows (module doc): the three forwards `m3c eval` runs, then evaluate() with and without the oracle
+    pass over the batch's windows: x = ids[:, :-1] flattened plus the last target token, which windows() cuts back
+    into x's rows (their targets are y's but for each row's last one: the same work)."""
+    x = ids[:, :-1]
+    kernels = is_cuda(cfg.device)
+    rows = []
+
+    def forward(sparse: bool, selection: str):
+        def fn():
+            with torch.no_grad(), model.using_kernels(kernels), _switched(model, sparse, selection):
+                model(x)
+        return fn
+
+    for name, sparse, selection in (("converted dense forward", False, "index"), ("msa forward", True, "index"),
+                                    ("oracle forward", True, "oracle")):
+        rows.append(record(name, forward(sparse, selection), profiled=False, into=None))
+    tokens = torch.cat((x.flatten(), ids[-1, -1:]))
+    ms = {r["stage"]: r["ms"] for r in rows}
+    for name, oracle, passes in (("eval", True, 3), ("eval --no-oracle", False, 2)):
+        row = record(name, lambda o=oracle: evaluate(model, tokens, cfg.seq_len, oracle=o, batch=cfg.batch,
+                                                    kernels=kernels), profiled=False, into=None)
+        forwards = ms["converted dense forward"] + ms["msa forward"] + (ms["oracle forward"] if oracle else 0.0)
+        row.update(passes=passes, forwards_ms=round(forwards, 3), ratio=round(forwards / row["ms"], 3),
+                   ratio_to="its forwards")
+        rows.append(row)
+    for row in rows:
+        row.update(dtype=cfg.dtype, autocast=None, kernels=kernels)
+    return rows
+
+
 def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
     with process_group(cfg.device, single=True) if cfg.shard else contextlib.nullcontext((0, 1)) as (_, world):
         return {**_bench(cfg, log), "world_size": world}
@@ -189,7 +250,7 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
 
     full_layers = (PRESETS[cfg.model].n_layers if cfg.layers else args.n_layers)
 
-    def record(name, fn, profiled=True, stepper=None):
+    def record(name, fn, profiled=True, stepper=None, into=rows):
         log(f"{name} ...")
         if cfg.count_only:
             fn()  # one untimed step first (caches, autotuning), then the counted one
@@ -208,9 +269,11 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
             except Exception as e:  # noqa: BLE001 - the timings stand; the count's failure is reported in the row
                 row["ops_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                 log(f"{name}: counting the dispatches failed ({row['ops_error']})")
-        rows.append(row)
+        if into is not None:
+            into.append(row)
         log(f"{name}: {ms:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak {peak:.1f} GB"
             + (f", {row['ops']['total']:,} dispatches" if "ops" in row else ""))
+        return row
 
     def dense_forward():
         with torch.no_grad(), compute.autocast_context(cfg.device):
@@ -218,6 +281,8 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
 
     if not cfg.count_only:
         record("dense forward", dense_forward, profiled=False)
+    # timed on the model as converted (see the module doc), listed after the distillation rows
+    eval_rows = _eval_rows(sparse, ids, cfg, record) if cfg.eval and not cfg.count_only else []
     # lowered on CUDA; counting alone, lowered anywhere (on CPU: the Triton kernels under TRITON_INTERPRET=1)
     step = DistillStep(sparse, DistillConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                              autocast=cfg.autocast, block_loss=cfg.block_loss),
@@ -242,6 +307,7 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
                          "tokens_per_s": round(tokens / got["ms"] * 1e3, 1), "peak_gb": got["peak_gb"],
                          "check": got["check"]})
             log(f"{name}, CUDA graph: {got['ms']:.1f} ms, same as eager: {got['check']['ok']} {got['check']}")
+    rows.extend(eval_rows)
     if cfg.train and not cfg.count_only:
         opt = torch.optim.AdamW([p for p in dense.parameters()], lr=1e-5, betas=(0.9, 0.95))
         for p in dense.parameters():
@@ -267,6 +333,8 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         record("msa train", lambda: train(x, y))
     base = {r["stage"]: r for r in rows}
     for r in rows if not cfg.count_only else ():
+        if r.get("ratio_to") == "its forwards":
+            continue
         ref = base["dense train"] if r["stage"] == "msa train" else base["dense forward"]
         r["ratio"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
         r["ratio_to"] = ref["stage"]
