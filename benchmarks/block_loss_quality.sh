@@ -9,7 +9,8 @@
 #   env: M3C (m3c), DEVICE (cuda), STEPS (450), EXTEND (none; e.g. 900), VARIANTS ("0 1": block-loss weights),
 #        TIMEOUT (per distillation, s; an interrupted run saves its state and is evaluated as it stands: its report
 #        says which step)
-# Session 9 (H200): VARIANTS=1 STEPS=450 EXTEND=900 gave +2.62% / +2.22% (BENCHMARKS.md, "Session 9").
+# Session 9 (H200): VARIANTS=1 STEPS=450 EXTEND=900 gave +2.62% / +2.22% (BENCHMARKS.md, "Session 9");
+# session 10: VARIANTS=1 STEPS=900 EXTEND=1800 gave +2.25% / +2.14% ("Session 10").
 set -euo pipefail
 HF=$1; DATA=$2; OUT=$3
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; C=$DATA/calib_code_smollm2.npy; E=$DATA/eval_code_smollm2.npy
