@@ -156,7 +156,10 @@ def main():
 @click.option("--block-size", default=128, show_default=True, help="Keys per block (also the KV-cache page).")
 @click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included.")
 @click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
-@click.option("--index-dim", type=int, default=None, help="Index head dim [default: the model's head dim]. Below the rotary width (even only) the index head keeps the model's lowest RoPE frequencies (config: sparse_index_rope \"low\"): a cheaper indexer, its time linear in this.")
+@click.option("--index-dim", type=int, default=None,
+              help="Index head dim [default: the model's head dim]. Below the rotary width (even only) the index "
+                   "head keeps the model's lowest RoPE frequencies (config: sparse_index_rope \"low\"): a cheaper "
+                   "indexer, its time linear in this.")
 @click.option("--index-heads", type=int, default=None, help="Index query heads [default: the KV head count, which it must equal].")
 @click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
 @click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")

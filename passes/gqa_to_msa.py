@@ -27,8 +27,9 @@ class GQAToMSA(Pass):
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
     (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
     branch's RoPE table cut to the index width (apply_index_rope; an index head narrower than the rotary width
-    turns its pairs at the model's lowest frequencies instead, index_rope "low"), and `msa_select` picks top-k blocks per KV
-    group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the attention op.
+    turns its pairs at the model's lowest frequencies instead, index_rope "low"), and `msa_select` picks top-k
+    blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the
+    attention op.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
     of the layers' attention inputs on calibration data (passes/calibration.py), for the calibrated init; a layer
     without one gets the weight-only init. Requires: shapes propagated (done if missing).
