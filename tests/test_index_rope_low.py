@@ -100,7 +100,8 @@ SMALL = dict(vocab_size=256, hidden_size=48, intermediate_size=48, num_hidden_la
 def test_narrow_index_head_on_every_path(tmp_path):
     """A Llama with head dim 16 (6 query / 2 KV heads, hidden 48) converted with index dim 6 (block 8, top-2; 45 tokens: really sparse): the config
     says "low", and the in-memory graph, the streamed checkpoint reloaded, its lowered kernels and transformers
-    with the remote code all give the same logits; an odd narrow index dim is refused."""
+    with the remote code all give the same logits, and decoding from the paged caches the same greedy tokens; an odd
+    narrow index dim is refused."""
     torch.manual_seed(3)
     src = tmp_path / "src"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval().save_pretrained(src)
@@ -119,5 +120,9 @@ def test_narrow_index_head_on_every_path(tmp_path):
         outputs = {"in-memory graph": gm(x), "lowered": m3compile.lower(reloaded)(x), "remote code": hf(x).logits}
     for name, got in outputs.items():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    prompt = x[0, :30].tolist()  # decode from the paged caches at 30-35: past top-2 x 8 tokens
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 30:].tolist()
+    assert m3compile.generate(reloaded, [prompt], 6, backend="torch").tokens[0] == theirs
     with pytest.raises(m3compile.M3CompileError, match="odd"):
         m3compile.convert(m3compile.load(src, dtype="float32"), MSAConfig(block_size=8, topk=2, index_dim=5))
