@@ -5,7 +5,9 @@ the selection from the fused indexer on random index queries and keys. Times `sp
 events), its gather pass alone (stage "gather": CSR build + gather kernel), and profiles one call: device time per
 kernel name. The ideal is the dense-causal FLOPs on the keys the selection makes visible at ~600 TFLOP/s (the
 rate dense SDPA reaches on this GPU, ../shared/PEERS.md). Run it with M3C_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 to
-see the tuned configs. Prints one JSON object.
+see the tuned configs. Also times the query-tile union kernel (kernels/sparse_tile.py) on the same selection and
+on the "shared" one (the tile's tokens share their blocks; a real model's consecutive queries come close:
+benchmarks/experiments/selection_locality.py), with the union's size over top-k. Prints one JSON object.
 
     python benchmarks/experiments/sparse_attention_profile.py [--heads 32 --kv-heads 8 --lengths 32768,131072]
 """
@@ -20,6 +22,7 @@ import torch
 
 from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention
+from m3compile.kernels.sparse_tile import sparse_attention_tiled, tile_tokens, tile_union
 from m3compile.tools.bench_common import median_ms, profile_run
 
 
@@ -57,6 +60,19 @@ def main() -> None:
         top = sorted(((n, round(sum(v), 3), len(v)) for n, v in names.items()), key=lambda r: -r[1])[:8]
         row = dict(T=T, heads=H, kv_heads=Hkv, dim=D, ms=round(all_ms, 3), gather_stage_ms=round(gather_ms, 3),
                    ideal_ms=round(ideal_ms, 3), share_of_ideal=round(ideal_ms / all_ms, 3), kernels=top)
+        # the query-tile union kernel (kernels/sparse_tile.py) on this selection and on the "shared" one (every token
+        # of a 128-token query block takes its last token's selection: union = top-k), with the union's size / top-k
+        last = ((torch.arange(T, device="cuda") // bs + 1) * bs - 1).clamp(max=T - 1)
+        tile = tile_tokens(H // Hkv)
+        for name, sel in (("independent", blocks), ("shared", blocks[:, :, last])):
+            _, count = tile_union(sel, -(-T // bs), tile)
+            ms = _time(lambda: sparse_attention_tiled(q, k, v, sel, block_size=bs))
+            vis = ((sel >= 0).sum(-1).float() * bs).clamp(max=torch.arange(1, T + 1, device="cuda")).sum()
+            ideal = 4 * H // Hkv * D * vis.item() / 600e12 * 1e3
+            row[f"tiled_{name}"] = dict(ms=round(ms, 3), ideal_ms=round(ideal, 3), share_of_ideal=round(ideal / ms, 3),
+                                        union_over_topk=round(count.float().mean().item() / topk, 3), tile=tile)
+            if name == "shared":
+                row["gather_q_shared_ms"] = round(_time(lambda: sparse_attention(q, k, v, sel, block_size=bs)), 3)
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         del q, k, v, blocks
