@@ -779,6 +779,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--index-dtype", "model_index_dtype", type=click.Choice(["auto", "fp8"]), default="auto",
               show_default=True, help="--model: the converted model's index scoring (fp8: e4m3 scores in prefill and "
                                       "an fp8 decode index cache).")
+@click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
+              help="--model: the MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
+                   "(kernels/sparse_tile.py; not yet the default: M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
 @click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")
@@ -795,7 +798,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
           vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
           distill_batch, distill_dtype, distill_autocast, no_train, no_eval, steps, model_name, msa_max, model_dtype,
           index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph,
-          model_index_dtype, distill_block_loss):
+          model_index_dtype, distill_block_loss, sparse_kernel):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
@@ -817,7 +820,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                             given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
                             model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir,
                             model_index_dtype, index_dim if source("index_dim") != click.core.ParameterSource.DEFAULT
-                            else None)
+                            else None, sparse_kernel)
     if distill_model:
         return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
                               distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
@@ -931,7 +934,8 @@ def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, s
 
 
 def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, dense_max, msa_max, dtype, index_cache,
-                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto", index_dim=None):
+                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto", index_dim=None,
+                 sparse_kernel="gather"):
     lengths = {}
     if prefill_lengths is not None:
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
@@ -942,7 +946,8 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
         _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
-               index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, steps=steps,
+               index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
+               steps=steps,
                decode_steps=decode_steps,
                figure_seconds=figure_seconds,
                device=device, **lengths)

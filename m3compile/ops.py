@@ -36,12 +36,14 @@ import torch.nn.functional as F
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope, reference as ref
 from m3compile.kernels import sparse_attention as _sparse, sparse_kl
+from m3compile.kernels import sparse_tile
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
-    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_tables", "split_heads", "msa_select", "msa_attention", "msa_index_kl", "msa_block_loss",
-    "msa_select_triton",
+    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_tables", "split_heads", "msa_select",
+    "msa_attention", "msa_index_kl", "msa_block_loss", "msa_select_triton", "SPARSE_KERNELS", "sparse_kernel",
+    "using_sparse_kernel",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "msa_block_loss_triton",
     "frame_segments", "window_segments",
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
@@ -290,6 +292,35 @@ def _recall_rows(T: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, T - 1, n, device=device).round().long()
 
 
+# The sparse prefill kernel where no gradient is needed (msa_attention_triton): "gather" (kernels/sparse_attention.py,
+# gather-Q, the default) or "tile" (kernels/sparse_tile.py, the query-tile union design: not yet measured on the
+# GPU, so opt-in: M3C_SPARSE_KERNEL=tile, or using_sparse_kernel("tile") around the calls)
+SPARSE_KERNELS = ("gather", "tile")
+_sparse_kernel: list[str] = []
+
+
+def sparse_kernel() -> str:
+    """The sparse prefill kernel in force: the innermost using_sparse_kernel, else $M3C_SPARSE_KERNEL, else gather."""
+    import os
+
+    name = _sparse_kernel[-1] if _sparse_kernel else os.environ.get("M3C_SPARSE_KERNEL", "gather")
+    if name not in SPARSE_KERNELS:
+        raise ValueError(f"M3C_SPARSE_KERNEL must be one of {', '.join(SPARSE_KERNELS)}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def using_sparse_kernel(name: str):
+    """msa_attention_triton runs `name` (SPARSE_KERNELS) inside the block where no gradient is needed."""
+    if name not in SPARSE_KERNELS:
+        raise ValueError(f"sparse kernel must be one of {', '.join(SPARSE_KERNELS)}, got {name!r}")
+    _sparse_kernel.append(name)
+    try:
+        yield
+    finally:
+        _sparse_kernel.pop()
+
+
 def _all_selected(T: int, block_size: int, topk: int) -> bool:
     """Every visible block is selected: MSA is dense causal attention exactly (MSA_SPEC 2.6)."""
     return -(-T // block_size) <= topk
@@ -313,11 +344,15 @@ def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int
 @_scoped("msa_attention")
 def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """Gather-Q block-sparse attention. q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
+    Where no gradient is needed and sparse_kernel() is "tile": the query-tile union kernel instead (same result).
 
     When every visible block is selected MSA is dense causal attention exactly, and the dense kernel (SDPA) runs.
     """
     if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grad and sparse_kernel() == "tile" and use_triton(q, k, v, blocks):
+        return sparse_tile.sparse_attention_tiled(q, k, v, blocks, block_size=block_size, scale=scale)
     return _sparse.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
 
 

@@ -60,6 +60,7 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels.indexer import quantize_index_keys
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
+from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
 from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable, kernels_default
@@ -106,6 +107,7 @@ class ModelBenchConfig:
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
     index_dtype: str = "auto"  # the converted model's index scoring: "auto" (bf16) or "fp8" (prefill and decode)
     index_dim: int | None = None  # conversion of a dense model: the index head dim (None: the head dim)
+    sparse_kernel: str = "gather"  # the MSA prefill's sparse attention (ops.SPARSE_KERNELS: gather-Q, or query-tile)
     steps: int = 5  # timed prefill runs per figure, at most
     figure_seconds: float = 10.0  # ... and fewer where one run is long (at least one)
     decode_steps: int = 32  # decode steps per timing
@@ -129,6 +131,8 @@ class ModelBenchConfig:
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
         if self.index_dtype not in ("auto", "fp8"):
             raise M3CompileError(f"index_dtype must be 'auto' or 'fp8', got {self.index_dtype!r}")
+        if self.sparse_kernel not in SPARSE_KERNELS:
+            raise M3CompileError(f"sparse_kernel must be one of {', '.join(SPARSE_KERNELS)}, got {self.sparse_kernel!r}")
         parse_dtype(self.dtype)
         if is_cuda(self.device) and not torch.cuda.is_available():
             raise M3CompileError("m3c bench --model needs a CUDA GPU (use --device cpu for a smoke run)")
@@ -448,7 +452,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
               "msa": asdict(args.msa), "conversion_check": check, "env": env,
               "prefill": [], "prefill_summary": [], "decode": []}
     if cfg.prefill_lengths:
-        result["prefill"], result["prefill_summary"] = _prefill(dense, sparse, cfg, log)
+        with using_sparse_kernel(cfg.sparse_kernel):
+            result["prefill"], result["prefill_summary"] = _prefill(dense, sparse, cfg, log)
     if cfg.decode_lengths:
         if is_cuda(cfg.device):
             torch.cuda.empty_cache()

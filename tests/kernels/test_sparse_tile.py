@@ -67,3 +67,28 @@ def test_tiled_refuses_bad_input():
         sparse_attention_tiled(q, k, k, torch.zeros(1, 2, 7, 2, dtype=torch.int32), block_size=4)
     with pytest.raises(ValueError, match="tile must be"):
         sparse_attention_tiled(q, k, k, torch.zeros(1, 2, 8, 2, dtype=torch.int32), block_size=4, tile=0)
+
+
+def test_lowered_model_runs_the_tile_kernel_when_asked(monkeypatch):
+    """ops.using_sparse_kernel("tile") (or M3C_SPARSE_KERNEL=tile) swaps the lowered model's gather-Q prefill for
+    the query-tile kernel where no gradient is needed: the same logits; a bad name is refused."""
+    from m3compile import ops
+    from m3compile.pipelines import lower
+    from m3compile.tools.bench_common import bench_models
+
+    _, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=8, topk=2, n_layers=2)
+    lowered = lower(sparse.model)
+    ids = torch.randint(0, sparse.args.vocab_size, (1, 37))  # 5 blocks of 8, top-2: really sparse
+    calls = []
+    real = ops.sparse_tile.sparse_attention_tiled
+    monkeypatch.setattr(ops.sparse_tile, "sparse_attention_tiled", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        want = lowered(ids)
+        assert not calls
+        with ops.using_sparse_kernel("tile"):
+            got = lowered(ids)
+    assert calls and ops.sparse_kernel() == "gather"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("M3C_SPARSE_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="M3C_SPARSE_KERNEL must be one of gather, tile"):
+        ops.sparse_kernel()
