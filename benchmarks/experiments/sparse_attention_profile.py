@@ -10,6 +10,7 @@ on the "shared" one (the tile's tokens share their blocks; a real model's consec
 benchmarks/experiments/selection_locality.py), with the union's size over top-k. Prints one JSON object.
 
     python benchmarks/experiments/sparse_attention_profile.py [--heads 32 --kv-heads 8 --lengths 32768,131072]
+        [--tiles 8,16,32]
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--tiles", default="", help="query-tile kernel: tokens per program to time [default: 64 rows' worth]")
     a = ap.parse_args()
     H, Hkv, D, bs, topk = a.heads, a.kv_heads, a.dim, a.block, a.topk
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -63,14 +65,16 @@ def main() -> None:
         # the query-tile union kernel (kernels/sparse_tile.py) on this selection and on the "shared" one (every token
         # of a 128-token query block takes its last token's selection: union = top-k), with the union's size / top-k
         last = ((torch.arange(T, device="cuda") // bs + 1) * bs - 1).clamp(max=T - 1)
-        tile = tile_tokens(H // Hkv)
+        tiles = [int(t) for t in a.tiles.split(",")] if a.tiles else [tile_tokens(H // Hkv)]
         for name, sel in (("independent", blocks), ("shared", blocks[:, :, last])):
-            _, count = tile_union(sel, -(-T // bs), tile)
-            ms = _time(lambda: sparse_attention_tiled(q, k, v, sel, block_size=bs))
             vis = ((sel >= 0).sum(-1).float() * bs).clamp(max=torch.arange(1, T + 1, device="cuda")).sum()
             ideal = 4 * H // Hkv * D * vis.item() / 600e12 * 1e3
-            row[f"tiled_{name}"] = dict(ms=round(ms, 3), ideal_ms=round(ideal, 3), share_of_ideal=round(ideal / ms, 3),
-                                        union_over_topk=round(count.float().mean().item() / topk, 3), tile=tile)
+            for tile in tiles:
+                _, count = tile_union(sel, -(-T // bs), tile)
+                ms = _time(lambda: sparse_attention_tiled(q, k, v, sel, block_size=bs, tile=tile))
+                row[f"tiled_{name}_tile{tile}"] = dict(
+                    ms=round(ms, 3), ideal_ms=round(ideal, 3), share_of_ideal=round(ideal / ms, 3),
+                    union_over_topk=round(count.float().mean().item() / topk, 3))
             if name == "shared":
                 row["gather_q_shared_ms"] = round(_time(lambda: sparse_attention(q, k, v, sel, block_size=bs)), 3)
         res["rows"].append(row)
