@@ -131,9 +131,12 @@ def test_bad_msa_options(small_ckpt, tmp_path):
 
 def test_index_dim_below_the_rotary_width(small_ckpt, tmp_path):
     """Below the rotary width (full RoPE: 8; m3-tiny's partial: 8 of 16) the index head keeps the lowest RoPE
-    frequencies (sparse_index_rope "low"); an odd index dim there is refused."""
+    frequencies (sparse_index_rope "low"); an odd index dim there is refused, and so is an M3-typed output."""
     assert_clean_failure(*run("convert", small_ckpt, tmp_path / "o", "--index-dim", 5), tmp_path / "o",
                          "index_dim (5) is below the model's rotary width (8) and odd")
+    # an M3 checkpoint keeps its model type, whose transformers classes know only M3's rule: refused
+    assert_clean_failure(*run("convert", "--preset", "m3-tiny", "--out", tmp_path / "p", "--index-dim", 6),
+                         tmp_path / "p", "index_dim 6 is below the rotary width (8): an M3 checkpoint keeps its model type")
     code, out = run("convert", small_ckpt, tmp_path / "o", "--index-dim", 4)
     assert code == 0, out
     sparse = json.loads((tmp_path / "o" / "config.json").read_text())["sparse_attention_config"]

@@ -36,6 +36,10 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
         index_dtype=m.index_dtype,
     ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse, m.index_rope)
     m3_type = out.get("model_type") in ("minimax_m3_vl", "minimax_m3_vl_text")
+    if m3_type and m.index_rope != "m3":  # transformers ships the M3 classes: they would apply M3's own rule
+        raise M3CompileError(f"index_dim {m.index_dim} is below the rotary width ({args.rope_dim}): an M3 checkpoint "
+                             "keeps its model type, whose transformers classes cut the RoPE table to the index width, "
+                             f"so use --index-dim >= {args.rope_dim} for it")
     if m3_type and ("layer_types" in text or "index_n_heads" in text):  # keep transformers' flavour of keys consistent
         text["layer_types"] = ["minimax_m3_sparse" if s else "full_attention" for s in sparse]
         text.update(index_n_heads=m.index_heads, index_head_dim=m.index_dim, index_block_size=m.block_size,

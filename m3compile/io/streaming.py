@@ -344,6 +344,7 @@ def convert_streaming(
     report.model = str(src)
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
+    out_cfg = output_config(cfg, out_args, report.config)  # before any tensor is read: its refusals come first
     conv = _Converter(src, args, settings, parse_dtype(dtype))
     if calib is not None and settings:
         conv.calibration = Calibration(args, calib, calib_seq_len, calib_device, calib_source)
@@ -380,7 +381,6 @@ def convert_streaming(
             writer.abort()
             raise
         writer.close()
-        out_cfg = output_config(cfg, out_args, report.config)
         if vision is not None:
             out_cfg["vision_config"]["vit_3d_window"] = (config or MSAConfig()).vision_window
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
