@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
@@ -301,8 +302,6 @@ _sparse_kernel: list[str] = []
 
 def sparse_kernel() -> str:
     """The sparse prefill kernel in force: the innermost using_sparse_kernel, else $M3C_SPARSE_KERNEL, else gather."""
-    import os
-
     name = _sparse_kernel[-1] if _sparse_kernel else os.environ.get("M3C_SPARSE_KERNEL", "gather")
     if name not in SPARSE_KERNELS:
         raise ValueError(f"M3C_SPARSE_KERNEL must be one of {', '.join(SPARSE_KERNELS)}, got {name!r}")
