@@ -638,7 +638,9 @@ def _print_inspect(report) -> None:
         msa = r["attention"] == "msa"
         layers.add_row(str(r["layer"]), r["attention"].upper(), "converted" if r["converted_now"] else "",
                        str(r["nodes"]), str(r.get("attention_depth", "")),
-                       f"{r['index_heads']}x{r['index_dim']}" if msa else "", str(r["block_size"]) if msa else "",
+                       f"{r['index_heads']}x{r['index_dim']}" + (f" {r['index_rope']}" if r.get("index_rope", "m3") != "m3"
+                                                                   else "") if msa else "",
+                       str(r["block_size"]) if msa else "",
                        str(r["topk"]) if msa else "", str(r["local_blocks"]) if msa else "")
     console.print(layers)
     ops = Table(title="ops before -> after (most frequent)")
