@@ -636,10 +636,11 @@ def _print_inspect(report) -> None:
         layers.add_column(col, justify="right")
     for r in report.layers:
         msa = r["attention"] == "msa"
+        index = f"{r['index_heads']}x{r['index_dim']}" if msa else ""
+        if msa and r.get("index_rope", "m3") != "m3":  # a narrow index head's own RoPE rule
+            index += f" {r['index_rope']}"
         layers.add_row(str(r["layer"]), r["attention"].upper(), "converted" if r["converted_now"] else "",
-                       str(r["nodes"]), str(r.get("attention_depth", "")),
-                       f"{r['index_heads']}x{r['index_dim']}" + (f" {r['index_rope']}" if r.get("index_rope", "m3") != "m3"
-                                                                   else "") if msa else "",
+                       str(r["nodes"]), str(r.get("attention_depth", "")), index,
                        str(r["block_size"]) if msa else "",
                        str(r["topk"]) if msa else "", str(r["local_blocks"]) if msa else "")
     console.print(layers)
