@@ -58,8 +58,8 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                            backend: str = "auto", return_lse: bool = False):
     """Exact causal attention of every query head over its group's selected key blocks (as
     kernels.reference.sparse_attention), by the query-tile union design of the module doc. `tile`: query tokens per
-    program [default: tile_tokens(G); rounded up to a power of two of at least 16 matmul rows]. Elsewhere than on CUDA / under the
-    interpreter it runs the reference, which has no log-sum-exp: return_lse then raises."""
+    program [default: tile_tokens(G); rounded up to a power of two of at least 16 matmul rows]. Elsewhere than on
+    CUDA / under the interpreter it runs the reference, which has no log-sum-exp: return_lse then raises."""
     G = ref._check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, K = k.shape[1], blocks.shape[-1]

@@ -86,16 +86,14 @@ class GQAToMSA(Pass):
                 "each KV group selects its own blocks"
             )
         index_dim = cfg.index_dim or m.head_dim
-        if index_dim < m.rope_dim and index_dim % 2:
-            raise M3CompileError(f"index_dim ({index_dim}) is below the model's rotary width ({m.rope_dim}) and odd: "
-                                 "a narrower index head turns in channel pairs (use an even index_dim)")
+        # first: the init refuses an index dim it cannot fit (odd below the rotary width) before any setting is made
+        weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies (ops.
         # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there
         rope = "low" if index_dim < m.rope_dim else "m3"
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
                                 cfg.index_dtype, rope)
         self.layer_settings[m.layer] = settings
-        weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
         like = weights["index_q_proj.weight"]
         names = {}
