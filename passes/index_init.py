@@ -33,6 +33,14 @@ frequencies, so no per-pair map commutes with it. The converter then gives the i
 table in index channels (p, p + Di/2), and the fit above runs on exactly those pairs; the higher-frequency pairs
 (which mostly tell nearby positions apart, inside the always-kept local block) and any non-rotated channels are
 dropped. An odd index dim below R is refused with an M3CompileError.
+
+An index dim above what the dense channels fill (above the head dim, or more non-rotated channels than the dense
+head has) leaves slots with nothing to fit: their query rows start at zero and their key rows at random (seeded,
+UNFITTED_KEY_NORM times the fitted rows' mean norm), so the projections score as the fitted slots alone do and
+distillation can still grow the rest (two zero rows would keep each other's gradient at zero). The index key norm,
+an RMS over all Di channels, does see the random rows, so the init is not quite the narrower head's: on
+dense-llama-byte at index dim 128 (head dim 48) +2.42% at init against +2.07%, and after distillation +0.82% against
++1.12% (BENCHMARKS.md, session 11).
 """
 from __future__ import annotations
 
@@ -60,6 +68,7 @@ def _shared_key(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 WHITENING_RIDGE = 1e-3  # the calibration moment is regularised by this share of its mean diagonal
+UNFITTED_KEY_NORM = 1.0  # the norm of an unfitted slot's random key row, as a share of the fitted rows' mean norm
 
 
 def _whitening(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +139,16 @@ def init_index_weights(
         mu, nu = _shared_key(alpha[keep], beta[keep])
         wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
         wk_idx[rope_dim:rope_dim + len(keep)] = nu
+    filled = 2 * n + (len(keep) if n_pass and slots else 0) if index_dim > rope_dim else index_dim
+    if filled < index_dim:  # slots no dense channel fills (an index head wider than the dense one's channels)
+        # a zero query row and a zero key row would keep each other's gradient at zero for ever; a random key row
+        # (seeded, isotropic in the whitened coordinates) under a zero query row adds nothing to the projections'
+        # scores and lets distillation grow the query side (as LoRA starts one factor at zero). The index key norm
+        # (RMS over all Di channels) still sees the random rows: module docstring
+        g = torch.Generator(device="cpu").manual_seed(0)
+        extra = torch.randn(index_dim - filled, hidden, generator=g, dtype=torch.float64).to(wq.device)
+        norm = wk_idx[:filled].norm(dim=-1).mean() if filled else torch.tensor(1.0, dtype=torch.float64)
+        wk_idx[filled:] = extra / extra.norm(dim=-1, keepdim=True) * norm * UNFITTED_KEY_NORM
     if unwhiten is not None:
         wq_idx, wk_idx = wq_idx @ unwhiten, wk_idx @ unwhiten
     out = dict(device=wq.device, dtype=dtype)  # the model's device and dtype, not the scratch's
