@@ -784,7 +784,8 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
                                       "an fp8 decode index cache).")
 @click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
               help="--model: the MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
-                   "(kernels/sparse_tile.py; not yet the default: M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
+                   "(kernels/sparse_tile.py; opt-in: it ties gather-Q at best, BENCHMARKS.md session 11; "
+                   "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
 @click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")

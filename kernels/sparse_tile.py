@@ -14,6 +14,11 @@ bench's "shared" regime), up to TILE when they share none ("independent", random
 own selections consecutive queries share most blocks (benchmarks/experiments/selection_locality.py: tiles of 16
 tokens of dense-llama-byte, block 64 / top-8, 8K: 1.24x; random selections: 6.8x).
 
+Measured (H200, 128K, BENCHMARKS.md session 11): even where the union is the top-k it only ties gather-Q (Llama-3-8B
+shapes, tiles of 16 tokens: 25.9 against 24.7 ms; M3 shapes, tiles of 4: 44.4 against 41.4), running at 0.28 of
+the ideal as gather-Q does, so it stays opt-in; it was timed untuned (4 warps, 2 stages, the causal mask on every
+block).
+
 Forward only (prefill inference; training keeps gather-Q, whose backward exists).
 
 Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (unit last stride), blocks [B, Hkv, T, K] (-1 = empty; ids distinct
