@@ -372,10 +372,10 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
 @click.option("--cuda-graph", is_flag=True,
               help="CUDA, one process: after two eager steps per mode, capture the whole step in a CUDA graph and "
                    "replay it (no host dispatch per kernel); refused where the step cannot be captured.")
-@click.option("--block-loss", default=0.0, show_default=True,
+@click.option("--block-loss", default=1.0, show_default=True,
               help="Weight of the block-ranking loss added to the KL: the teacher's block mass against the index "
                    "branch's block-max scores (what the selection ranks by), on up to 1,024 queries per sequence; "
-                   "0 = the KL alone.")
+                   "0 = the KL alone (about 30% faster; SmolLM2 at 14.7M tokens: +3.08% against +2.25% with 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @click.option("--shard/--no-shard", default=None,
               help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "

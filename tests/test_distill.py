@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m3compile import DistillConfig, DistillInterrupted, M3CompileError, MSAConfig, convert_checkpoint, distill, load
+from m3compile import (DistillConfig, DistillInterrupted, M3CompileError, MSAConfig, TrainConfig, convert_checkpoint, distill,
+                       load)
 from m3compile.io.data import load_tokens, windows
 from m3compile.graph.pass_manager import PassManager
 from m3compile.graph.tracing import trace
@@ -93,20 +94,22 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
 
 
 def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(converted, tmp_path):
-    """block_loss 0 (the default) builds today's graph (no msa_block_loss node, three outputs) and leaves the block
-    loss out of the fingerprint; a weighted run logs it, learns differently, resumes bit for bit, and refuses a
+    """block_loss 0 builds the KL-only graph (no msa_block_loss node, three outputs) and leaves the block loss out of
+    the fingerprint; a weighted run (1, the default) logs it, learns differently, resumes bit for bit, and refuses a
     resume with another weight (either way)."""
     from m3compile.ops import msa_block_loss
     from m3compile.train.distill import DistillStep
 
-    plain = DistillStep(load(converted, dtype="float32"), DistillConfig(steps=1, seq_len=128), "cpu", "warmup")
+    plain = DistillStep(load(converted, dtype="float32"), DistillConfig(steps=1, seq_len=128, block_loss=0), "cpu",
+                        "warmup")
     hooked = trace(load(converted, dtype="float32"))
     PassManager([KLDistill("warmup")]).run(hooked)
     assert plain.gm.code == hooked.code and not any(n.target is msa_block_loss for n in plain.gm.graph.nodes)
-    assert "block_loss" not in DistillConfig(steps=1).fingerprint(1)
+    assert "block_loss" not in DistillConfig(steps=1, block_loss=0).fingerprint(1)
+    assert DistillConfig(steps=1).block_loss == 1.0 and TrainConfig(steps=1).block_loss == 0.0
     base = dict(steps=4, seq_len=128, batch=2, lr=1e-2, warmup_steps=1)
-    distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**base))
-    config = DistillConfig(**base, block_loss=1.0)
+    distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**base, block_loss=0))
+    config = DistillConfig(**base)
     report = distill(converted, CALIB_DATA, tmp_path / "straight", config)
     assert all(h["block"] > 0 and len(h["block_layers"]) == 5 for h in report.history)
     assert report.history[-1]["block"] < report.history[0]["block"]
@@ -118,7 +121,7 @@ def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(convert
     with pytest.raises(DistillInterrupted, match="after step 2"):
         distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_2)
     code, output = distill_cli(converted, CALIB_DATA, tmp_path / "resumed", "--resume", "--steps", "4", "--batch",
-                               "2", "--lr", "1e-2", "--warmup-steps", "1")
+                               "2", "--lr", "1e-2", "--warmup-steps", "1", "--block-loss", "0")
     assert code == 2 and "block_loss = 1.0" in output, output
     distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
     a, b = (load_file(str(tmp_path / d / "distill_state/index.safetensors")) for d in ("straight", "resumed"))
