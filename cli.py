@@ -52,12 +52,21 @@ def _run(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except M3CompileError as e:
         if _SIGNALLED:  # a library (safetensors) turned the KeyboardInterrupt into an error of its own
-            _fail("interrupted; no output was written", EXIT_INTERRUPTED)
+            _fail(_interrupted(), EXIT_INTERRUPTED)
         _fail(str(e))
     except DistillInterrupted:
         raise  # the state was saved: the caller says where
     except KeyboardInterrupt:
-        _fail("interrupted; no output was written", EXIT_INTERRUPTED)
+        _fail(_interrupted(), EXIT_INTERRUPTED)
+
+
+def _interrupted() -> str:
+    """What an interrupted command says: nothing written, or (a signal after the commit) which outputs are whole."""
+    from m3compile.io.checkpoint import COMMITTED
+
+    if COMMITTED:
+        return f"interrupted after {', '.join(map(str, COMMITTED))} was written in full"
+    return "interrupted; no output was written"
 
 
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", ())
@@ -77,8 +86,11 @@ class _Group(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        from m3compile.io.checkpoint import COMMITTED
+
         previous = {}
         _SIGNALLED.clear()
+        COMMITTED.clear()
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, _sigterm)
@@ -92,7 +104,7 @@ class _Group(click.Group):
         except click.ClickException as e:
             _fail(e.format_message(), e.exit_code)
         except click.Abort:
-            _fail("interrupted; no output was written", EXIT_INTERRUPTED)
+            _fail(_interrupted(), EXIT_INTERRUPTED)
         finally:
             for sig, handler in previous.items():
                 if handler is not None:

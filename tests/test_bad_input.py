@@ -384,21 +384,55 @@ def test_sigterm_to_the_real_command(tmp_path):
     from tests.conftest import LLAMA_BYTE
 
     out = tmp_path / "out"
-    for _ in range(3):  # the signal must land while the output is being written; a run that finished first is redone
+    for _ in range(5):  # the signal must land while the output is being written; a run it missed is redone
         proc = subprocess.Popen([sys.executable, "-m", "m3compile.cli", "convert", str(LLAMA_BYTE), str(out), "--json",
                                  "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".out.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        if proc.returncode == 130 and "no output was written" in stderr:
             break
-        proc.communicate()
-        assert proc.returncode == 0
+        # it finished first (0), or the signal came once the output was in place: then it says so, and it is whole
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        assert proc.returncode == 0 or last == f"error: interrupted after {out} was written in full", stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "config.json").is_file()
         shutil.rmtree(out)
     else:
-        raise AssertionError("three conversions finished before SIGTERM could reach them")
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+        raise AssertionError("five conversions finished before SIGTERM could reach them")
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "error: interrupted; no output was written"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
+    """SIGTERM arriving while atomic_output_dir moves the output into place is held until the move is done and
+    recorded: the output is whole, no partial directory stays, and m3c's message says what was written."""
+    from m3compile.cli import _interrupted
+    from m3compile.io import checkpoint
+
+    def to_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, to_interrupt)
+    rename = Path.rename
+
+    def rename_then_signal(self, target):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the commit
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename_then_signal)
+    checkpoint.COMMITTED.clear()
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with checkpoint.atomic_output_dir(out) as tmp:
+                (tmp / "config.json").write_text("{}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert checkpoint.COMMITTED == [out] and _interrupted() == f"interrupted after {out} was written in full"
+    checkpoint.COMMITTED.clear()
+    assert _interrupted() == "interrupted; no output was written"

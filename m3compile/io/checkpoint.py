@@ -17,7 +17,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -603,6 +605,33 @@ def output_lock(out: str | os.PathLike):
         os.close(fd)
 
 
+COMMITTED: list[Path] = []  # outputs atomic_output_dir has put in place (m3c says so if a signal comes after)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT / SIGTERM held back for the block (main thread): a signal that arrives meanwhile is recorded, and the
+    handler it would have run runs when the block ends, so a commit and its record in COMMITTED happen together or
+    not at all. (Python handlers, swapped rather than a thread's signal mask: any thread may take a process signal.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for signum in pending[:1]:
+            handler = before[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
     """Yield a temporary sibling directory that becomes `out` only if the block completes.
@@ -615,22 +644,25 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
         for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        old = out.parent / f".{out.name}.partial-old-{os.getpid()}"
         try:
             yield tmp
-            if out.exists():  # move the old output aside first: a kill at any point leaves one of the two in place
-                old = out.parent / f".{out.name}.partial-old-{os.getpid()}"
-                out.rename(old)
-                try:
+            with _signals_held():
+                if out.exists():  # move the old output aside first: a kill at any point leaves one of the two in place
+                    out.rename(old)
+                    try:
+                        tmp.rename(out)
+                    except BaseException:
+                        old.rename(out)
+                        raise
+                else:
                     tmp.rename(out)
-                except BaseException:
-                    old.rename(out)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(out)
+                COMMITTED.append(out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:  # the previous output, once the new one is in place (also when a held signal fires after it)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
