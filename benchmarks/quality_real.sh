@@ -8,11 +8,16 @@
 #             invalid bytes replaced, through SmolLM2's tokenizer.json)
 #   env: M3C (m3c), DEVICE (cuda), STEPS ("150": distillation totals, each evaluated, continued with --resume),
 #        WARMUP (20), BATCH (2), LR (3e-3), CALIB_TOKENS (8192),
-#        MODELS ("smollm2 byte"), SETTINGS ("64/8 128/16")
+#        MODELS ("smollm2 byte"), SETTINGS ("64/8 128/16"), DISTILL_SETTINGS ("64/8": the settings distilled),
+#        INDEX_DIM (--index-dim of both conversions; unset: the head dim), BLOCK_LOSS (unset: m3c distill's
+#        default, 1 since session 11; sessions 7-8 ran this script at 0)
+# The next GPU run (issue 15: the wider head with its 0.01 init at both settings; evals of 128 / 16 take 40-80 s):
+#   MODELS=smollm2 DISTILL_SETTINGS="64/8 128/16" INDEX_DIM=128 STEPS="900" benchmarks/quality_real.sh ...
 set -euo pipefail
 HF=$1; SHARED=$2; DATA=$3; OUT=$4
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; STEPS=${STEPS:-150}; WARMUP=${WARMUP:-20}; BATCH=${BATCH:-2}; LR=${LR:-3e-3}
 CT=${CALIB_TOKENS:-8192}
+IDX=(${INDEX_DIM:+--index-dim $INDEX_DIM}); BL=(${BLOCK_LOSS:+--block-loss $BLOCK_LOSS})
 mkdir -p "$OUT"
 t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:4}" >&2; }
 for model in ${MODELS:-smollm2 byte}; do
@@ -20,16 +25,17 @@ for model in ${MODELS:-smollm2 byte}; do
   else src=$SHARED/checkpoints/dense-llama-byte; calib=$SHARED/data/calib_code.bin; ev=$SHARED/data/eval_code.bin; fi
   for setting in ${SETTINGS:-64/8 128/16}; do
     set -- ${setting/\// }; tag=$model-b$1k$2
-    t $M3C convert "$src" "$OUT/$tag-w" --block-size $1 --topk $2 --dense-layers 0 --force --json >"$OUT/$tag-w.convert.json"
-    t $M3C convert "$src" "$OUT/$tag-c" --block-size $1 --topk $2 --dense-layers 0 --calib "$calib" \
+    t $M3C convert "$src" "$OUT/$tag-w" --block-size $1 --topk $2 --dense-layers 0 "${IDX[@]}" --force --json \
+      >"$OUT/$tag-w.convert.json"
+    t $M3C convert "$src" "$OUT/$tag-c" --block-size $1 --topk $2 --dense-layers 0 "${IDX[@]}" --calib "$calib" \
       --calib-tokens $CT --calib-device "$DEVICE" --force --json >"$OUT/$tag-c.convert.json"
     t $M3C eval "$OUT/$tag-w" --data "$ev" --seq-len 8192 --device "$DEVICE" --json >"$OUT/$tag-w.eval.json"
     t $M3C eval "$OUT/$tag-c" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-c.eval.json"
-    if [ "$1" = 64 ]; then
+    if [[ " ${DISTILL_SETTINGS:-64/8} " == *" $setting "* ]]; then
       resume=(--force)
       for steps in $STEPS; do
         t $M3C distill "$OUT/$tag-c" --data "$calib" --out "$OUT/$tag-d" --steps $steps --warmup-steps $WARMUP \
-          --seq-len 8192 --batch $BATCH --lr $LR --checkpoint-every 100000 --device "$DEVICE" "${resume[@]}" --json \
+          --seq-len 8192 --batch $BATCH --lr $LR --checkpoint-every 100000 --device "$DEVICE" "${resume[@]}" "${BL[@]}" --json \
           >"$OUT/$tag-d$steps.distill.json"
         t $M3C eval "$OUT/$tag-d" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-d$steps.eval.json"
         resume=(--resume)
