@@ -25,6 +25,7 @@ from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
 from m3compile.export.onnx import export_onnx as run_export
 from m3compile.graph.pass_manager import PASSES
+from m3compile.io.checkpoint import COMMITTED
 from m3compile.io.data import load_tokens
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
@@ -62,8 +63,6 @@ def _run(fn, *args, **kwargs):
 
 def _interrupted() -> str:
     """What an interrupted command says: nothing written, or (a signal after the commit) which outputs are whole."""
-    from m3compile.io.checkpoint import COMMITTED
-
     if COMMITTED:
         return f"interrupted after {', '.join(map(str, COMMITTED))} was written in full"
     return "interrupted; no output was written"
@@ -86,8 +85,6 @@ class _Group(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        from m3compile.io.checkpoint import COMMITTED
-
         previous = {}
         _SIGNALLED.clear()
         COMMITTED.clear()
