@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PREFILL = RESULTS / "2026-11-29-h200" / "bench.json"
 DECODE = RESULTS / "2026-11-29-h200-decode" / "bench.json"  # the decode rerun BENCHMARKS.md's table gives
-QUALITY = {  # bar label -> (eval JSON, which loss)
-    "byte model\ndistilled": (RESULTS / "2026-12-01-h200-train" / "eval_distilled.json", "sparse_loss"),
-    "byte model\n+ training": (RESULTS / "2026-12-01-h200-train" / "eval_trained.json", "sparse_loss"),
-    "SmolLM2\ninit": (RESULTS / "2026-12-01-h200-smollm2-quality" / "eval_init.json", "sparse_loss"),
-    "SmolLM2\ndistilled": (RESULTS / "2026-12-01-h200-smollm2-quality" / "eval_dist.json", "sparse_loss"),
-    "SmolLM2\noracle": (RESULTS / "2026-12-01-h200-smollm2-quality" / "eval_dist.json", "oracle_loss"),
+S10, S11 = RESULTS / "2026-12-01-h200-session10", RESULTS / "2026-12-01-h200-session11"
+QUALITY = {  # bar label -> (eval JSON, its entry in a merged results file or None, which loss); the best distilled
+    # runs (index dim 128, block loss 1; BENCHMARKS.md session 11) beside their oracles and SmolLM2's calibrated init
+    "byte model\ndistilled\n(index dim 128)": (S11 / "call4_byte.json", "b128l1.eval.json", "sparse_loss"),
+    "byte model\noracle": (S10 / "byte_block_loss_eval_speed_indexer.json", "bc.eval.json", "oracle_loss"),
+    "SmolLM2\ncalibrated init": (S10 / "smollm2_block_loss_1800.json", "c.eval.json", "sparse_loss"),
+    "SmolLM2\ndistilled\n(index dim 128)": (S11 / "call3_smollm2.json", "dw.eval.json", "sparse_loss"),
+    "SmolLM2\noracle": (S10 / "smollm2_block_loss_1800.json", "c.eval.json", "oracle_loss"),
 }
 
 
@@ -35,8 +37,9 @@ def figures() -> dict:
     speed = [s for s in prefill["speedups"]["prefill"] if s["selection"] == "independent"]
     decode = json.loads(DECODE.read_text())["speedups"]["decode"]
     quality = []
-    for label, (path, key) in QUALITY.items():
+    for label, (path, entry, key) in QUALITY.items():
         result = json.loads(path.read_text())
+        result = result[entry] if entry else result
         quality.append((label, 100 * (result[key] / result["dense_loss"] - 1)))
     return {
         "gpu": prefill["env"]["gpu"],
@@ -85,10 +88,10 @@ def draw(out: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8, loc="upper left")
     labels, values = zip(*f["quality"])
-    colors = ["tab:blue", "tab:blue", "tab:red", "tab:orange", "tab:gray"]
+    colors = ["tab:blue", "tab:gray", "tab:red", "tab:orange", "tab:gray"]
     bars = c.bar(range(len(values)), values, color=colors)
     c.bar_label(bars, [f"+{v:.2f}%" for v in values], fontsize=8)
-    c.set_xticks(range(len(labels)), labels, fontsize=8)
+    c.set_xticks(range(len(labels)), labels, fontsize=7)
     c.set(title="Loss cost at 8K tokens, block 64 / top-8", ylabel="% more loss than the model's dense attention")
     c.set_ylim(0, max(values) * 1.12)
     c.grid(alpha=0.3, axis="y")
