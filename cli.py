@@ -962,10 +962,7 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
-               steps=steps,
-               decode_steps=decode_steps,
-               figure_seconds=figure_seconds,
-               device=device, **lengths)
+               steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds, device=device, **lengths)
     console = _console()
     result = _run(run_model_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     path, png = write_model_outputs(result, out_dir)

@@ -127,6 +127,7 @@ def init_index_weights(
     wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64, device=wq.device)
     wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64, device=wq.device)
     n = min(half, index_dim // 2)  # pairs the index head keeps: all, or (index rope "low") the n lowest frequencies
+    filled = 2 * n  # index channels the fit fills: the kept pairs, then (below) the kept non-rotated channels
     if n:
         lo = half - n
         alpha = torch.complex(a[:, lo:half], a[:, half + lo:rope_dim]).transpose(0, 1)  # [n, G, hidden]
@@ -143,7 +144,7 @@ def init_index_weights(
         mu, nu = _shared_key(alpha[keep], beta[keep])
         wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
         wk_idx[rope_dim:rope_dim + len(keep)] = nu
-    filled = 2 * n + (len(keep) if n_pass and slots else 0) if index_dim > rope_dim else index_dim
+        filled += len(keep)
     if filled < index_dim:  # slots no dense channel fills (an index head wider than the dense one's channels)
         # a zero query row and a zero key row would keep each other's gradient at zero for ever; a random key row
         # (seeded, isotropic in the whitened coordinates) under a zero query row adds nothing to the projections'
