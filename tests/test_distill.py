@@ -2,6 +2,7 @@
 data parallelism matches a doubled batch, and bad input leaves the output untouched."""
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,29 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
+
+
+def test_sigterm_twice_mid_run_stops_after_the_step_and_saves(converted, tmp_path):
+    """SIGTERM as `timeout` sends it (to the process and again to its group) while a step runs: the step finishes,
+    the loop stops there and saves (the second signal changes nothing), the handlers are restored, and the resumed
+    run equals an uninterrupted one."""
+    config = DistillConfig(steps=5, seq_len=128, batch=2, lr=1e-2, warmup_steps=2)
+    distill(converted, CALIB_DATA, tmp_path / "straight", config)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def term_at_3(step, total, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(DistillInterrupted, match="after step 3"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=term_at_3)
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert '"step": 3' in (tmp_path / "resumed" / "distill_state" / "state.json").read_text()
+    distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
+    a, b = (load_file(str(tmp_path / d / "distill_state/index.safetensors")) for d in ("straight", "resumed"))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(converted, tmp_path):

@@ -17,10 +17,13 @@ Output directory: a loadable converted checkpoint (config.json, safetensors in t
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -161,6 +164,26 @@ class DistillReport:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
 
 
+@contextlib.contextmanager
+def _stop_after_the_step():
+    """SIGINT / SIGTERM held off while a step runs (main thread): the signal is recorded in the yielded list and the
+    loop stops after the step in flight, then saves. Raising at the signal instead (the CLI's handler) could stop
+    torch anywhere inside a step: a run killed by `timeout` on the GPU died that way without saving (session 12).
+    Later signals during the save are recorded too, and dropped: the save completes. Elsewhere (another thread)
+    the handlers stay as they are and Ctrl-C raises where it lands, as before."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    before = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT,
+                                                                                         signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 class DistillInterrupted(KeyboardInterrupt):
     """Ctrl-C during distillation: the state after the last finished step was saved."""
 
@@ -210,7 +233,8 @@ def distill(
     rank, None = shard under torchrun when a replica would not fit the device (see train/shard.needs_sharding).
     Raises M3CompileError (nothing written) on bad input: an unconverted model, data shorter than one sequence,
     token ids outside the vocabulary, an existing `out_dir` without `force`/`resume`, or `resume` from a run with
-    other settings. Ctrl-C saves the state after the last finished step and raises DistillInterrupted.
+    other settings. Ctrl-C or SIGTERM (main thread) lets the step in flight finish, saves the state and raises
+    DistillInterrupted.
     """
     return _launch(model_dir, data, out_dir, config, device, resume, force, shard, progress)
 
@@ -462,28 +486,31 @@ class _Run:
                                sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
         t0 = time.perf_counter()
         step = start
-        try:
-            while step < cfg.steps:
-                mode = cfg.mode(step)
-                stepper.set_mode(mode)
-                ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
-                x = wins[ids, :-1].to(self.device)
-                y = wins[ids, 1:].to(self.device) if self.training else None
-                kl, recall, lm, block = stepper(x, y)
-                step += 1
-                metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
-                report.history.append(metrics)
-                report.tokens += cfg.batch * self.world * cfg.seq_len
+        with _stop_after_the_step() as stop:
+            try:
+                while step < cfg.steps:
+                    mode = cfg.mode(step)
+                    stepper.set_mode(mode)
+                    ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
+                    x = wins[ids, :-1].to(self.device)
+                    y = wins[ids, 1:].to(self.device) if self.training else None
+                    kl, recall, lm, block = stepper(x, y)
+                    step += 1
+                    metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
+                    report.history.append(metrics)
+                    report.tokens += cfg.batch * self.world * cfg.seq_len
+                    report.seconds = time.perf_counter() - t0
+                    if progress is not None:
+                        progress(step, cfg.steps, {**metrics, "tokens_per_s": report.tokens_per_s})
+                    if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                        self._save(model, params, opt, step, fingerprint, report)
+                    if step < cfg.steps and self._any_rank(bool(stop)):
+                        raise KeyboardInterrupt  # a SIGINT / SIGTERM during the step (on any rank): stop here
+            except KeyboardInterrupt:
+                report.interrupted = True
                 report.seconds = time.perf_counter() - t0
-                if progress is not None:
-                    progress(step, cfg.steps, {**metrics, "tokens_per_s": report.tokens_per_s})
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                    self._save(model, params, opt, step, fingerprint, report)
-        except KeyboardInterrupt:
-            report.interrupted = True
-            report.seconds = time.perf_counter() - t0
-            self._save(model, params, opt, step, fingerprint, report)
-            raise DistillInterrupted(step, out) from None
+                self._save(model, params, opt, step, fingerprint, report)
+                raise DistillInterrupted(step, out) from None
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -538,6 +565,14 @@ class _Run:
         report = self.out_dir / self.report_file
         history = json.loads(report.read_text())["history"] if report.is_file() else []
         return step, [h for h in history if h["step"] <= step]
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (every rank gets the same answer, so all stop at the same step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def _gather_ints(self, value: int) -> list[int]:
         """`value` of every rank, in rank order."""
