@@ -16,8 +16,11 @@ __all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES"]
 INDEX_DTYPES = ("auto", "fp8")
 # The index branch's RoPE table (ops.apply_index_rope): "m3" the main table cut to the index width (transformers' M3
 # rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary pairs turn at the
-# main table's Di/2 lowest frequencies (what the converter writes when index_dim < R: sparse_index_rope "low")
-INDEX_ROPES = ("m3", "low")
+# main table's Di/2 lowest frequencies (what the converter writes when index_dim < R: sparse_index_rope "low");
+# "tile" an index head wider than R turns every one of its Di/2 pairs, each at one of the main table's R/2
+# frequencies, every frequency at least once (what the converter writes when index_dim > R = head_dim:
+# sparse_index_rope "tile"; the init fits a dense pair's groups with as many shared-key ranks as it has index pairs)
+INDEX_ROPES = ("m3", "low", "tile")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

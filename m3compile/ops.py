@@ -42,7 +42,8 @@ from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
 __all__ = [
-    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_tables", "split_heads", "msa_select",
+    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_rule", "index_rope_tables", "tile_pairs",
+    "split_heads", "msa_select",
     "msa_attention", "msa_index_kl", "msa_block_loss", "msa_select_triton", "SPARSE_KERNELS", "sparse_kernel",
     "using_sparse_kernel",
     "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "msa_block_loss_triton",
@@ -112,16 +113,44 @@ def index_rope_dim(rope_dim: int, index_dim: int) -> int:
     return min(rope_dim, index_dim)
 
 
+def index_rope_rule(head_dim: int, rope_dim: int, index_dim: int) -> str:
+    """The index RoPE rule (config.INDEX_ROPES) a conversion writes for these widths: "low" below the rotary width
+    R, "tile" above it when the dense head rotates all its channels (no non-rotated channels to fit; an even index
+    dim), else M3's own "m3"."""
+    if index_dim < rope_dim:
+        return "low"
+    if index_dim > rope_dim == head_dim and index_dim % 2 == 0:
+        return "tile"
+    return "m3"
+
+
+def tile_pairs(rope_dim: int, index_dim: int) -> torch.Tensor:
+    """Rule "tile": the main table's pair (0 .. R/2 - 1) that each of the index head's Di/2 pairs turns as, [Di/2]
+    int64. Every pair of the main table once, then again from the lowest frequencies (the highest pair numbers:
+    the long-range ones a block selection needs) while index pairs remain: Di = 2R gives each pair twice."""
+    h, n = rope_dim // 2, index_dim // 2
+    return (torch.arange(n) + (h - n % h) % h) % h
+
+
 def index_rope_tables(cos: torch.Tensor, sin: torch.Tensor, index_dim: int, rope: str = "m3"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The index branch's RoPE tables [.., T, w] from the main ones [.., T, R] (NeoX layout: the R/2 frequencies
     twice), as `rope` (config.INDEX_ROPES) says:
         "m3"   the first w = min(R, Di) channels (transformers' M3 rule; see apply_index_rope)
         "low"  the Di/2 lowest frequencies, twice (w = Di <= R): channel p of the index head and p + Di/2 turn as
-               one pair at frequency R/2 - Di/2 + p, a true rotation at any index width (even Di < R)."""
+               one pair at frequency R/2 - Di/2 + p, a true rotation at any index width (even Di < R).
+        "tile" (Di > R, even) all Di channels: channel c and c + Di/2 turn as one pair at the frequency of the main
+               table's pair tile_pairs(R, Di)[c] (each frequency at least once)."""
     if rope not in INDEX_ROPES:
         raise ValueError(f"index rope must be one of {', '.join(INDEX_ROPES)}, got {rope!r}")
     R = cos.shape[-1]
+    if rope == "tile":
+        if index_dim % 2 or index_dim < R:
+            raise ValueError(f"index rope 'tile' needs an even index dim of at least the rotary width {R}, got "
+                             f"{index_dim}")
+        pairs = tile_pairs(R, index_dim).to(cos.device)
+        c, s = cos[..., :R // 2].index_select(-1, pairs), sin[..., :R // 2].index_select(-1, pairs)
+        return torch.cat((c, c), -1), torch.cat((s, s), -1)
     if rope == "m3" or index_dim >= R:
         w = index_rope_dim(R, index_dim)
         return cos[..., :w], sin[..., :w]

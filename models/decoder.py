@@ -56,8 +56,8 @@ class MSALayerArgs:
             raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
         if self.index_rope not in INDEX_ROPES:
             raise ValueError(f"index_rope must be one of {', '.join(INDEX_ROPES)}, got {self.index_rope!r}")
-        if self.index_rope == "low" and self.index_dim % 2:
-            raise ValueError(f"index_rope 'low' needs an even index_dim, got {self.index_dim}")
+        if self.index_rope in ("low", "tile") and self.index_dim % 2:
+            raise ValueError(f"index_rope {self.index_rope!r} needs an even index_dim, got {self.index_dim}")
 
 
 @dataclass(frozen=True)

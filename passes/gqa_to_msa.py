@@ -13,7 +13,8 @@ from m3compile.graph.matching import AttentionMatch, find_attention, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.graph.tracing import propagate_shapes
 from m3compile.models.decoder import MSALayerArgs, RMSNorm
-from m3compile.ops import apply_index_rope, is_op, msa_attention, msa_select, op_args, split_heads
+from m3compile.ops import (apply_index_rope, index_rope_rule, is_op, msa_attention, msa_select, op_args,
+                           split_heads)
 from m3compile.passes.index_init import index_branch_weights
 
 __all__ = ["GQAToMSA"]
@@ -89,8 +90,10 @@ class GQAToMSA(Pass):
         # first: the init refuses an index dim it cannot fit (odd below the rotary width) before any setting is made
         weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
         # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies (ops.
-        # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there
-        rope = "low" if index_dim < m.rope_dim else "m3"
+        # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there. Wider
+        # than a fully rotated head: every index pair turns ("tile"), so the init can fit each dense pair's KV
+        # groups with more than one shared-key rank (passes/index_init.py)
+        rope = index_rope_rule(m.head_dim, m.rope_dim, index_dim)
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
                                 cfg.index_dtype, rope)
         self.layer_settings[m.layer] = settings

@@ -34,8 +34,18 @@ table in index channels (p, p + Di/2), and the fit above runs on exactly those p
 (which mostly tell nearby positions apart, inside the always-kept local block) and any non-rotated channels are
 dropped. An odd index dim below R is refused with an M3CompileError.
 
-An index dim above what the dense channels fill (above the head dim, or more non-rotated channels than the dense
-head has) leaves slots with nothing to fit: their query rows start at zero and their key rows at random (seeded,
+An index dim above the head dim of a fully rotated head (index rope "tile", ops.index_rope_rule): every index pair
+turns at one of the model's R/2 frequencies, each at least once and the lowest ones again (ops.tile_pairs), so a
+dense pair p with r_p index pairs is fitted with r_p shared key rows instead of one: nu_1 .. nu_r the top r
+eigenvectors of the same form, mu_g,j = alpha_g (beta_g^H nu_j), which minimises the same error over a rank-r
+shared key (exact once r_p >= Hkv). Twice the head dim gives two ranks. SmolLM2-135M (3 KV heads, head dim 64),
+calibrated, block 64 / top-8: at 4K on CPU +3.35% at index dim 128 against +4.13% at 64 (+3.30% at 192, rank 3,
+exact); at 8K on the GPU +6.68% against +9.00%. dense-llama-byte (2 KV heads, head dim 48) at 8K: +1.47% at 96 and
+128 against +2.07%. Distilled, the gain is gone (SmolLM2 +1.54% against +1.51% with non-rotated slots; byte +0.83%
+against +0.81%): BENCHMARKS.md, session 12. Ranks past Hkv have nothing to fit and start as unfitted slots.
+
+An index dim above what the dense channels fill otherwise (above the head dim of a partly rotated head, or more
+non-rotated channels than the dense head has; or "tile" ranks past Hkv) leaves slots with nothing to fit: their query rows start at zero and their key rows at random (seeded,
 UNFITTED_KEY_NORM = 0.01 times the fitted rows' mean norm), so the projections score as the fitted slots alone do
 and distillation can still grow the rest (two zero rows would keep each other's gradient at zero; AdamW's steps do
 not depend on the gradient's scale). The index key norm, an RMS over all Di channels, sees the random rows: at the
@@ -49,24 +59,27 @@ from __future__ import annotations
 import torch
 
 from m3compile.errors import M3CompileError
+from m3compile.ops import index_rope_rule, tile_pairs
 
 __all__ = ["init_index_weights", "index_branch_weights"]
 
 
-def _shared_key(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha, beta [P, G, H] (complex or real): rows mu [P, G, H] and nu [P, H] as in the module docstring."""
+def _shared_key(alpha: torch.Tensor, beta: torch.Tensor, rank: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha, beta [P, G, H] (complex or real): rows mu [P, G, r, H] and nu [P, r, H] as in the module docstring,
+    r = min(rank, G) shared key rows per pair, largest first (orthogonal: the top eigenvectors; with r = G exact)."""
     w = alpha.abs().pow(2).sum(-1)  # [P, G]
     basis = beta * w.sqrt()[..., None]  # [P, G, H]
     gram = basis.conj() @ basis.transpose(1, 2)  # [P, G, G] = basis^H basis in the row convention
     _, vecs = torch.linalg.eigh(gram)
-    top = vecs[..., -1]  # [P, G]
-    nu = (top[..., None] * basis).sum(1)  # [P, H]: eigenvector of basis basis^H, a combination of key rows
+    top = vecs[..., -min(rank, gram.shape[-1]):].flip(-1)  # [P, G, r]
+    nu = (top.transpose(1, 2)[..., None] * basis[:, None]).sum(2)  # [P, r, H]: eigenvectors of basis basis^H
     nu = nu / nu.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    proj = (beta.conj() * nu[:, None]).sum(-1)  # beta_g^H nu  [P, G]
+    proj = (beta.conj()[:, :, None] * nu[:, None]).sum(-1)  # beta_g^H nu_j  [P, G, r]
     # Balance magnitudes: the key row carries the group-averaged key norm along nu, the query rows the rest.
-    scale = ((w * proj.abs().pow(2)).sum(-1) / w.sum(-1).clamp_min(1e-30)).sqrt().clamp_min(1e-12)  # [P]
-    mu = alpha * (proj / scale[:, None])[..., None]
-    return mu, nu * scale[:, None]
+    scale = ((w[..., None] * proj.abs().pow(2)).sum(1) / w.sum(-1, keepdim=True).clamp_min(1e-30)).sqrt()
+    scale = scale.clamp_min(1e-12)  # [P, r]
+    mu = alpha[:, :, None] * (proj / scale[:, None])[..., None]
+    return mu, nu * scale[..., None]
 
 
 WHITENING_RIDGE = 1e-3  # the calibration moment is regularised by this share of its mean diagonal
@@ -126,34 +139,54 @@ def init_index_weights(
     half = rope_dim // 2
     wq_idx = torch.zeros(n_kv_heads, index_dim, hidden, dtype=torch.float64, device=wq.device)
     wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64, device=wq.device)
-    n = min(half, index_dim // 2)  # pairs the index head keeps: all, or (index rope "low") the n lowest frequencies
-    filled = 2 * n  # index channels the fit fills: the kept pairs, then (below) the kept non-rotated channels
-    if n:
-        lo = half - n
-        alpha = torch.complex(a[:, lo:half], a[:, half + lo:rope_dim]).transpose(0, 1)  # [n, G, hidden]
-        beta = torch.complex(b[:, lo:half], b[:, half + lo:rope_dim]).transpose(0, 1)
-        mu, nu = _shared_key(alpha, beta)
-        wq_idx[:, :n], wq_idx[:, n:2 * n] = mu.real.transpose(0, 1), mu.imag.transpose(0, 1)
-        wk_idx[:n], wk_idx[n:2 * n] = nu.real, nu.imag
-    n_pass, slots = head_dim - rope_dim, max(0, index_dim - rope_dim)
-    if n_pass and slots:
-        alpha = a[:, rope_dim:].transpose(0, 1)  # [n_pass, G, hidden]
-        beta = b[:, rope_dim:].transpose(0, 1)
-        energy = (alpha.pow(2).sum(-1) * beta.pow(2).sum(-1)).sum(-1)
-        keep = energy.argsort(descending=True)[:slots].sort().values
-        mu, nu = _shared_key(alpha[keep], beta[keep])
-        wq_idx[:, rope_dim:rope_dim + len(keep)] = mu.transpose(0, 1)
-        wk_idx[rope_dim:rope_dim + len(keep)] = nu
-        filled += len(keep)
-    if filled < index_dim:  # slots no dense channel fills (an index head wider than the dense one's channels)
+    fitted = torch.zeros(index_dim, dtype=torch.bool)  # index channels the fit fills
+    if index_rope_rule(head_dim, rope_dim, index_dim) == "tile":
+        # every index pair turns at one dense pair's frequency (ops.tile_pairs); a dense pair with r index pairs is
+        # fitted with r shared-key ranks (at most G: beyond that nothing is left to fit)
+        n = index_dim // 2
+        alpha = torch.complex(a[:, :half], a[:, half:rope_dim]).transpose(0, 1)  # [half, G, hidden]
+        beta = torch.complex(b[:, :half], b[:, half:rope_dim]).transpose(0, 1)
+        pairs = tile_pairs(rope_dim, index_dim)
+        mu, nu = _shared_key(alpha, beta, rank=-(-n // half))  # [half, G, r, hidden], [half, r, hidden]
+        rank = torch.zeros(half, dtype=torch.long)
+        for c, p in enumerate(pairs.tolist()):  # the j-th index pair of dense pair p takes its rank j
+            j, rank[p] = int(rank[p]), rank[p] + 1
+            if j < nu.shape[1]:
+                wq_idx[:, c], wq_idx[:, n + c] = mu[p, :, j].real, mu[p, :, j].imag
+                wk_idx[c], wk_idx[n + c] = nu[p, j].real, nu[p, j].imag
+                fitted[c] = fitted[n + c] = True
+    else:
+        n = min(half, index_dim // 2)  # pairs the index head keeps: all, or (index rope "low") the n lowest
+        if n:
+            lo = half - n
+            alpha = torch.complex(a[:, lo:half], a[:, half + lo:rope_dim]).transpose(0, 1)  # [n, G, hidden]
+            beta = torch.complex(b[:, lo:half], b[:, half + lo:rope_dim]).transpose(0, 1)
+            mu, nu = _shared_key(alpha, beta)
+            mu, nu = mu[:, :, 0], nu[:, 0]
+            wq_idx[:, :n], wq_idx[:, n:2 * n] = mu.real.transpose(0, 1), mu.imag.transpose(0, 1)
+            wk_idx[:n], wk_idx[n:2 * n] = nu.real, nu.imag
+            fitted[:2 * n] = True
+        n_pass, slots = head_dim - rope_dim, max(0, index_dim - rope_dim)
+        if n_pass and slots:
+            alpha = a[:, rope_dim:].transpose(0, 1)  # [n_pass, G, hidden]
+            beta = b[:, rope_dim:].transpose(0, 1)
+            energy = (alpha.pow(2).sum(-1) * beta.pow(2).sum(-1)).sum(-1)
+            keep = energy.argsort(descending=True)[:slots].sort().values
+            mu, nu = _shared_key(alpha[keep], beta[keep])
+            wq_idx[:, rope_dim:rope_dim + len(keep)] = mu[:, :, 0].transpose(0, 1)
+            wk_idx[rope_dim:rope_dim + len(keep)] = nu[:, 0]
+            fitted[rope_dim:rope_dim + len(keep)] = True
+    if not fitted.all():  # slots no dense channel fills (an index head wider than the dense one's channels)
         # a zero query row and a zero key row would keep each other's gradient at zero for ever; a random key row
         # (seeded, isotropic in the whitened coordinates) under a zero query row adds nothing to the projections'
         # scores and lets distillation grow the query side (as LoRA starts one factor at zero). The index key norm
         # (RMS over all Di channels) still sees the random rows: module docstring
         g = torch.Generator(device="cpu").manual_seed(0)
-        extra = torch.randn(index_dim - filled, hidden, generator=g, dtype=torch.float64).to(wq.device)
-        norm = wk_idx[:filled].norm(dim=-1).mean() if filled else torch.tensor(1.0, dtype=torch.float64)
-        wk_idx[filled:] = extra / extra.norm(dim=-1, keepdim=True) * norm * UNFITTED_KEY_NORM
+        free = (~fitted).nonzero().flatten().to(wq.device)
+        extra = torch.randn(len(free), hidden, generator=g, dtype=torch.float64).to(wq.device)
+        norm = (wk_idx[fitted.to(wq.device)].norm(dim=-1).mean() if fitted.any()
+                else torch.tensor(1.0, dtype=torch.float64))
+        wk_idx[free] = extra / extra.norm(dim=-1, keepdim=True) * norm * UNFITTED_KEY_NORM
     if unwhiten is not None:
         wq_idx, wk_idx = wq_idx @ unwhiten, wk_idx @ unwhiten
     out = dict(device=wq.device, dtype=dtype)  # the model's device and dtype, not the scratch's

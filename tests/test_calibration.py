@@ -34,20 +34,22 @@ def test_isotropic_moment_is_the_weight_only_init():
 
 @pytest.mark.parametrize("moment", [False, True], ids=["weight-only", "calibrated"])
 def test_wider_index_head_starts_equal_and_can_learn(moment):
-    """An index head wider than the dense head (16 > 8): the slots nothing fits start with zero query rows and
-    non-zero key rows, so the projections score as the head-dim fit does, and the query rows of those slots get a
-    gradient."""
+    """An index head wider than the dense head (16 > 8) of a partly rotated head (index rope "m3": the extra
+    channels do not turn): the slots nothing fits start with zero query rows and non-zero key rows, so the
+    projections score as the head-dim fit does, and the query rows of those slots get a gradient. (A fully rotated
+    head gets rule "tile" instead: tests/test_index_rope_tile.py.)"""
     torch.manual_seed(0)
     wq, wk = torch.randn(6 * 8, 16, dtype=torch.float64), torch.randn(2 * 8, 16, dtype=torch.float64)
     x = torch.randn(64, 16, dtype=torch.float64) * torch.linspace(0.1, 3.0, 16, dtype=torch.float64)
     c = dict(x_moment=x.T @ x / 64) if moment else {}
-    q8, k8 = init_index_weights(wq, wk, **SHAPES, **c)
-    q16, k16 = init_index_weights(wq, wk, **{**SHAPES, "index_dim": 16}, **c)
+    partial = {**SHAPES, "rope_dim": 4}
+    q8, k8 = init_index_weights(wq, wk, **partial, **c)
+    q16, k16 = init_index_weights(wq, wk, **{**partial, "index_dim": 16}, **c)
     q16 = q16.view(2, 16, 16)
     torch.testing.assert_close(q16[:, :8].reshape(16, 16), q8)
     torch.testing.assert_close(k16[:8], k8)
     assert torch.count_nonzero(q16[:, 8:]) == 0 and bool((k16[8:].norm(dim=-1) > 0).all())
-    assert torch.equal(k16, init_index_weights(wq, wk, **{**SHAPES, "index_dim": 16}, **c)[1])  # seeded
+    assert torch.equal(k16, init_index_weights(wq, wk, **{**partial, "index_dim": 16}, **c)[1])  # seeded
     wq_idx = q16.clone().requires_grad_(True)
     scores = torch.einsum("thd,sd->ths", torch.einsum("hdc,tc->thd", wq_idx, x), x @ k16.T)
     scores.pow(2).sum().backward()

@@ -109,8 +109,8 @@ class Settings:
         self.init_blocks = sparse.get("sparse_init_block", 0)
         self.local_blocks = sparse.get("sparse_local_block", 1)
         self.index_rope = sparse.get("sparse_index_rope", "m3")
-        if self.index_rope not in ("m3", "low"):
-            raise ValueError(f"sparse_index_rope must be 'm3' or 'low', got {self.index_rope!r}")
+        if self.index_rope not in ("m3", "low", "tile"):
+            raise ValueError(f"sparse_index_rope must be 'm3', 'low' or 'tile', got {self.index_rope!r}")
         if any(self.sparse) and self.index_heads != self.n_kv_heads:
             raise ValueError(f"MSA needs one index head per KV head: {self.index_heads} index heads, "
                              f"{self.n_kv_heads} KV heads")
@@ -171,8 +171,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
     """The index branch's RoPE. "m3": the main table cut to min(R, Di) channels (transformers' M3 indexer rule);
     "low" (sparse_index_rope, an index head narrower than R): its Di/2 pairs turn at the table's Di/2 lowest
-    frequencies."""
+    frequencies; "tile" (an index head wider than R): all Di channels turn, pair c (channels c, c + Di/2) at the
+    frequency of the table's pair (c + h - (Di/2 mod h)) mod h, h = R/2 (every frequency once, then the lowest
+    ones again)."""
     R, Di = cos.shape[-1], x.shape[-1]
+    if rope == "tile" and Di > R:
+        h, n = R // 2, Di // 2
+        pairs = (torch.arange(n, device=cos.device) + (h - n % h) % h) % h
+        cos, sin = cos[..., :h].index_select(-1, pairs), sin[..., :h].index_select(-1, pairs)
+        return apply_rope(x, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     if rope == "low" and Di < R:
         h, n = R // 2, Di // 2
         cos = torch.cat((cos[..., h - n:h], cos[..., R - n:]), -1)
