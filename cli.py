@@ -768,8 +768,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 @click.option("--distill-dtype", default="bfloat16", show_default=True, help="--distill: the backbone's weight dtype.")
 @click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="--distill: as m3c distill --autocast.")
-@click.option("--distill-block-loss", type=float, default=0.0, show_default=True,
-              help="--distill: the distillation rows with m3c distill --block-loss L (the training rows keep the KL).")
+@click.option("--distill-block-loss", type=float, default=1.0, show_default=True,
+              help="--distill: the distillation rows with m3c distill --block-loss L (m3c distill's default, 1; 0: "
+                   "the KL-only step; the training rows keep the KL).")
 @click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
 @click.option("--no-eval", is_flag=True,
               help="--distill: skip the eval rows (the converted model's dense, MSA and oracle forwards, and "

@@ -167,15 +167,16 @@ def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):
     bad = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
                                     "--distill-layers", "1", "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "error:" in bad.output and not (tmp_path / "x").exists()
-    # --distill-block-loss: the distillation rows run m3c distill --block-loss (its op adds dispatches per layer)
+    # --distill-block-loss: the distillation rows run m3c distill --block-loss, 1 by default as there (its op adds
+    # dispatches per layer); 0 the KL-only step
     r = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
                                   "--distill-layers", "3", "--distill-seq-len", "24", "--distill-batch", "1",
                                   "--block", "8", "--topk", "2", "--distill-dtype", "float32",
-                                  "--distill-block-loss", "1", "--out", str(tmp_path / "bl")])
+                                  "--distill-block-loss", "0", "--out", str(tmp_path / "kl")])
     assert r.exit_code == 0, r.output
-    with_loss = json.loads((tmp_path / "bl" / "distill.json").read_text())
-    assert with_loss["config"]["block_loss"] == 1.0
-    for a, b in zip(with_loss["rows"], result["rows"]):
+    kl_only = json.loads((tmp_path / "kl" / "distill.json").read_text())
+    assert result["config"]["block_loss"] == 1.0 and kl_only["config"]["block_loss"] == 0.0
+    for a, b in zip(result["rows"], kl_only["rows"]):
         assert a["ops"]["per_msa_layer"] > b["ops"]["per_msa_layer"]
     bad = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
                                     "--distill-block-loss", "-1", "--out", str(tmp_path / "y")])

@@ -73,7 +73,7 @@ class DistillBenchConfig:
     topk: int = 8
     dtype: str = "bfloat16"  # the backbone's weights (index weights are fp32 under autocast)
     autocast: str = "auto"  # as DistillConfig.autocast
-    block_loss: float = 0.0  # as DistillConfig.block_loss (the distillation rows; training keeps the KL alone)
+    block_loss: float = 1.0  # as DistillConfig.block_loss, its default (the distillation rows; training keeps the KL)
     train: bool = True
     eval: bool = True  # the eval rows (m3c eval's forwards and evaluate() itself)
     shard: bool = False  # FSDP2 for the distillation and MSA training steps
