@@ -1,12 +1,16 @@
 """Loss vs distillation tokens (PNG) from benchmarks/quality_real.sh results merged into one JSON per model.
 
-    python3 benchmarks/plot_quality.py RESULTS_DIR OUT.png [BLOCK_LOSS_JSON]
+    python3 benchmarks/plot_quality.py RESULTS_DIR OUT.png [BLOCK_LOSS_JSON] [--run LABEL:PANEL:FILE:INIT:DISTILLED ...]
 
 BLOCK_LOSS_JSON (optional): a merged JSON of `m3c distill --block-loss 1` runs from the same calibrated SmolLM2 init
 (keys d1_<steps>.distill.json / d1_<steps>.eval.json), drawn as a second curve on the SmolLM2 panel.
+--run (repeatable): one more recipe from a device call's merged JSON FILE, drawn from its init (INIT.eval.json) to
+its distilled model (DISTILLED.distill.json's tokens, DISTILLED.eval.json) on PANEL (smollm2 or byte). A run stopped
+by its time limit printed no report: give its tokens as a sixth field (`interrupted after step N` in the call's log,
+times batch x sequence length). INIT "-": no init row (its eval did not come back), the distilled point alone.
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -42,7 +46,17 @@ def block_curve(merged: dict, start: float):
     return [t for t, _ in points], [v for _, v in points]
 
 
-def main(results: Path, out: Path, block: Path | None = None) -> None:
+def run_points(spec: str):
+    """(panel, label, [tokens], [loss %]) of one --run LABEL:PANEL:FILE:INIT:DISTILLED[:TOKENS]."""
+    label, panel, file, init, distilled, *given = spec.split(":")
+    merged = json.loads(Path(file).read_text())
+    tokens = [0.0, float(given[0]) if given else total_tokens(merged[f"{distilled}.distill.json"])]
+    loss = [100 * merged[f"{name}.eval.json"]["loss_increase"] for name in (init, distilled) if name != "-"]
+    return panel, label, tokens[-len(loss):], loss
+
+
+def main(results: Path, out: Path, block: Path | None = None, runs=()) -> None:
+    extra = [run_points(r) for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (name, tag, title) in zip(axes, [("smollm2.json", "smollm2-b64k8", "SmolLM2-135M (real, BPE)"),
                                              ("byte.json", "byte-b64k8", "dense-llama-byte (../shared)")]):
@@ -55,6 +69,10 @@ def main(results: Path, out: Path, block: Path | None = None) -> None:
             for t, v in zip(bt[1:], bl[1:]):
                 ax.annotate(f"{v:+.2f}%", (t / 1e6, v), textcoords="offset points", xytext=(4, -12), fontsize=8,
                             color="C1")
+        for i, (panel, label, rt, rl) in enumerate(e for e in extra if tag.startswith(e[0])):
+            ax.plot([t / 1e6 for t in rt], rl, "^--", color=f"C{3 + i}", label=label)
+            ax.annotate(f"{rl[-1]:+.2f}%", (rt[-1] / 1e6, rl[-1]), textcoords="offset points", xytext=(4, -12 - 9 * i),
+                        fontsize=8, color=f"C{3 + i}")
         ax.axhline(oracle, color="g", ls="--", label=f"oracle selection ({oracle:+.2f}%)")
         ax.axhline(weight_only, color="r", ls=":", label=f"weight-only init ({weight_only:+.1f}%)")
         for t, v in zip(tokens, loss):
@@ -69,4 +87,10 @@ def main(results: Path, out: Path, block: Path | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("block", type=Path, nargs="?")
+    ap.add_argument("--run", action="append", default=[], help="LABEL:PANEL:FILE:INIT:DISTILLED")
+    a = ap.parse_args()
+    main(a.results, a.out, a.block, a.run)
