@@ -18,13 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PREFILL = RESULTS / "2026-11-29-h200" / "bench.json"
 DECODE = RESULTS / "2026-11-29-h200-decode" / "bench.json"  # the decode rerun BENCHMARKS.md's table gives
-S10, S11 = RESULTS / "2026-12-01-h200-session10", RESULTS / "2026-12-01-h200-session11"
-QUALITY = {  # bar label -> (eval JSON, its entry in a merged results file or None, which loss); the best distilled
-    # runs (index dim 128, block loss 1; BENCHMARKS.md session 11) beside their oracles and SmolLM2's calibrated init
-    "byte model\ndistilled\n(index dim 128)": (S11 / "call4_byte.json", "b128l1.eval.json", "sparse_loss"),
+S10, S12 = RESULTS / "2026-12-01-h200-session10", RESULTS / "2026-12-02-h200-session12"
+QUALITY = {  # bar label -> (eval JSON, its entry in a merged results file or None, which loss); what today's
+    # `m3c convert --index-dim 128 --calib` (index rope "tile") and `m3c distill --block-loss 1` give (BENCHMARKS.md
+    # session 12), beside the oracles
+    "byte model\ndistilled\n(dim 128)": (S12 / "call2_byte_tile.json", "t128d.eval.json", "sparse_loss"),
     "byte model\noracle": (S10 / "byte_block_loss_eval_speed_indexer.json", "bc.eval.json", "oracle_loss"),
-    "SmolLM2\ncalibrated init": (S10 / "smollm2_block_loss_1800.json", "c.eval.json", "sparse_loss"),
-    "SmolLM2\ndistilled\n(index dim 128)": (S11 / "call3_smollm2.json", "dw.eval.json", "sparse_loss"),
+    "SmolLM2\ncalibrated\ninit (dim 128)": (S12 / "call3_smollm2_tile.json", "t64.eval.json", "sparse_loss"),
+    "SmolLM2\ndistilled\n(dim 128)": (S12 / "call3_smollm2_tile.json", "t64d.eval.json", "sparse_loss"),
     "SmolLM2\noracle": (S10 / "smollm2_block_loss_1800.json", "c.eval.json", "oracle_loss"),
 }
 
