@@ -102,15 +102,24 @@ def test_narrow_index_head_on_every_path(tmp_path):
     says "low", and the in-memory graph, the streamed checkpoint reloaded, its lowered kernels and transformers
     with the remote code all give the same logits, and decoding from the paged caches the same greedy tokens; an odd
     narrow index dim is refused."""
+    src = every_path(tmp_path, 6, "low")
+    with pytest.raises(m3compile.M3CompileError, match="odd"):
+        m3compile.convert(m3compile.load(src, dtype="float32"), MSAConfig(block_size=8, topk=2, index_dim=5))
+
+
+def every_path(tmp_path, index_dim: int, rope: str):
+    """SMALL converted at `index_dim` (block 8, top-2, layer 0 dense; 45 tokens): the config names `rope`, and the
+    in-memory graph, the reloaded checkpoint, its lowered kernels and the remote code give the same logits, and
+    greedy decoding from the paged caches the remote code's tokens. Returns the source checkpoint's directory."""
     torch.manual_seed(3)
     src = tmp_path / "src"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval().save_pretrained(src)
-    cfg = MSAConfig(block_size=8, topk=2, dense_layers=(0,), index_dim=6)
+    cfg = MSAConfig(block_size=8, topk=2, dense_layers=(0,), index_dim=index_dim)
     convert_checkpoint(src, tmp_path / "conv", cfg)
     sparse = json.loads((tmp_path / "conv" / "config.json").read_text())["sparse_attention_config"]
-    assert sparse["sparse_index_rope"] == "low" and sparse["sparse_index_dim"] == 6
+    assert sparse["sparse_index_rope"] == rope and sparse["sparse_index_dim"] == index_dim
     reloaded = m3compile.load(tmp_path / "conv", dtype="float32")
-    assert reloaded.args.msa.index_rope == "low"
+    assert reloaded.args.msa.index_rope == rope
     gm, _ = m3compile.convert(m3compile.load(src, dtype="float32"), cfg)
     x = torch.randint(0, 256, (2, 45))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "conv", trust_remote_code=True,
@@ -124,5 +133,4 @@ def test_narrow_index_head_on_every_path(tmp_path):
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 30:].tolist()
     assert m3compile.generate(reloaded, [prompt], 6, backend="torch").tokens[0] == theirs
-    with pytest.raises(m3compile.M3CompileError, match="odd"):
-        m3compile.convert(m3compile.load(src, dtype="float32"), MSAConfig(block_size=8, topk=2, index_dim=5))
+    return src

@@ -6,18 +6,13 @@ ones again: ops.tile_pairs), so a dense pair with r index pairs is fitted with r
 converter writes sparse_attention_config.sparse_index_rope "tile", and every path (traced graph, reload, lowered
 kernels, remote code, decode) runs the same rule.
 """
-import json
-
 import pytest
 import torch
-import transformers
 
-import m3compile
-from m3compile import MSAConfig, convert_checkpoint
 from m3compile.ops import (apply_index_rope, apply_index_rope_triton, apply_rope, index_branch_triton,
                            index_rope_rule, index_rope_tables, tile_pairs)
 from m3compile.passes.index_init import UNFITTED_KEY_NORM, init_index_weights
-from tests.test_index_rope_low import SMALL, scores, tables
+from tests.test_index_rope_low import every_path, scores, tables
 
 
 @pytest.mark.parametrize("Di", [24, 32, 48])
@@ -116,25 +111,4 @@ def test_tiled_index_head_on_every_path(tmp_path):
     the config says "tile", and the in-memory graph, the streamed checkpoint reloaded, its lowered kernels and
     transformers with the remote code all give the same logits, and decoding from the paged caches the same greedy
     tokens."""
-    torch.manual_seed(3)
-    src = tmp_path / "src"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval().save_pretrained(src)
-    cfg = MSAConfig(block_size=8, topk=2, dense_layers=(0,), index_dim=32)
-    convert_checkpoint(src, tmp_path / "conv", cfg)
-    sparse = json.loads((tmp_path / "conv" / "config.json").read_text())["sparse_attention_config"]
-    assert sparse["sparse_index_rope"] == "tile" and sparse["sparse_index_dim"] == 32
-    reloaded = m3compile.load(tmp_path / "conv", dtype="float32")
-    assert reloaded.args.msa.index_rope == "tile"
-    gm, _ = m3compile.convert(m3compile.load(src, dtype="float32"), cfg)
-    x = torch.randint(0, 256, (2, 45))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "conv", trust_remote_code=True,
-                                                           dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = reloaded(x)
-        outputs = {"in-memory graph": gm(x), "lowered": m3compile.lower(reloaded)(x), "remote code": hf(x).logits}
-    for name, got in outputs.items():
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-    prompt = x[0, :30].tolist()
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 30:].tolist()
-    assert m3compile.generate(reloaded, [prompt], 6, backend="torch").tokens[0] == theirs
+    every_path(tmp_path, 32, "tile")
