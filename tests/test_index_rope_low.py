@@ -53,24 +53,26 @@ def test_low_rule_is_a_rotation_and_keeps_the_lowest_frequencies(Di):
         index_rope_tables(cos, sin, 5, "low")
 
 
-@pytest.mark.parametrize("T,Di,heads", [(1, 6, 3), (37, 6, 3), (40, 4, 1)])
-def test_low_rule_kernels_match_reference(T, Di, heads):
+@pytest.mark.parametrize("T,Di,heads,rope", [(1, 6, 3, "low"), (37, 6, 3, "low"), (40, 4, 1, "low"), (1, 32, 3, "tile"),
+                                             (37, 24, 3, "tile"), (40, 32, 1, "tile")])
+def test_index_rope_rule_kernels_match_reference(T, Di, heads, rope):
     """apply_index_rope_triton and the fused index branch (Triton under the interpreter) against the reference,
-    odd lengths and pair counts, one token, one head."""
+    for "low" and "tile" (tests/test_index_rope_tile.py): odd lengths and pair counts, a tile that is not a whole
+    multiple of R, one token, one head."""
     torch.manual_seed(1)
     R, hidden = 16, 24
     cos, sin = (t.float() for t in tables(T, R))
     x = torch.randn(2, T, heads, Di)
-    torch.testing.assert_close(apply_index_rope_triton(x, cos, sin, "low"), apply_index_rope(x, cos, sin, "low"))
+    torch.testing.assert_close(apply_index_rope_triton(x, cos, sin, rope), apply_index_rope(x, cos, sin, rope))
     h = torch.randn(2, T, hidden)
     wq, wk = torch.randn(heads * Di, hidden) / 5, torch.randn(Di, hidden) / 5
     nq, nk = torch.randn(Di) / 3, torch.randn(Di) / 3
-    got = index_branch_triton(h, wq, wk, nq, nk, cos, sin, 1e-6, rope="low")
+    got = index_branch_triton(h, wq, wk, nq, nk, cos, sin, 1e-6, rope=rope)
     from m3compile.kernels import reference as ref
     q = ref.gemma_rms_norm((h @ wq.T).view(2, T, heads, Di), nq, 1e-6)
     k = ref.gemma_rms_norm((h @ wk.T).view(2, T, 1, Di), nk, 1e-6)
-    torch.testing.assert_close(got[0], apply_index_rope(q, cos, sin, "low"), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], apply_index_rope(k, cos, sin, "low")[:, :, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], apply_index_rope(q, cos, sin, rope), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], apply_index_rope(k, cos, sin, rope)[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_narrow_init_is_exact_on_the_kept_pairs_with_one_kv_head():

@@ -9,8 +9,7 @@ kernels, remote code, decode) runs the same rule.
 import pytest
 import torch
 
-from m3compile.ops import (apply_index_rope, apply_index_rope_triton, apply_rope, index_branch_triton,
-                           index_rope_rule, index_rope_tables, tile_pairs)
+from m3compile.ops import apply_index_rope, apply_rope, index_rope_rule, index_rope_tables, tile_pairs
 from m3compile.passes.index_init import UNFITTED_KEY_NORM, init_index_weights
 from tests.test_index_rope_low import every_path, scores, tables
 
@@ -41,26 +40,6 @@ def test_the_converter_rule():
     assert index_rope_rule(64, 64, 128) == "tile" and index_rope_rule(64, 64, 96) == "tile"
     assert index_rope_rule(64, 64, 64) == "m3" and index_rope_rule(64, 64, 32) == "low"
     assert index_rope_rule(64, 32, 128) == "m3"  # partial RoPE: the extra channels stay non-rotated
-
-
-@pytest.mark.parametrize("T,Di,heads", [(1, 32, 3), (37, 24, 3), (40, 32, 1)])
-def test_tile_rule_kernels_match_reference(T, Di, heads):
-    """apply_index_rope_triton and the fused index branch (Triton under the interpreter) against the reference:
-    odd lengths, a tile that is not a whole multiple of R, one token, one head."""
-    torch.manual_seed(1)
-    R, hidden = 16, 24
-    cos, sin = (t.float() for t in tables(T, R))
-    x = torch.randn(2, T, heads, Di)
-    torch.testing.assert_close(apply_index_rope_triton(x, cos, sin, "tile"), apply_index_rope(x, cos, sin, "tile"))
-    h = torch.randn(2, T, hidden)
-    wq, wk = torch.randn(heads * Di, hidden) / 5, torch.randn(Di, hidden) / 5
-    nq, nk = torch.randn(Di) / 3, torch.randn(Di) / 3
-    got = index_branch_triton(h, wq, wk, nq, nk, cos, sin, 1e-6, rope="tile")
-    from m3compile.kernels import reference as ref
-    q = ref.gemma_rms_norm((h @ wq.T).view(2, T, heads, Di), nq, 1e-6)
-    k = ref.gemma_rms_norm((h @ wk.T).view(2, T, 1, Di), nk, 1e-6)
-    torch.testing.assert_close(got[0], apply_index_rope(q, cos, sin, "tile"), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], apply_index_rope(k, cos, sin, "tile")[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
 def _logit_errors(Di, kv_heads=2, moment=False):
