@@ -66,7 +66,8 @@ class GQAToMSA(Pass):
             s = self.layer_settings[m.layer]
             report.details.append(
                 f"layer {m.layer}: {m.form} attention -> MSA (Hq {m.n_heads}, Hkv {m.n_kv_heads}, "
-                f"index {s.index_heads}x{s.index_dim}, block {s.block_size}, top-k {s.topk})"
+                f"index {s.index_heads}x{s.index_dim}{'' if s.index_rope == 'm3' else f' rope {s.index_rope}'}, "
+                f"block {s.block_size}, top-k {s.topk})"
             )
         if report.replaced:
             gm.graph.eliminate_dead_code()

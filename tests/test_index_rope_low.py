@@ -121,6 +121,7 @@ def every_path(tmp_path, index_dim: int, rope: str):
     convert_checkpoint(src, tmp_path / "conv", cfg)
     sparse = json.loads((tmp_path / "conv" / "config.json").read_text())["sparse_attention_config"]
     assert sparse["sparse_index_rope"] == rope and sparse["sparse_index_dim"] == index_dim
+    assert f"x{index_dim} rope {rope}, block 8" in (tmp_path / "conv" / "conversion_report.json").read_text()
     reloaded = m3compile.load(tmp_path / "conv", dtype="float32")
     assert reloaded.args.msa.index_rope == rope
     gm, _ = m3compile.convert(m3compile.load(src, dtype="float32"), cfg)
