@@ -88,6 +88,6 @@ def test_tiled_init_leaves_ranks_past_the_kv_heads_unfitted():
 def test_tiled_index_head_on_every_path(tmp_path):
     """A Llama with head dim 16 (6 query / 2 KV heads) converted with index dim 32 (block 8, top-2; 45 tokens):
     the config says "tile", and the in-memory graph, the streamed checkpoint reloaded, its lowered kernels and
-    transformers with the remote code all give the same logits, and decoding from the paged caches the same greedy
-    tokens."""
-    every_path(tmp_path, 32, "tile")
+    transformers with the remote code and the ONNX export all give the same logits, and decoding from the paged
+    caches the same greedy tokens."""
+    every_path(tmp_path, 32, "tile", onnx=True)
