@@ -98,19 +98,19 @@ def test_sigterm_twice_mid_run_stops_after_the_step_and_saves(converted, tmp_pat
     """SIGTERM as `timeout` sends it (to the process and again to its group) while a step runs: the step finishes,
     the loop stops there and saves (the second signal changes nothing), the handlers are restored, and the resumed
     run equals an uninterrupted one."""
-    config = DistillConfig(steps=5, seq_len=128, batch=2, lr=1e-2, warmup_steps=2)
+    config = DistillConfig(steps=3, seq_len=64, batch=1, lr=1e-2, warmup_steps=1)
     distill(converted, CALIB_DATA, tmp_path / "straight", config)
     previous = signal.getsignal(signal.SIGTERM)
 
-    def term_at_3(step, total, metrics):
-        if step == 3:
+    def term_at_2(step, total, metrics):
+        if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(DistillInterrupted, match="after step 3"):
-        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=term_at_3)
+    with pytest.raises(DistillInterrupted, match="after step 2"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=term_at_2)
     assert signal.getsignal(signal.SIGTERM) == previous
-    assert '"step": 3' in (tmp_path / "resumed" / "distill_state" / "state.json").read_text()
+    assert '"step": 2' in (tmp_path / "resumed" / "distill_state" / "state.json").read_text()
     distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
     a, b = (load_file(str(tmp_path / d / "distill_state/index.safetensors")) for d in ("straight", "resumed"))
     for key in a:
