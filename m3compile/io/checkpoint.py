@@ -43,6 +43,7 @@ __all__ = [
     "load_state_dict",
     "check_state",
     "to_release_names",
+    "signals_recorded",
     "write_checkpoint",
     "plan_shards",
     "write_shard_index",
@@ -609,23 +610,35 @@ COMMITTED: list[Path] = []  # outputs atomic_output_dir has put in place (m3c sa
 
 
 @contextlib.contextmanager
-def _signals_held():
-    """SIGINT / SIGTERM held back for the block (main thread): a signal that arrives meanwhile is recorded, and the
-    handler it would have run runs when the block ends, so a commit and its record in COMMITTED happen together or
-    not at all. (Python handlers, swapped rather than a thread's signal mask: any thread may take a process signal.)"""
+def signals_recorded(got: list[int] | None = None):
+    """SIGINT / SIGTERM recorded in `got` (yielded; a new list by default) instead of handled, for the block, in the
+    main thread; the previous handlers come back after it. Elsewhere (another thread cannot set handlers) nothing
+    changes and the list stays empty. (Python handlers, swapped rather than a thread's signal mask: any thread may
+    take a process signal.)"""
+    got = [] if got is None else got
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield got
         return
-    pending: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    before = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in held}
+    before = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT,
+                                                                                         signal.SIGTERM)}
     try:
-        yield
+        yield got
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT / SIGTERM held back for the block (signals_recorded): the handler the first one would have run runs
+    when the block ends, so a commit and its record in COMMITTED happen together or not at all."""
+    pending: list[int] = []
+    try:
+        with signals_recorded(pending):
+            yield
+    finally:
         for signum in pending[:1]:
-            handler = before[signum]
+            handler = signal.getsignal(signum)  # the handler signals_recorded put back
             if callable(handler):
                 handler(signum, None)
             elif handler == signal.SIG_DFL:

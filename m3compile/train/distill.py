@@ -17,13 +17,10 @@ Output directory: a loadable converted checkpoint (config.json, safetensors in t
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +34,7 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.checkpoint import (
-    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, to_release_names,
+    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, signals_recorded, to_release_names,
 )
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load, load_meta, weights_by_layer
@@ -162,26 +159,6 @@ class DistillReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
-
-
-@contextlib.contextmanager
-def _stop_after_the_step():
-    """SIGINT / SIGTERM held off while a step runs (main thread): the signal is recorded in the yielded list and the
-    loop stops after the step in flight, then saves. Raising at the signal instead (the CLI's handler) could stop
-    torch anywhere inside a step: a run killed by `timeout` on the GPU died that way without saving (session 12).
-    Later signals during the save are recorded too, and dropped: the save completes. Elsewhere (another thread)
-    the handlers stay as they are and Ctrl-C raises where it lands, as before."""
-    got: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
-    before = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT,
-                                                                                         signal.SIGTERM)}
-    try:
-        yield got
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
 
 
 class DistillInterrupted(KeyboardInterrupt):
@@ -486,7 +463,11 @@ class _Run:
                                sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
         t0 = time.perf_counter()
         step = start
-        with _stop_after_the_step() as stop:
+        # SIGINT / SIGTERM recorded, not raised, while the loop runs (main thread): the loop stops after the step in
+        # flight and saves. Raising at the signal (the CLI's handler) could stop torch anywhere inside a step: a run
+        # killed by `timeout` on the GPU died that way without saving (session 12). Signals during the save are
+        # recorded too, and dropped. In another thread the handlers stay and Ctrl-C raises where it lands.
+        with signals_recorded() as stop:
             try:
                 while step < cfg.steps:
                     mode = cfg.mode(step)
