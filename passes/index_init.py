@@ -148,9 +148,9 @@ def init_index_weights(
         beta = torch.complex(b[:, :half], b[:, half:rope_dim]).transpose(0, 1)
         pairs = tile_pairs(rope_dim, index_dim)
         mu, nu = _shared_key(alpha, beta, rank=-(-n // half))  # [half, G, r, hidden], [half, r, hidden]
-        rank = torch.zeros(half, dtype=torch.long)
+        taken = [0] * half  # ranks of each dense pair given out so far
         for c, p in enumerate(pairs.tolist()):  # the j-th index pair of dense pair p takes its rank j
-            j, rank[p] = int(rank[p]), rank[p] + 1
+            j, taken[p] = taken[p], taken[p] + 1
             if j < nu.shape[1]:
                 wq_idx[:, c], wq_idx[:, n + c] = mu[p, :, j].real, mu[p, :, j].imag
                 wk_idx[c], wk_idx[n + c] = nu[p, j].real, nu[p, j].imag

@@ -25,6 +25,7 @@ import torch
 
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import sparse_attention
+from m3compile.tools.bench_common import median_ms
 
 
 def _smi() -> dict:
@@ -38,12 +39,8 @@ def _smi() -> dict:
 
 
 def _timed(fn) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
+    """One run's ms (CUDA events)."""
+    return median_ms(fn, steps=1, warmup=0, device="cuda")[0]
 
 
 def _run(fn, load, reps: int, gap_s: float) -> tuple[list[float], dict]:
