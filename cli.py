@@ -877,7 +877,7 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
                       f"{s['share_of_ideal']:.2f}", "-" if s["flex_x"] is None else f"{s['flex_x']:.1f}",
                       f"{s['msa_x']:.1f}", f"{s['msa_fp8_x']:.1f}")
         console.print(t)
-        console.print("indexer fp8: keys quantised per token, then fp8 x fp8 scores (query rows quantised in the "
+        console.print("indexer fp8: keys quantised per key block, then fp8 x fp8 scores (query rows quantised in the "
                       "kernel); fp8 same blocks: share of the bf16 selection's blocks fp8 scoring also selects")
         if any(r["dense"] == "extrapolated" for r in result.prefill):
             console.print("* dense time extrapolated from the longest measured length as causal FLOPs (T^2)")

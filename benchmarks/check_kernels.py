@@ -56,13 +56,14 @@ def selection_agreement(got, want, scores, tol):
     return same.float().mean().item(), worst
 
 
-def check_indexer(T, H, Di, bs, k, dtype, fp8=False):
+def check_indexer(T, H, Di, bs, k, dtype, fp8=False, block_scale=False):
     q_idx = torch.randn(1, T, H, Di, device="cuda", dtype=dtype)
     k_idx = torch.randn(1, T, Di, device="cuda", dtype=dtype)
-    if fp8:  # fp8 x fp8 scoring: against quantise (keys per token, query rows per head), dequantise, fp32 scores
-        k8, scale = indexer.quantize_index_keys(k_idx)
+    if fp8:  # fp8 x fp8 scoring: against quantise (keys per token or per key block, query rows per head),
+        # dequantise, fp32 scores
+        k8, scale = indexer.quantize_index_keys(k_idx, bs if block_scale else None)
         got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, k_scale=scale)
-        q_ref, k_ref = ref.fp8_round(q_idx), indexer.dequantize_index_keys(k8, scale)
+        q_ref, k_ref = ref.fp8_round(q_idx), indexer.dequantize_index_keys(k8, scale, bs)
     else:
         got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k)
         q_ref, k_ref = q_idx, k_idx
@@ -71,7 +72,8 @@ def check_indexer(T, H, Di, bs, k, dtype, fp8=False):
     same, worst = selection_agreement(got, want, scores, 0)
     # score units (after 1/sqrt(Di)): bf16 rounding of the sums; fp8 wgmma accumulates with less than fp32 precision
     tol = 1e-4 if dtype == torch.float32 and not fp8 else 5e-2
-    report(f"indexer T={T} Hi={H} Di={Di} bs={bs} topk={k} {str(dtype)[6:]}{' fp8' if fp8 else ''}",
+    kind = (" fp8 block scale" if block_scale else " fp8") if fp8 else ""
+    report(f"indexer T={T} Hi={H} Di={Di} bs={bs} topk={k} {str(dtype)[6:]}{kind}",
            worst <= tol, identical_rows=round(same, 5), worst_swap_gap=round(worst, 6))
 
 
@@ -385,6 +387,9 @@ def main():
         check_indexer(8000, 8, 128, 128, 16, bf16, fp8=True)  # Llama-3-8B: 8 index heads
         check_indexer(3000, 3, 48, 64, 8, fp32, fp8=True)  # 3 heads, Di 48 (padded to 64), fp32 queries
         check_indexer(1, 4, 128, 128, 16, bf16, fp8=True)
+        check_indexer(8000, 8, 64, 128, 16, bf16, fp8=True, block_scale=True)  # the graph's prefill, index dim 64
+        check_indexer(3000, 3, 48, 64, 8, fp32, fp8=True, block_scale=True)
+        check_indexer(1, 4, 128, 128, 16, bf16, fp8=True, block_scale=True)
         check_indexer(3000, 3, 96, 64, 32, fp32)
         check_indexer(1, 4, 128, 128, 16, bf16)
     if run("sparse"):

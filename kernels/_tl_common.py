@@ -24,13 +24,19 @@ def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
     into the exponent (7.8 became 4.0), so a plain cast would make the CPU tests disagree with the GPU."""
     xf = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
-    xf = xf / (amax / 448.0)[:, None]
-    binade = tl.maximum(xf.to(tl.int32, bitcast=True) & 0x7F800000, 0x3C800000).to(tl.float32, bitcast=True)
-    c = binade * 1572864.0
-    q = ((xf + c) - c).to(tl.float8e4nv)
+    q = round_e4m3(xf / (amax / 448.0)[:, None])
     if not FP8_DOT:
         q = q.to(tl.float16)
     return q
+
+
+@triton.jit
+def round_e4m3(xf):
+    """fp32 values within e4m3's range -> float8e4nv, rounded to nearest even as torch's cast rounds (see
+    quantize_rows_e4m3 for why the rounding is done in fp32 first)."""
+    binade = tl.maximum(xf.to(tl.int32, bitcast=True) & 0x7F800000, 0x3C800000).to(tl.float32, bitcast=True)
+    c = binade * 1572864.0
+    return ((xf + c) - c).to(tl.float8e4nv)
 
 
 @triton.jit

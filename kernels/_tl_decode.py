@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import lse_merge, online_softmax_block, quantize_rows_e4m3
+from m3compile.kernels._tl_common import lse_merge, online_softmax_block, quantize_rows_e4m3, round_e4m3
 
 
 @autotune(
@@ -145,3 +145,31 @@ def paged_merge_kernel(
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
              (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def index_write_kernel(
+    k_idx, tail, idx_cache, idx_scale, rows, pos, block_table,
+    stride_kn, stride_tb, stride_tt, stride_cp, stride_ct, stride_sp, stride_bt,
+    BS: tl.constexpr, BSP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    # one program: one sequence's new index key into its tail row, then that sequence's newest page quantised again
+    # from the tail (rows up to the new one; one scale, the page's largest magnitude -> 448): fp8 keys and scales
+    n = tl.program_id(0)
+    b = tl.load(rows + n).to(tl.int64)
+    p = tl.load(pos + n).to(tl.int64)
+    off = p % BS
+    page = tl.load(block_table + b * stride_bt + p // BS).to(tl.int64)
+    o_r = tl.arange(0, BSP)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    key = tl.load(k_idx + n * stride_kn + o_d, mask=m_d, other=0.0).to(tail.dtype.element_ty)
+    tl.store(tail + b * stride_tb + off * stride_tt + o_d, key, mask=m_d)
+    p_t = tail + b * stride_tb + o_r[:, None] * stride_tt + o_d[None, :]
+    x = tl.load(p_t, mask=(o_r < off)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    x = tl.where((o_r == off)[:, None], key.to(tl.float32)[None, :], x)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12) / 448.0
+    q = round_e4m3(tl.math.div_rn(x, tl.zeros([BSP, DP], tl.float32) + scale))
+    m_rd = (o_r < BS)[:, None] & m_d[None, :]
+    tl.store(idx_cache + page * stride_cp + o_r[:, None] * stride_ct + o_d[None, :], q, mask=m_rd)
+    tl.store(idx_scale + page * stride_sp + o_r, tl.zeros([BSP], tl.float32) + scale, mask=o_r < BS)

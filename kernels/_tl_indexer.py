@@ -15,19 +15,22 @@ def _insert(vals, ids, score, j, o_kp):
 
 @triton.jit
 def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr):
     # fp8 scoring: b_q is fp8 (keys stay fp8: an fp8 x fp8 matmul, fp32 accumulation) or fp16 (keys widened, exact)
     b_k = tl.load(p_k, mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
     if IEEE:
         s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
     else:
         s = tl.dot(b_q, tl.trans(b_k))
-    if HAS_SCALE:
+    if HAS_SCALE and not BLOCK_SCALE:
         s = s * tl.load(p_ks, mask=m_key, other=0.0)[None, :]
     m = m_key[None, :]
     if CAUSAL:
         m = m & (o_key[None, :] <= o_tok[:, None])
-    return tl.max(tl.where(m, s, float("-inf")), 1)
+    score = tl.max(tl.where(m, s, float("-inf")), 1)
+    if BLOCK_SCALE:  # p_ks: the block's one scale (> 0, so it commutes with the max)
+        score = score * tl.load(p_ks)
+    return score
 
 def _prune(cfgs, named_args, **kw):
     hp = named_args["HP"] if "HP" in named_args else kw["HP"]
@@ -42,7 +45,7 @@ def _prune(cfgs, named_args, **kw):
         # against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py, BENCHMARKS.md)
         default=dict(ROWS=128, num_warps=4, num_stages=2),
     ),
-    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "FP8_DOT", "tune_bucket"],
+    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["T", "tune_bucket"])
@@ -52,7 +55,8 @@ def index_topk_kernel(
     T, tune_bucket,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr, ROWS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
@@ -82,16 +86,24 @@ def index_topk_kernel(
     for j in range(0, n_full):
         o_key = j * BS + o_n
         m_key = o_n < BS
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                              o_tok, m_d, False, HAS_SCALE, IEEE)
+        if BLOCK_SCALE:  # the key scales: the block's one, or each key's
+            p_sc = p_s0 + j
+        else:
+            p_sc = p_s0 + o_key
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_sc, o_key, m_key,
+                              o_tok, m_d, False, HAS_SCALE, BLOCK_SCALE, IEEE)
         score = tl.where(j < INIT, 3.4028234663852886e38, score)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
         vals, ids = _insert(vals, ids, score, j, o_kp)
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                              o_tok, m_d, True, HAS_SCALE, IEEE)
+        if BLOCK_SCALE:  # the key scales: the block's one, or each key's
+            p_sc = p_s0 + j
+        else:
+            p_sc = p_s0 + o_key
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_sc, o_key, m_key,
+                              o_tok, m_d, True, HAS_SCALE, BLOCK_SCALE, IEEE)
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         vals, ids = _insert(vals, ids, score, j, o_kp)

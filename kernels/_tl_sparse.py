@@ -71,6 +71,10 @@ def gather_q_fwd_kernel(
         q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
                          + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
                          mask=m_next[:, None] & m_d[None, :], other=0.0)
+        # tiles whose every token lies past a full key block see all of it: no mask, and the scale rides in the
+        # exponent's FMA (the segment's tokens are sorted, so only its first tiles hold the block's own tokens)
+        past = (seg % NB + 1) * BS
+        open_block = (BN == BS) & (past <= T)
         for e0 in range(start, end, TOK):
             m_row, pl, b_q = m_next, pl_next, q_next
             o_e = e0 + TOK + o_r // GP
@@ -86,18 +90,23 @@ def gather_q_fwd_kernel(
                 s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
             else:
                 s = tl.dot(b_q, tl.trans(b_k))
-            s = tl.where(m_key[None, :] & (o_key[None, :] <= o_t[:, None]), s * scale_log2, float("-inf"))
-            m = tl.max(s, 1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            p = tl.math.exp2(s - m[:, None])
-            l = tl.sum(p, 1)
-            l = tl.where(l == 0.0, 1.0, l)
+            if open_block & (tl.min(tl.where(m_row, o_t, past)) >= past):
+                m = tl.max(s, 1) * scale_log2
+                p = tl.math.exp2(s * scale_log2 - m[:, None])
+                l = tl.sum(p, 1)
+            else:
+                s = tl.where(m_key[None, :] & (o_key[None, :] <= o_t[:, None]), s * scale_log2, float("-inf"))
+                m = tl.max(s, 1)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                p = tl.math.exp2(s - m[:, None])
+                l = tl.sum(p, 1)
+                l = tl.where(l == 0.0, 1.0, l)
             if not LSE_ONLY:  # LSE_ONLY: the per-block log-sum-exps alone (the KL's teacher), no P V
                 if IEEE:
                     o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
                 else:
                     o = tl.dot(p.to(b_v.dtype), b_v)
-                o = o / l[:, None]
+                o = o * (1.0 / l)[:, None]
                 p_o = (part_o + i_b * stride_pb + o_tl[:, None].to(tl.int64) * stride_pt + o_slot[:, None] * stride_ps
                        + o_hq[:, None] * stride_ph + o_d[None, :])
                 tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
@@ -256,11 +265,11 @@ def sum_slots_kernel(
 # The CSR of a selection (sparse_attention.build_csr): sort keys, segment offsets and payload, the tile schedule
 
 
-@triton.jit(do_not_specialize=["n", "C", "t0", "ck", "NB"])
-def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, ck, NB, HKV: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "C", "t0", "NB"])
+def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, NB, HKV: tl.constexpr,
                     K: tl.constexpr, BLOCK: tl.constexpr):
     # one program: BLOCK (batch, head, token, slot) entries of the query range [t0, t0 + C); the sort key of each:
-    # segment (batch, head, block) * C*K + token * K + slot, and n_seg * C*K (past every segment) for -1 slots
+    # its segment (batch, head, block), and n_seg (past every segment) for -1 slots
     o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o_e < n
     slot = o_e % K
@@ -269,15 +278,16 @@ def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, ck, 
     p = blocks + (bh // HKV) * stride_bb + (bh % HKV) * stride_bh + (t0 + tok) * stride_bt + slot
     sel = tl.load(p, mask=m, other=-1).to(tl.int64)
     n_seg = (n // (K * C)) * NB  # batch x heads x blocks
-    k = tl.where(sel >= 0, (bh * NB + sel) * ck + tok * K + slot, n_seg * ck)
-    tl.store(key + o_e, k, mask=m)
+    k = tl.where(sel >= 0, bh * NB + sel, n_seg)
+    tl.store(key + o_e, k.to(key.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["n", "n_seg", "ck", "chunk", "seg_programs", "steps"])
-def csr_segments_kernel(key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, steps,
+def csr_segments_kernel(key, order, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, steps,
                         BLOCK: tl.constexpr):
-    # programs < seg_programs: BLOCK segments each; a segment's first entry in the sorted keys by binary search
-    # (lower bound of segment * C*K), and its tile count; the others: the payload (token * K + slot) of BLOCK entries
+    # programs < seg_programs: BLOCK segments each; a segment's first entry in the sorted segment keys by binary
+    # search (lower bound), and its tile count; the others: the payload (token * K + slot) of BLOCK entries, from
+    # the sort's permutation (entry = (batch * heads + head) * C*K + token * K + slot)
     pid = tl.program_id(0)
     if pid < seg_programs:
         s = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -288,12 +298,12 @@ def csr_segments_kernel(key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_p
         hi1 = tl.zeros([BLOCK], tl.int64) + n
         for _ in range(steps):  # ceil(log2(n + 1)) halvings find both bounds
             mid = (lo + hi) // 2
-            right = (tl.load(key + mid, mask=m & (lo < hi), other=0) < s * ck) & (lo < hi)
+            right = (tl.load(key + mid, mask=m & (lo < hi), other=0).to(tl.int64) < s) & (lo < hi)
             left = (lo < hi) & ~right
             lo = tl.where(right, mid + 1, lo)
             hi = tl.where(left, mid, hi)
             mid1 = (lo1 + hi1) // 2
-            right1 = (tl.load(key + mid1, mask=m & (lo1 < hi1), other=0) < (s + 1) * ck) & (lo1 < hi1)
+            right1 = (tl.load(key + mid1, mask=m & (lo1 < hi1), other=0).to(tl.int64) < s + 1) & (lo1 < hi1)
             left1 = (lo1 < hi1) & ~right1
             lo1 = tl.where(right1, mid1 + 1, lo1)
             hi1 = tl.where(left1, mid1, hi1)
@@ -302,7 +312,8 @@ def csr_segments_kernel(key, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_p
     else:
         o_e = (pid - seg_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = o_e < n
-        tl.store(payload + o_e, (tl.load(key + o_e, mask=m, other=0) % ck).to(tl.int32), mask=m)
+        live = tl.load(key + o_e, mask=m, other=0).to(tl.int64) < n_seg  # -1 slots, sorted last, get payload 0
+        tl.store(payload + o_e, tl.where(live, tl.load(order + o_e, mask=m, other=0) % ck, 0).to(tl.int32), mask=m)
 
 
 @triton.jit(do_not_specialize=["n_seg", "n_tiles", "chunk", "seg_programs"])

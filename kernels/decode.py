@@ -4,7 +4,8 @@ Caches are paged with page = MSA key block (MSA_SPEC section 5: a block size tha
 silently selects tokens instead of blocks, so the page size *is* the block size here):
     k_cache, v_cache  [P, BS, Hkv, D]   main KV cache
     idx_cache         [P, BS, Di]       index-key cache (one shared index key per token), bf16/fp16/fp32 or fp8 e4m3
-    idx_scale         [P, BS] fp32      per-token scale of fp8 index keys (None otherwise)
+    idx_scale         [P, BS] fp32      scale of each fp8 index key (None otherwise): the graph's caches hold one
+                                        scale per page (= key block), repeated over its tokens (`paged_index_write`)
     block_table       [B, max_pages]    int32 physical page of each logical block of each sequence
     seq_lens          [B]               int32 tokens in each sequence, the token being decoded included
 
@@ -26,7 +27,7 @@ from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
 from m3compile.kernels.reference import quantize_index_keys
 
 __all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
-           "paged_block_scores_reference"]
+           "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -184,3 +185,49 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         SPLITS=splits, G=G, GP=GP, D=D, DP=DP,
     )
     return out
+
+
+def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table) -> None:
+    """Plain-torch `paged_index_write` (in place)."""
+    bs = idx_cache.shape[1]
+    off = pos.long() % bs
+    tail[rows, off] = k_idx.to(tail.dtype)
+    keys = torch.where(torch.arange(bs, device=tail.device)[None, :, None] <= off[:, None, None], tail[rows].float(),
+                       0.0)
+    q8, scale = quantize_index_keys(keys, bs)  # [N, BS, Di], one scale per page [N, 1]
+    page = block_table[rows, pos.long() // bs].long()
+    idx_cache[page] = q8
+    idx_scale[page] = scale.expand(-1, bs)
+
+
+def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: torch.Tensor, k_idx: torch.Tensor,
+                      rows: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor, *,
+                      backend: str = "auto") -> None:
+    """Append one index key per sequence to an fp8 index-key cache quantised with one scale per page, in place.
+
+    A page is an MSA key block, and the prefill's fp8 scoring quantises keys with one scale per key block
+    (kernels.reference.quantize_index_keys(k, block_size)). So that a page holds those same fp8 values once it is
+    full, `tail` [B, BS, Di] (the model's dtype) keeps each sequence's keys of its newest page unquantised: the new
+    key k_idx[n] [Di] goes to tail[rows[n], pos[n] % BS], and that page is quantised again from its tail rows up to
+    the new one (rows after it: zeros, past the sequence's length, never read). Until it fills, a page is its newest
+    token's own block, which the selection forces whatever its score. rows [N] (distinct), pos [N]: the sequences
+    and their new tokens' positions; idx_cache [P, BS, Di] fp8, idx_scale [P, BS] fp32."""
+    if idx_cache.dtype != torch.float8_e4m3fn or idx_scale.shape != idx_cache.shape[:2] \
+            or tail.shape[1:] != idx_cache.shape[1:] or k_idx.shape != (rows.shape[0], idx_cache.shape[2]):
+        raise ValueError(f"paged_index_write needs an fp8 idx_cache [P, BS, Di], idx_scale [P, BS], tail [B, BS, Di] "
+                         f"and k_idx [N, Di]; got {tuple(idx_cache.shape)} {idx_cache.dtype}, "
+                         f"{tuple(idx_scale.shape)}, {tuple(tail.shape)}, {tuple(k_idx.shape)}")
+    if not use_triton(idx_cache, tail, k_idx, backend=backend):
+        paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table)
+        return
+    from m3compile.kernels._tl_decode import index_write_kernel
+
+    bs, D = idx_cache.shape[1], idx_cache.shape[2]
+    k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+    if not (tail.is_contiguous() and idx_cache.is_contiguous() and idx_scale.is_contiguous()):
+        raise ValueError("paged_index_write needs contiguous tail, idx_cache and idx_scale")
+    index_write_kernel[(rows.shape[0],)](
+        k_idx, tail, idx_cache, idx_scale, rows, pos, block_table,
+        k_idx.stride(0), tail.stride(0), tail.stride(1), idx_cache.stride(0), idx_cache.stride(1), idx_scale.stride(0),
+        block_table.stride(0), BS=bs, BSP=next_pow2(bs), D=D, DP=next_pow2(D), num_warps=4,
+    )

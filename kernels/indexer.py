@@ -9,11 +9,14 @@ ever written: the only output is the block ids.
 Forced blocks (the query's own `local_blocks` most recent blocks, the first `init_blocks` blocks) enter with score
 +inf; slots that no visible block fills stay -1. Slot order carries no meaning.
 
-fp8 scoring: index keys in fp8 e4m3 with one fp32 scale per token (`quantize_index_keys`) make the kernel quantise
+fp8 scoring: index keys in fp8 e4m3 with fp32 scales (`quantize_index_keys`: one per token, or one per key block as
+the graph's prefill quantises them) make the kernel quantise
 each query row (token, head) to e4m3 too, as it loads it (the decode kernel does the same); token scores are then an
 fp8 x fp8 matmul with fp32 accumulation, times the key's scale (the query's scale, one positive number per row,
-cannot change that row's ranking and is not applied), followed by the same block max and top-k. On a GPU whose
-Triton cannot compile an fp8 matmul, and under the interpreter, both operands are widened to fp16, which holds
+cannot change that row's ranking and is not applied), followed by the same block max and top-k. With one key
+scale per key block (what the graph's prefill uses) the scale multiplies the block max instead: one multiply per
+block score, not one per token score (at Llama-3-8B index shapes, 128K: 17.4 -> 14.5 ms at index dim 64,
+BENCHMARKS.md). On a GPU whose Triton cannot compile an fp8 matmul, and under the interpreter, both operands are widened to fp16, which holds
 every e4m3 value exactly. The plain-torch meaning is `select_blocks_reference`: quantise, dequantise, score in fp32.
 
 Layout: q_idx [B, T, Hi, Di] (as the graph produces it), k_idx [B, T, Di] -> blocks [B, Hi, T, topk] int32.
@@ -37,8 +40,11 @@ def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor | Non
     if topk < 1 or block_size < 1:
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     fp8 = k_idx.dtype == torch.float8_e4m3fn
-    if fp8 and (k_scale is None or k_scale.shape != k_idx.shape[:2]):
-        raise ValueError("fp8 index keys need k_scale [B, T] (see quantize_index_keys)")
+    B, T = k_idx.shape[:2]
+    if fp8 and (k_scale is None or tuple(k_scale.shape) not in ((B, T), (B, -(-T // max(1, block_size))))):
+        raise ValueError(f"fp8 index keys need k_scale [B, T] or [B, ceil(T / block_size)] = [{B}, {T}] or "
+                         f"[{B}, {-(-T // max(1, block_size))}] (see quantize_index_keys), got "
+                         f"{None if k_scale is None else tuple(k_scale.shape)}")
     if q_idx.dtype == torch.float8_e4m3fn:
         raise ValueError("q_idx must be a floating tensor of bf16/fp16/fp32 (fp8 scoring quantises it itself)")
     return fp8
@@ -58,7 +64,7 @@ def select_blocks_reference(
     dequantised (reference.fp8_round), the keys dequantised with k_scale, then fp32 scores, block max and top-k."""
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
     if fp8:
-        q_idx, k_idx = fp8_round(q_idx), dequantize_index_keys(k_idx, k_scale)
+        q_idx, k_idx = fp8_round(q_idx), dequantize_index_keys(k_idx, k_scale, block_size)
     return ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
                              local_blocks=local_blocks).to(torch.int32)
 
@@ -77,7 +83,9 @@ def select_blocks(
     """Top-k key blocks per (index head, query token).
 
     q_idx [B, T, Hi, Di] (bf16/fp16/fp32); k_idx [B, T, Di] in the same dtypes, or fp8 e4m3 with k_scale [B, T] fp32
-    (quantize_index_keys), which selects fp8 scoring (module docstring) -> [B, Hi, T, topk] int32 (-1 = empty slot).
+    (quantize_index_keys), which selects fp8 scoring (module docstring), or with k_scale [B, ceil(T / block_size)]
+    (one scale per key block, `quantize_index_keys(k, block_size)`: the scale multiplies block scores, not token
+    scores) -> [B, Hi, T, topk] int32 (-1 = empty slot).
     Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
@@ -91,6 +99,7 @@ def select_blocks(
     if T == 0:
         return out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
+    block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
     from m3compile.kernels._tl_indexer import index_topk_kernel as kernel
 
     HP = next_pow2(H)
@@ -104,7 +113,7 @@ def select_blocks(
             T, tune_bucket(T),
             H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
             TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
-            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
+            HAS_SCALE=fp8, BLOCK_SCALE=block_scale, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
         )
 
     launch_fp8(launch, fp8)

@@ -9,7 +9,7 @@ Shapes (head-major, the layout `scaled_dot_product_attention` takes):
                                slot order carries no meaning
 
 Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input
-dtype. fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row), `fp8_round`, and
+dtype. fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row or key block), `fp8_round`, and
 `select_blocks(fp8=True)`. The query axis is processed in chunks sized so
 that no [T, T] tensor is ever allocated: memory is O(chunk * T) for scoring and O(chunk * K * block) for the
 sparse attention itself.
@@ -39,6 +39,7 @@ __all__ = [
     "query_chunk",
     "quantize_index_keys",
     "dequantize_index_keys",
+    "expand_block_scale",
     "fp8_round",
     "FP8_MAX",
     "block_mass",
@@ -66,22 +67,44 @@ def query_chunk(rows_per_query: int, length: int, budget: int = _CHUNK_ELEMENTS)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def quantize_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_index_keys(x: torch.Tensor, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., Di] -> (fp8 e4m3 [..., Di], fp32 scale [...]) with x ~= fp8 * scale: one scale per row (each
     token's index key; for index queries, each (token, head)), the row's largest magnitude mapped to 448, rounded to
-    nearest even. The fp8 index kernels quantise queries exactly so, inside the kernel."""
-    amax = x.float().abs().amax(-1).clamp(min=1e-12)
+    nearest even. The fp8 index kernels quantise queries exactly so, inside the kernel.
+
+    block_size (keys x [..., T, Di] only): one scale per aligned block of `block_size` keys instead, the block's
+    largest magnitude mapped to 448 -> scale [..., ceil(T / block_size)]. e4m3 is a floating format, so a key
+    smaller than its block's largest keeps the same relative precision unless it falls 2^15 below it (e4m3's
+    subnormals); the prefill indexer then applies the scale once per block score, after the block max
+    (a positive scale commutes with the max), instead of once per token score."""
+    if block_size is None:
+        amax = x.float().abs().amax(-1).clamp(min=1e-12)
+        scale = amax / FP8_MAX
+        return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+    T = x.shape[-2]
+    n_blocks = -(-T // block_size)
+    pad = F.pad(x.float().abs(), (0, 0, 0, n_blocks * block_size - T))
+    amax = pad.reshape(*x.shape[:-2], n_blocks, block_size * x.shape[-1]).amax(-1).clamp(min=1e-12)
     scale = amax / FP8_MAX
-    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+    return (x.float() / expand_block_scale(scale, block_size, T)[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def dequantize_index_keys(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def expand_block_scale(scale: torch.Tensor, block_size: int, T: int) -> torch.Tensor:
+    """A per-key-block scale [..., ceil(T / block_size)] as one scale per key [..., T]."""
+    return scale.repeat_interleave(block_size, -1)[..., :T]
+
+
+def dequantize_index_keys(x_fp8: torch.Tensor, scale: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    """fp8 keys [..., T, Di] times their scales: per key [..., T], or per key block [..., ceil(T / block_size)]."""
+    if block_size is not None and scale.shape[-1] != x_fp8.shape[-2]:
+        scale = expand_block_scale(scale, block_size, x_fp8.shape[-2])
     return x_fp8.float() * scale[..., None]
 
 
-def fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x [..., Di] as fp8 index scoring sees it: quantised per row (quantize_index_keys), dequantised, fp32."""
-    return dequantize_index_keys(*quantize_index_keys(x))
+def fp8_round(x: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    """x [..., Di] as fp8 index scoring sees it: quantised (quantize_index_keys: per row, or per key block),
+    dequantised, fp32."""
+    return dequantize_index_keys(*quantize_index_keys(x, block_size), block_size)
 
 
 def _check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
@@ -161,8 +184,9 @@ def select_blocks(
     The `local_blocks` most recent blocks (the query's own block first) and the first `init_blocks` blocks are
     always kept when visible; the remaining slots take the best-scoring earlier blocks; slots that cannot be filled
     hold -1. Index heads are never reduced together: each KV group selects its own blocks.
-    fp8: score as the fp8 kernels do: every query row (token, head) and every key quantised to e4m3 with one scale
-    per row (quantize_index_keys), dequantised, then scored in fp32 (`fp8_round`).
+    fp8: score as the fp8 prefill kernel does: every query row (token, head) quantised to e4m3 with one scale per
+    row, the keys with one scale per key block (quantize_index_keys), dequantised, then scored in fp32
+    (`fp8_round`).
 
     q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64.
     """
@@ -170,7 +194,7 @@ def select_blocks(
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     k_idx = _check_index_inputs(q_idx, k_idx)
     if fp8:
-        q_idx, k_idx = fp8_round(q_idx), fp8_round(k_idx)
+        q_idx, k_idx = fp8_round(q_idx), fp8_round(k_idx, block_size)
     B, Hi, T, _ = q_idx.shape
     out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
     chunk = chunk or query_chunk(B * Hi, T)

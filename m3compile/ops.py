@@ -360,10 +360,10 @@ def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int
                       index_dtype: str = "auto"):
     """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty).
 
-    index_dtype "fp8": the keys are quantised here (one scale per token), the query rows inside the kernel."""
+    index_dtype "fp8": the keys are quantised here (one scale per key block), the query rows inside the kernel."""
     k_scale = None
     if _fp8_scoring(index_dtype):
-        k_idx, k_scale = indexer.quantize_index_keys(k_idx)
+        k_idx, k_scale = indexer.quantize_index_keys(k_idx, block_size)
     return indexer.select_blocks(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
                                  local_blocks=local_blocks, k_scale=k_scale)
 

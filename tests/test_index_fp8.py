@@ -46,7 +46,7 @@ def test_fp8_setting_survives_saving_loading_and_lowering(fp8_dir):
     code = (fp8_dir / "graph" / "module.py").read_text()
     assert code.count("index_dtype = 'fp8'") == 2 and "index_dtype = 'auto'" not in code  # both MSA layers
     graph = m3compile.load_module(fp8_dir)  # the generated graph code, run as written
-    x = _tokens(30)  # 4 blocks of 8 > top-2: selection matters
+    x = _tokens(40)  # 5 blocks of 8 > top-2: selection matters (at 30, fp8 and bf16 happen to pick the same)
     with torch.no_grad():
         want = model(x)
         assert torch.equal(graph(x), want)
@@ -64,8 +64,11 @@ def test_generation_of_an_fp8_model_scores_in_fp8(fp8_dir):
     """Prefill selects with fp8 scoring and the index-key cache is fp8 by default: prefill logits equal the fp8
     model's forward, decode logits the forward of the grown sequence (fp8 decode scores, same blocks)."""
     model = m3compile.load(fp8_dir)
-    prompt = _tokens(27, seed=1)[0].tolist()  # 4 blocks of 8: past the top-2, so the prefill selects
-    res = m3compile.generate(model, [prompt], 2, backend="torch")  # the kernels' agreement: tests/kernels
+    # 3 blocks of 8: past the top-2, so the prefill selects; decode fills pages 3 to 6 (one fp8 scale per page,
+    # requantised from its unquantised keys as it fills) and scores them once full. Quantised per token instead,
+    # as the cache was before, the decode logits of this case differ by 0.54
+    prompt = _tokens(22, seed=1)[0].tolist()
+    res = m3compile.generate(model, [prompt], 26, backend="torch")  # the kernels' agreement: tests/kernels
     seq = prompt + res.tokens[0]
     with torch.no_grad():
         want = model(torch.tensor([seq[:-1]]))[0, len(prompt) - 1:]

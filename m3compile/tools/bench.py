@@ -7,7 +7,7 @@ head, block 128, top-16 by default):
                blocks its tokens chose; a mask_mod keeps each token to its own blocks)
     attention  this project's gather-Q sparse attention alone
     indexer    fused scores + block max + top-k (bf16), and with fp8 scoring (index_dtype "fp8": the keys quantised
-               per token, then the kernel, which quantises the query rows), with the share of the bf16 selection's
+               per key block, then the kernel, which quantises the query rows), with the share of the bf16 selection's
                blocks that fp8 scoring also selects and of the (head, token) rows it selects identically
     msa        indexer + attention (the whole MSA prefill, index projections excluded), bf16 and fp8 indexer
 Selections: "independent" = what the indexer picks on random index queries/keys (per-token selections barely
@@ -209,7 +209,7 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
         return select_blocks(q_idx, k_idx, block_size=cfg.block, topk=cfg.topk)
 
     def indexer_fp8():  # as the lowered msa_select with index_dtype "fp8" runs it: keys quantised, then the kernel
-        k8, k_scale = quantize_index_keys(k_idx)
+        k8, k_scale = quantize_index_keys(k_idx, cfg.block)  # one scale per key block, as the graph quantises
         return select_blocks(q_idx, k8, block_size=cfg.block, topk=cfg.topk, k_scale=k_scale)
 
     blocks = indexer()

@@ -311,9 +311,9 @@ def _fill(cache: PagedCache, seed: int) -> None:
             idx.normal_(generator=g)
         else:  # fp8 keys with their scales, one layer at a time
             keys = torch.randn(idx.shape, device=idx.device, generator=g)
-            q, scale = quantize_index_keys(keys)
+            q, scale = quantize_index_keys(keys, idx.shape[1])  # one scale per page, as the graph's caches hold
             idx.copy_(q)
-            cache.idx_scale[i].copy_(scale)
+            cache.idx_scale[i].copy_(scale.expand(-1, idx.shape[1]))
 
 
 def _steps_ms(step: DecodeStep, tokens, cache: PagedCache, T: int, n: int, device) -> float:

@@ -1,7 +1,7 @@
 """Generation with paged caches: prefill each prompt, then decode all sequences token by token.
 
 Every layer keeps a paged KV cache; every MSA layer also keeps a paged index-key cache (one shared index key per
-token, bf16 or fp8 e4m3 with a per-token scale). Pages hold `block_size` tokens: the MSA key block is the page, so a
+token, bf16 or fp8 e4m3 with one scale per page, as the prefill's fp8 scoring quantises a key block). Pages hold `block_size` tokens: the MSA key block is the page, so a
 selected block id is a logical page of the block table. Prefill runs the fused indexer and the gather-Q sparse kernel
 (SDPA for dense layers and for prompts whose blocks all fit in the top-k); decode runs `kernels.decode`'s paged
 selection and split-K attention for every layer (a dense layer selects every page). On CPU the same code runs the
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
+from m3compile.kernels.reference import expand_block_scale
 from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention, Decoder, MoE
@@ -43,6 +44,7 @@ class PagedCache:
 
     def __init__(self, model: Decoder, batch: int, max_len: int, page: int, device, dtype, index_dtype):
         a = model.args
+        key_dtype = next(model.parameters()).dtype  # the index keys' own dtype: the tail holds them exactly
         self.page = page
         per_seq = -(-max_len // page)
         self.block_table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, per_seq)
@@ -50,30 +52,55 @@ class PagedCache:
         self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
         self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
-        self.k, self.v, self.idx, self.idx_scale = {}, {}, {}, {}
+        self.k, self.v, self.idx, self.idx_scale, self.tail = {}, {}, {}, {}, {}
         for i in range(a.n_layers):
             self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
             self.v[i] = torch.zeros_like(self.k[i])
             if a.is_sparse(i):
                 self.idx[i] = torch.zeros(P, page, a.msa.index_dim, dtype=index_dtype, device=device)
-                self.idx_scale[i] = (torch.ones(P, page, dtype=torch.float32, device=device)
-                                     if index_dtype == torch.float8_e4m3fn else None)
+                fp8 = index_dtype == torch.float8_e4m3fn
+                self.idx_scale[i] = torch.ones(P, page, dtype=torch.float32, device=device) if fp8 else None
+                if fp8:  # each sequence's keys of its newest page, unquantised (kernels.decode.paged_index_write)
+                    self.tail[i] = torch.zeros(batch, page, a.msa.index_dim, dtype=key_dtype, device=device)
 
     def slots(self, b: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(physical page, offset in it) of positions `pos` of sequences `b`: the same for every layer."""
         return self.block_table[b, pos // self.page].long(), pos % self.page
 
-    def write(self, layer: int, b: torch.Tensor, pos: torch.Tensor, k, v, k_idx=None, slots=None) -> None:
-        """Store tokens at positions `pos` of sequences `b`: k/v [N, Hkv, D], k_idx [N, Di]. `slots`: what
-        slots(b, pos) gives, computed once for all layers by the caller."""
+    def write(self, layer: int, b: torch.Tensor, pos: torch.Tensor, k, v, k_idx=None, slots=None,
+              backend: str = "auto") -> None:
+        """Store one new token per sequence: sequences `b` [N] (distinct) at positions `pos`: k/v [N, Hkv, D],
+        k_idx [N, Di]. `slots`: what slots(b, pos) gives, computed once for all layers by the caller. An fp8
+        index cache requantises each sequence's newest page with the new key (kernels.decode.paged_index_write)."""
         page, off = self.slots(b, pos) if slots is None else slots
         self.k[layer][page, off] = k.to(self.k[layer].dtype)
         self.v[layer][page, off] = v.to(self.v[layer].dtype)
         if k_idx is not None:
             if self.idx_scale[layer] is not None:
-                k_idx, scale = quantize_index_keys(k_idx)
-                self.idx_scale[layer][page, off] = scale
+                paged.paged_index_write(self.idx[layer], self.idx_scale[layer], self.tail[layer], k_idx, b, pos,
+                                        self.block_table, backend=backend)
+            else:
+                self.idx[layer][page, off] = k_idx.to(self.idx[layer].dtype)
+
+    def write_prompt(self, layer: int, b: int, k, v, k_idx=None) -> None:
+        """Store a prompt's T tokens at positions 0..T-1 of sequence b: k/v [T, Hkv, D], k_idx [T, Di]. fp8 index
+        keys are quantised with one scale per page, as the prefill's selection quantised them (one per key block);
+        the last page's keys, if it is not full, stay unquantised in the tail for the decode steps that fill it."""
+        T = k.shape[0]
+        pos = torch.arange(T, device=k.device)
+        page, off = self.slots(torch.full((T,), b, device=k.device), pos)
+        self.k[layer][page, off] = k.to(self.k[layer].dtype)
+        self.v[layer][page, off] = v.to(self.v[layer].dtype)
+        if k_idx is None:
+            return
+        if self.idx_scale[layer] is None:
             self.idx[layer][page, off] = k_idx.to(self.idx[layer].dtype)
+            return
+        q8, scale = quantize_index_keys(k_idx[None], self.page)
+        self.idx[layer][page, off] = q8[0]
+        self.idx_scale[layer][page, off] = expand_block_scale(scale, self.page, T)[0]
+        start = T - T % self.page
+        self.tail[layer][b, : T - start] = k_idx[start:].to(self.tail[layer].dtype)
 
 
 @dataclass
@@ -98,8 +125,6 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
     T = prompt.shape[0]
     x = bb.embed_tokens(prompt[None])
     cos, sin = bb.rotary_emb(x, torch.arange(T, device=x.device)[None])
-    b_ids = torch.full((T,), b, device=x.device)
-    pos = torch.arange(T, device=x.device)
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
         h = layer.input_layernorm(x)
@@ -108,7 +133,7 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
         m = attn.msa
         if m is not None and attn.sparse and -(-T // m.block_size) > m.topk:
             q_idx, k_idx = attn.index_branch(h, cos, sin)
-            keys, k_scale = quantize_index_keys(k_idx) if m.index_dtype == "fp8" else (k_idx, None)
+            keys, k_scale = quantize_index_keys(k_idx, m.block_size) if m.index_dtype == "fp8" else (k_idx, None)
             blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
                                    local_blocks=m.local_blocks, k_scale=k_scale, backend=backend)
             o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
@@ -116,8 +141,7 @@ def _prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, ba
             if m is not None:
                 k_idx = attn.index_branch(h, cos, sin)[1]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale, enable_gqa=True)
-        cache.write(i, b_ids, pos, k[0].transpose(0, 1), v[0].transpose(0, 1),
-                    None if k_idx is None else k_idx[0])
+        cache.write_prompt(i, b, k[0].transpose(0, 1), v[0].transpose(0, 1), None if k_idx is None else k_idx[0])
         x = x + attn.o_proj(o.transpose(1, 2).reshape(1, T, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(bb.norm(x[:, -1])).float()[0]
@@ -146,7 +170,7 @@ def _decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backen
         m = attn.msa
         if m is not None:
             q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
-            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots)
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots, backend=backend)
         else:
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots)
         if m is not None and attn.sparse:

@@ -56,7 +56,7 @@ def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> d
             prefill = m.index_heads * m.index_dim * N + 4 * hq * d * m.topk * m.block_size
             out["msa_prefill_flops_per_token"] += prefill
             out["msa_decode_flops"] += 2 * m.index_heads * m.index_dim * N + 4 * hq * d * kept
-            # fp8 index scoring keeps e4m3 keys and one fp32 scale per token
+            # fp8 index scoring keeps e4m3 keys and an fp32 scale per token slot (its page's scale, repeated)
             out["index_k_cache_bytes_per_token"] += m.index_dim + 4 if m.index_dtype == "fp8" else \
                 m.index_dim * bytes_per_value
             out["index_params"] += (m.index_heads + 1) * m.index_dim * args.hidden_size + 2 * m.index_dim

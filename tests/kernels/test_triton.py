@@ -74,27 +74,46 @@ FP8_CASES = [  # B, T, Hi, Di, block, topk, init, local, query dtype
 ]
 
 
+@pytest.mark.parametrize("per_block", [False, True], ids=["token-scale", "block-scale"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}-{}".format(
     *c[:-1], str(c[-1]).split(".")[-1]))
-def test_indexer_fp8_matches_reference(case):
-    """fp8 scoring: the kernel (query rows quantised inside it, fp8 keys) against quantise-dequantise-score."""
+def test_indexer_fp8_matches_reference(case, per_block):
+    """fp8 scoring: the kernel (query rows quantised inside it, fp8 keys with one scale per key or per key block)
+    against quantise-dequantise-score."""
     B, T, H, D, bs, k, init, local, dtype = case
     q_idx, k_idx = torch.randn(B, T, H, D).to(dtype), torch.randn(B, T, D).to(dtype)
-    k8, scale = indexer.quantize_index_keys(k_idx)
-    assert k8.dtype == torch.float8_e4m3fn and scale.shape == (B, T)
-    assert rel_err(indexer.dequantize_index_keys(k8, scale), k_idx) < 0.05  # e4m3 keeps ~3 significant bits
+    k8, scale = indexer.quantize_index_keys(k_idx, bs if per_block else None)
+    assert k8.dtype == torch.float8_e4m3fn and scale.shape == (B, -(-T // bs) if per_block else T)
+    keys = indexer.dequantize_index_keys(k8, scale, bs)
+    assert rel_err(keys, k_idx) < 0.05  # e4m3 keeps ~3 significant bits
     got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local, k_scale=scale,
                                 backend="triton")
     want = indexer.select_blocks_reference(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
                                            k_scale=scale)
     assert got.shape == (B, H, T, k) and got.dtype == torch.int32
-    scores = ref.block_scores(ref.fp8_round(q_idx).transpose(1, 2), indexer.dequantize_index_keys(k8, scale), bs)
+    scores = ref.block_scores(ref.fp8_round(q_idx).transpose(1, 2), keys, bs)
     assert_same_selection(got, want, scores)
     n_visible = torch.arange(T) // bs + 1
     assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
-    # the reference is what MSA's own reference selects in fp8 mode, from the unquantised keys
-    assert torch.equal(want, ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init,
-                                               local_blocks=local, fp8=True).int())
+    if per_block:  # the reference is what MSA's own reference selects in fp8 mode, from the unquantised keys
+        assert torch.equal(want, ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k,
+                                                   init_blocks=init, local_blocks=local, fp8=True).int())
+
+
+def test_block_scale_quantises_each_key_block_to_448():
+    """One scale per aligned key block (the ragged last block too): the block's largest magnitude becomes 448,
+    and a key 1000x smaller than its block's largest keeps e4m3's relative precision."""
+    k_idx = torch.randn(2, 21, 8)
+    k_idx[0, 3] *= 1e-3
+    k8, scale = indexer.quantize_index_keys(k_idx, 8)
+    assert scale.shape == (2, 3)
+    blocks = torch.nn.functional.pad(k_idx.abs(), (0, 0, 0, 3)).view(2, 3, 64).amax(-1)
+    torch.testing.assert_close(scale, blocks / 448.0)
+    assert torch.equal(k8.float().abs().view(2, -1).max(-1).values, torch.full((2,), 448.0))
+    back = indexer.dequantize_index_keys(k8, scale, 8)
+    assert rel_err(back[0, 3], k_idx[0, 3]) < 0.05
+    with pytest.raises(ValueError, match="k_scale"):
+        indexer.select_blocks(torch.randn(2, 21, 1, 8), k8, block_size=8, topk=2, k_scale=scale[:, :2])
 
 
 @triton.jit
@@ -133,6 +152,8 @@ SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
     (2, 1, 8, 45, 16, 8, 16),  # more slots than blocks
     (1, 1, 16, 100, 32, 16, 32),
     (1, 4, 1, 64, 16, 16, 2),  # T a multiple of the block
+    (1, 2, 3, 97, 16, 8, 4),  # padded head rows (G 3 of 4) in tiles past their block (the unmasked path)
+    (1, 2, 4, 130, 16, 16, 4),  # tiles mixing a block's own tokens with later ones
 ]
 
 
@@ -253,6 +274,47 @@ def test_paged_decode_fp8_index_cache():
     got = dk.paged_select(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale, backend="triton")
     want = dk.paged_select_reference(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale)
     assert_same_selection(got, want)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_index_write_fills_pages_as_the_prefill_quantises(backend, key_dtype):
+    """Index keys appended one token at a time (sequences at different positions, shuffled pages, Di not a power of
+    two) leave each full page holding exactly the prefill's per-block quantisation of its keys, and the newest
+    page that of the keys it has so far; the kernel and the reference write the same bytes."""
+    B, bs, Di, steps = 3, 8, 24, 20
+    table = torch.randperm(B * 4).view(B, 4).int()
+    start = torch.tensor([0, 3, 8])  # sequence b's first position
+    keys = (torch.randn(B, steps + 8, Di) * torch.logspace(-2, 1, steps + 8)[None, :, None]).to(key_dtype)
+    # (each sequence's key at position t: keys[b, t])
+    cache = torch.zeros(B * 4, bs, Di, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(B * 4, bs)
+    tail = torch.zeros(B, bs, Di, dtype=key_dtype)
+    rows = torch.arange(B)
+    for t in range(steps):
+        pos = start + t
+        dk.paged_index_write(cache, scale, tail, keys[rows, pos], rows, pos, table, backend=backend)
+    for b in range(B):
+        L = int(start[b]) + steps
+        for p in range(-(-L // bs)):
+            lo, hi = max(p * bs, int(start[b])), min((p + 1) * bs, L)
+            if lo >= hi:
+                continue
+            page = torch.zeros(bs, Di, dtype=key_dtype)
+            page[lo - p * bs: hi - p * bs] = keys[b, lo:hi]  # keys are indexed by position
+            want8, want_s = indexer.quantize_index_keys(page[None], bs)
+            got8 = cache[table[b, p]].float()
+            assert torch.equal(got8[: hi - p * bs], want8[0].float()[: hi - p * bs]), (b, p)
+            assert torch.equal(scale[table[b, p], : hi - p * bs], want_s[0].expand(hi - p * bs)), (b, p)
+    if backend == "triton":  # the same bytes as the reference over the whole cache
+        cache2, scale2, tail2 = torch.zeros_like(cache), torch.ones_like(scale), torch.zeros_like(tail)
+        for t in range(steps):
+            pos = start + t
+            dk.paged_index_write_reference(cache2, scale2, tail2, keys[rows, pos], rows, pos, table)
+        assert torch.equal(cache.view(torch.uint8), cache2.view(torch.uint8))
+        assert torch.equal(scale, scale2) and torch.equal(tail, tail2)
+    with pytest.raises(ValueError, match="paged_index_write"):
+        dk.paged_index_write(cache.float(), scale, tail, keys[rows, 0], rows, start, table)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8"])
