@@ -197,10 +197,17 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     return out, (lse if want_lse else None), whole
 
 
+# gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
+# the block's K and V once, so more rows per program re-read them less often, at the cost of a longer tail per segment.
+# H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md, session 13): G = 4 512 / 1024 / 2048 / 4096 rows ->
+# 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms
+FORWARD_CHUNK_ROWS = 2048
+
+
 def _chunk(gp: int, backward: bool = False) -> int:
     """Queries one program may sweep over one K/V block. The backward takes up to 4x more (at most 256 tokens):
     each program also adds the block's dK/dV to memory once at the end (the choice is measured in BENCHMARKS.md)."""
-    return max(8, min(256, 4096 // gp)) if backward else max(8, 1024 // gp)
+    return max(8, min(256, 4096 // gp)) if backward else max(8, FORWARD_CHUNK_ROWS // gp)
 
 
 def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_bytes=PARTIAL_BYTES,

@@ -22,6 +22,7 @@ import time
 import torch
 
 from m3compile.kernels.indexer import select_blocks
+from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention
 from m3compile.kernels.sparse_tile import sparse_attention_tiled, tile_tokens, tile_union
 from m3compile.tools.bench_common import median_ms, profile_run
@@ -39,7 +40,10 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--tiles", default="", help="query-tile kernel: tokens per program to time [default: 64 rows' worth]")
+    ap.add_argument("--tiles", default="", help="query-tile kernel: tokens per program to time [default: 64 rows' worth]; "
+                    "'none' skips it")
+    ap.add_argument("--chunk-rows", default="", help="also time gather-Q at these gathered rows per program "
+                    "(sparse_attention.FORWARD_CHUNK_ROWS; the default's row is the main one)")
     a = ap.parse_args()
     H, Hkv, D, bs, topk = a.heads, a.kv_heads, a.dim, a.block, a.topk
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -65,7 +69,7 @@ def main() -> None:
         # the query-tile union kernel (kernels/sparse_tile.py) on this selection and on the "shared" one (every token
         # of a 128-token query block takes its last token's selection: union = top-k), with the union's size / top-k
         last = ((torch.arange(T, device="cuda") // bs + 1) * bs - 1).clamp(max=T - 1)
-        tiles = [int(t) for t in a.tiles.split(",")] if a.tiles else [tile_tokens(H // Hkv)]
+        tiles = [] if a.tiles == "none" else [int(t) for t in a.tiles.split(",")] if a.tiles else [tile_tokens(H // Hkv)]
         for name, sel in (("independent", blocks), ("shared", blocks[:, :, last])):
             vis = ((sel >= 0).sum(-1).float() * bs).clamp(max=torch.arange(1, T + 1, device="cuda")).sum()
             ideal = 4 * H // Hkv * D * vis.item() / 600e12 * 1e3
@@ -77,6 +81,12 @@ def main() -> None:
                     union_over_topk=round(count.float().mean().item() / topk, 3))
             if name == "shared":
                 row["gather_q_shared_ms"] = round(_time(lambda: sparse_attention(q, k, v, sel, block_size=bs)), 3)
+        default_rows = sa.FORWARD_CHUNK_ROWS
+        for rows in [int(r) for r in a.chunk_rows.split(",") if r]:
+            sa.FORWARD_CHUNK_ROWS = rows
+            row.setdefault("chunk_rows_ms", {})[rows] = round(
+                _time(lambda: sparse_attention(q, k, v, blocks, block_size=bs)), 3)
+        sa.FORWARD_CHUNK_ROWS = default_rows
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         del q, k, v, blocks
