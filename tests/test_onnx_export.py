@@ -10,6 +10,9 @@ from m3compile import MSAConfig, convert_checkpoint, load
 from tests.conftest import LLAMA_BYTE
 from tests.test_cli import assert_clean_failure, run
 
+# the module fixtures are built once: xdist sends this file's tests to one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("onnx_export")
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):

@@ -21,6 +21,9 @@ from tests.test_distill import tensors
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("distill_state/index.safetensors", "distill_state/optimizer.safetensors", "model.safetensors")
 
+# the module fixtures are built once: xdist sends this file's tests to one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("shard")
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

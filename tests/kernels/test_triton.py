@@ -152,8 +152,8 @@ SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
     (2, 1, 8, 45, 16, 8, 16),  # more slots than blocks
     (1, 1, 16, 100, 32, 16, 32),
     (1, 4, 1, 64, 16, 16, 2),  # T a multiple of the block
-    (1, 2, 3, 97, 16, 8, 4),  # padded head rows (G 3 of 4) in tiles past their block (the unmasked path)
-    (1, 2, 4, 130, 16, 16, 4),  # tiles mixing a block's own tokens with later ones
+    (1, 2, 3, 97, 16, 16, 4),  # padded head rows (G 3 of 4) in tiles past their block (the unmasked path)
+    (1, 1, 4, 70, 16, 16, 4),  # several unmasked tiles per segment (the path needs blocks of >= 16)
 ]
 
 
@@ -168,6 +168,20 @@ def test_sparse_prefill_matches_reference(case):
     want = ref.sparse_attention(q, kk, v, blocks, block_size=bs)
     assert got.shape == want.shape
     assert rel_err(got, want) < 1e-5
+
+
+def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
+    """Blocks chosen at random among the visible ones, the token's own block not forced: a segment's first tile then
+    holds some of the block's own tokens (masked causally) and later ones (which see the whole block)."""
+    B, Hkv, G, T, D, bs, k = 1, 2, 4, 75, 16, 16, 2
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    nb = -(-T // bs)
+    scores = torch.rand(B, Hkv, T, nb).masked_fill(torch.arange(nb) > (torch.arange(T) // bs)[:, None], -1.0)
+    top = scores.topk(k, -1)
+    blocks = torch.where(top.values >= 0, top.indices, -1).int()
+    assert ((blocks == (torch.arange(T) // bs)[:, None]).any(-1)).float().mean() < 0.9  # own blocks often left out
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert rel_err(got, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
 def test_sparse_prefill_ignores_minus_one_slots_and_unsorted_ids():
