@@ -14,6 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # later interpreted kernel in that process fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
 import triton  # noqa: E402,F401
 
+# `pytest -n 2` on 2 cores: one torch thread per worker. Two workers of 2 OpenMP threads each on 2 cores spin
+# against each other: the torch-heavy tests then ran up to 6x slower side by side than alone
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 LLAMA_BYTE = SHARED / "checkpoints" / "dense-llama-byte"
 EVAL_DATA = SHARED / "data" / "eval_code.bin"

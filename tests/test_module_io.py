@@ -35,6 +35,7 @@ def test_loads_without_any_model_class(tmp_path):
     save_file({"x": x, "want": want}, str(tmp_path / "io.safetensors"))
     script = textwrap.dedent(f"""
         import sys, torch
+        torch.set_num_threads({torch.get_num_threads()})  # this process's: the same reduction order, bit for bit
         sys.modules["transformers"] = None  # no transformers at all
         import m3compile.models.decoder
         class Forbidden:
