@@ -14,8 +14,10 @@ def _insert(vals, ids, score, j, o_kp):
     return tl.where(hit, score[:, None], vals), tl.where(hit, j, ids)
 
 @triton.jit
-def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _block_scores(b_q, p_k, p_s0, j, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                   BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr):
+    # key block j's score per row: token scores, causal / length mask, max. p_s0: the key scales, one per key
+    # (applied to every token score) or, with BLOCK_SCALE, one per key block (> 0, so applied after the max).
     # fp8 scoring: b_q is fp8 (keys stay fp8: an fp8 x fp8 matmul, fp32 accumulation) or fp16 (keys widened, exact)
     b_k = tl.load(p_k, mask=m_key[:, None] & m_d[None, :], other=0.0).to(b_q.dtype)
     if IEEE:
@@ -23,13 +25,13 @@ def _block_scores(b_q, p_k, p_ks, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr
     else:
         s = tl.dot(b_q, tl.trans(b_k))
     if HAS_SCALE and not BLOCK_SCALE:
-        s = s * tl.load(p_ks, mask=m_key, other=0.0)[None, :]
+        s = s * tl.load(p_s0 + o_key, mask=m_key, other=0.0)[None, :]
     m = m_key[None, :]
     if CAUSAL:
         m = m & (o_key[None, :] <= o_tok[:, None])
     score = tl.max(tl.where(m, s, float("-inf")), 1)
-    if BLOCK_SCALE:  # p_ks: the block's one scale (> 0, so it commutes with the max)
-        score = score * tl.load(p_ks)
+    if BLOCK_SCALE:
+        score = score * tl.load(p_s0 + j)
     return score
 
 def _prune(cfgs, named_args, **kw):
@@ -86,11 +88,7 @@ def index_topk_kernel(
     for j in range(0, n_full):
         o_key = j * BS + o_n
         m_key = o_n < BS
-        if BLOCK_SCALE:  # the key scales: the block's one, or each key's
-            p_sc = p_s0 + j
-        else:
-            p_sc = p_s0 + o_key
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_sc, o_key, m_key,
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, False, HAS_SCALE, BLOCK_SCALE, IEEE)
         score = tl.where(j < INIT, 3.4028234663852886e38, score)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
@@ -98,11 +96,7 @@ def index_topk_kernel(
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
-        if BLOCK_SCALE:  # the key scales: the block's one, or each key's
-            p_sc = p_s0 + j
-        else:
-            p_sc = p_s0 + o_key
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_sc, o_key, m_key,
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, True, HAS_SCALE, BLOCK_SCALE, IEEE)
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)

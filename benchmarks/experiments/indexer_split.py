@@ -107,15 +107,15 @@ def variant_kernel(
     for j in range(0, n_full):  # two loops as in the production kernel (one loop with a branch pipelines worse)
         o_key = j * BS + o_n
         m_key = o_n < BS
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                              o_tok, m_d, False, HAS_SCALE, False)
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
+                              o_tok, m_d, False, HAS_SCALE, False, False)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
         vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
-        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0 + o_key, o_key, m_key,
-                              o_tok, m_d, True, HAS_SCALE, False)
+        score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
+                              o_tok, m_d, True, HAS_SCALE, False, False)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
     p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
@@ -149,7 +149,7 @@ def _launch(mode: str, q, k, scale, out, sc, T, H, D, block, topk, cfg, fp8):
     meta = dict(H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block, BN=max(16, next_pow2(block)), TOPK=topk,
                 KP=next_pow2(topk), HAS_SCALE=fp8, FP8_DOT=fp8, ROWS=rows, num_warps=warps, num_stages=stages)
     if mode == "topk":
-        index_topk_kernel.fn[grid](*common, *strides, T, 0, INIT=0, LOCAL=1, IEEE=False, **meta)
+        index_topk_kernel.fn[grid](*common, *strides, T, 0, INIT=0, LOCAL=1, IEEE=False, BLOCK_SCALE=False, **meta)
     else:
         variant_kernel[grid](*common, sc, *strides, T, NBP=sc.shape[-1], LOCAL=1, MODE=MODES[mode], **meta)
 
