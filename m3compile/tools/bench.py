@@ -289,7 +289,8 @@ def _decode_one(cfg: BenchConfig, T: int, log) -> dict:
     row = dict(T=T, batch=B, dense_ms=t_dense, dense_bytes=dense_bytes)
     for name in ("bf16", "fp8"):
         if name == "fp8":
-            idx_cache, idx_scale = quantize_index_keys(idx_cache)
+            idx_cache, idx_scale = quantize_index_keys(idx_cache, bs)  # one scale per page, as generate's caches
+            idx_scale = idx_scale.expand(-1, bs).contiguous()
         else:
             idx_scale = None
 
