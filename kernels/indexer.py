@@ -10,14 +10,14 @@ Forced blocks (the query's own `local_blocks` most recent blocks, the first `ini
 +inf; slots that no visible block fills stay -1. Slot order carries no meaning.
 
 fp8 scoring: index keys in fp8 e4m3 with fp32 scales (`quantize_index_keys`: one per token, or one per key block as
-the graph's prefill quantises them) make the kernel quantise
-each query row (token, head) to e4m3 too, as it loads it (the decode kernel does the same); token scores are then an
-fp8 x fp8 matmul with fp32 accumulation, times the key's scale (the query's scale, one positive number per row,
-cannot change that row's ranking and is not applied), followed by the same block max and top-k. With one key
-scale per key block (what the graph's prefill uses) the scale multiplies the block max instead: one multiply per
-block score, not one per token score (at Llama-3-8B index shapes, 128K: 17.4 -> 14.5 ms at index dim 64,
-BENCHMARKS.md). On a GPU whose Triton cannot compile an fp8 matmul, and under the interpreter, both operands are widened to fp16, which holds
-every e4m3 value exactly. The plain-torch meaning is `select_blocks_reference`: quantise, dequantise, score in fp32.
+the graph's prefill quantises them) make the kernel quantise each query row (token, head) to e4m3 too, as it loads
+it (the decode kernel does the same); token scores are then an fp8 x fp8 matmul with fp32 accumulation, times the
+key's scale (the query's scale, one positive number per row, cannot change that row's ranking and is not applied),
+followed by the same block max and top-k. With one key scale per key block (what the graph's prefill uses) the scale
+multiplies the block max instead: one multiply per block score, not one per token score (at Llama-3-8B index shapes,
+128K: 17.4 -> 14.5 ms at index dim 64, BENCHMARKS.md). On a GPU whose Triton cannot compile an fp8 matmul, and under
+the interpreter, both operands are widened to fp16, which holds every e4m3 value exactly. The plain-torch meaning is
+`select_blocks_reference`: quantise, dequantise, score in fp32.
 
 Layout: q_idx [B, T, Hi, Di] (as the graph produces it), k_idx [B, T, Di] -> blocks [B, Hi, T, topk] int32.
 """

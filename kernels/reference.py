@@ -8,11 +8,10 @@ Shapes (head-major, the layout `scaled_dot_product_attention` takes):
     blocks   [B, Hi, T, K]     selected key-block ids per (group, query); -1 marks an empty slot;
                                slot order carries no meaning
 
-Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input
-dtype. fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row or key block), `fp8_round`, and
-`select_blocks(fp8=True)`. The query axis is processed in chunks sized so
-that no [T, T] tensor is ever allocated: memory is O(chunk * T) for scoring and O(chunk * K * block) for the
-sparse attention itself.
+Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input dtype.
+fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row or key block), `fp8_round`, and
+`select_blocks(fp8=True)`. The query axis is processed in chunks sized so that no [T, T] tensor is ever allocated:
+memory is O(chunk * T) for scoring and O(chunk * K * block) for the sparse attention itself.
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--tiles", default="", help="query-tile kernel: tokens per program to time [default: 64 rows' worth]; "
-                    "'none' skips it")
+    ap.add_argument("--tiles", default="", help="query-tile kernel: tokens per program to time "
+                    "[default: 64 rows' worth]; 'none' skips it")
     ap.add_argument("--chunk-rows", default="", help="also time gather-Q at these gathered rows per program "
                     "(sparse_attention.FORWARD_CHUNK_ROWS; the default's row is the main one)")
     a = ap.parse_args()
@@ -69,7 +69,10 @@ def main() -> None:
         # the query-tile union kernel (kernels/sparse_tile.py) on this selection and on the "shared" one (every token
         # of a 128-token query block takes its last token's selection: union = top-k), with the union's size / top-k
         last = ((torch.arange(T, device="cuda") // bs + 1) * bs - 1).clamp(max=T - 1)
-        tiles = [] if a.tiles == "none" else [int(t) for t in a.tiles.split(",")] if a.tiles else [tile_tokens(H // Hkv)]
+        if a.tiles == "none":
+            tiles = []
+        else:
+            tiles = [int(t) for t in a.tiles.split(",")] if a.tiles else [tile_tokens(H // Hkv)]
         for name, sel in (("independent", blocks), ("shared", blocks[:, :, last])):
             vis = ((sel >= 0).sum(-1).float() * bs).clamp(max=torch.arange(1, T + 1, device="cuda")).sum()
             ideal = 4 * H // Hkv * D * vis.item() / 600e12 * 1e3
