@@ -27,7 +27,7 @@ from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
 from m3compile.kernels.reference import quantize_index_keys
 
 __all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
-           "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference"]
+           "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -187,6 +187,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index-key pages [P, BS, Di] as an fp8 index cache holds them: e4m3 with one scale per page (a page is a key
+    block: kernels.reference.quantize_index_keys(k, block_size)), repeated over its tokens -> ([P, BS, Di] fp8,
+    [P, BS] fp32)."""
+    q8, scale = quantize_index_keys(pages, pages.shape[1])  # scale [P, 1]
+    return q8, scale.expand(-1, pages.shape[1]).contiguous()
+
+
 def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table) -> None:
     """Plain-torch `paged_index_write` (in place)."""
     bs = idx_cache.shape[1]
@@ -194,10 +202,8 @@ def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, bl
     tail[rows, off] = k_idx.to(tail.dtype)
     keys = torch.where(torch.arange(bs, device=tail.device)[None, :, None] <= off[:, None, None], tail[rows].float(),
                        0.0)
-    q8, scale = quantize_index_keys(keys, bs)  # [N, BS, Di], one scale per page [N, 1]
     page = block_table[rows, pos.long() // bs].long()
-    idx_cache[page] = q8
-    idx_scale[page] = scale.expand(-1, bs)
+    idx_cache[page], idx_scale[page] = quantize_pages(keys)
 
 
 def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: torch.Tensor, k_idx: torch.Tensor,

@@ -41,9 +41,10 @@ def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor | Non
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     fp8 = k_idx.dtype == torch.float8_e4m3fn
     B, T = k_idx.shape[:2]
-    if fp8 and (k_scale is None or tuple(k_scale.shape) not in ((B, T), (B, -(-T // max(1, block_size))))):
+    n_blocks = -(-T // block_size)
+    if fp8 and (k_scale is None or tuple(k_scale.shape) not in ((B, T), (B, n_blocks))):
         raise ValueError(f"fp8 index keys need k_scale [B, T] or [B, ceil(T / block_size)] = [{B}, {T}] or "
-                         f"[{B}, {-(-T // max(1, block_size))}] (see quantize_index_keys), got "
+                         f"[{B}, {n_blocks}] (see quantize_index_keys), got "
                          f"{None if k_scale is None else tuple(k_scale.shape)}")
     if q_idx.dtype == torch.float8_e4m3fn:
         raise ValueError("q_idx must be a floating tensor of bf16/fp16/fp32 (fp8 scoring quantises it itself)")

@@ -77,15 +77,15 @@ def quantize_index_keys(x: torch.Tensor, block_size: int | None = None) -> tuple
     subnormals); the prefill indexer then applies the scale once per block score, after the block max
     (a positive scale commutes with the max), instead of once per token score."""
     if block_size is None:
-        amax = x.float().abs().amax(-1).clamp(min=1e-12)
-        scale = amax / FP8_MAX
-        return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
-    T = x.shape[-2]
-    n_blocks = -(-T // block_size)
-    pad = F.pad(x.float().abs(), (0, 0, 0, n_blocks * block_size - T))
-    amax = pad.reshape(*x.shape[:-2], n_blocks, block_size * x.shape[-1]).amax(-1).clamp(min=1e-12)
-    scale = amax / FP8_MAX
-    return (x.float() / expand_block_scale(scale, block_size, T)[..., None]).to(torch.float8_e4m3fn), scale
+        scale = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+        per_row = scale
+    else:
+        T = x.shape[-2]
+        n_blocks = -(-T // block_size)
+        pad = F.pad(x.float().abs(), (0, 0, 0, n_blocks * block_size - T))
+        scale = pad.reshape(*x.shape[:-2], n_blocks, block_size * x.shape[-1]).amax(-1).clamp(min=1e-12) / FP8_MAX
+        per_row = expand_block_scale(scale, block_size, T)
+    return (x.float() / per_row[..., None]).to(torch.float8_e4m3fn), scale
 
 
 def expand_block_scale(scale: torch.Tensor, block_size: int, T: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from m3compile.errors import M3CompileError
-from m3compile.kernels.decode import paged_attention, paged_select
+from m3compile.kernels.decode import paged_attention, paged_select, quantize_pages
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, sparse_attention_lse
 from m3compile.kernels.sparse_kl import sparse_index_kl
@@ -289,8 +289,7 @@ def _decode_one(cfg: BenchConfig, T: int, log) -> dict:
     row = dict(T=T, batch=B, dense_ms=t_dense, dense_bytes=dense_bytes)
     for name in ("bf16", "fp8"):
         if name == "fp8":
-            idx_cache, idx_scale = quantize_index_keys(idx_cache, bs)  # one scale per page, as generate's caches
-            idx_scale = idx_scale.expand(-1, bs).contiguous()
+            idx_cache, idx_scale = quantize_pages(idx_cache)  # one scale per page, as generate's caches
         else:
             idx_scale = None
 

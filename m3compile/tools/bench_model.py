@@ -58,7 +58,7 @@ import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.kernels.indexer import quantize_index_keys
+from m3compile.kernels.decode import quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
@@ -311,9 +311,9 @@ def _fill(cache: PagedCache, seed: int) -> None:
             idx.normal_(generator=g)
         else:  # fp8 keys with their scales, one layer at a time
             keys = torch.randn(idx.shape, device=idx.device, generator=g)
-            q, scale = quantize_index_keys(keys, idx.shape[1])  # one scale per page, as the graph's caches hold
+            q, scale = quantize_pages(keys)  # one scale per page, as the graph's caches hold
             idx.copy_(q)
-            cache.idx_scale[i].copy_(scale.expand(-1, idx.shape[1]))
+            cache.idx_scale[i].copy_(scale)
 
 
 def _steps_ms(step: DecodeStep, tokens, cache: PagedCache, T: int, n: int, device) -> float:
