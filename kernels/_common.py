@@ -53,10 +53,12 @@ def tune_bucket(length: int) -> int:
     return min(next_pow2(max(1, length)), 1 << 17)
 
 
-def configs(full: list[dict], interpret: dict, default: dict | None = None) -> list:
+def configs(full: list[dict], interpret: dict, default: dict | None = None, pre_hook=None) -> list:
     """triton.Config list: the H200 search space on a GPU; one small config under the interpreter (autotuning
     there would only multiply the CPU time of every test); with M3C_AUTOTUNE=0, only `default` (the config the
-    H200 runs recorded in BENCHMARKS.md chose), which skips the compile-and-time sweep of every new shape."""
+    H200 runs recorded in BENCHMARKS.md chose), which skips the compile-and-time sweep of every new shape.
+    `pre_hook(nargs)` runs before every launch of a config (the arguments and the config's values): e.g. to fit a
+    TMA descriptor's box to the config's tile."""
     import triton
 
     if interpreting():
@@ -69,7 +71,7 @@ def configs(full: list[dict], interpret: dict, default: dict | None = None) -> l
     for c in chosen:
         c = dict(c)
         warps, stages = c.pop("num_warps", 4), c.pop("num_stages", 2)
-        out.append(triton.Config(c, num_warps=warps, num_stages=stages))
+        out.append(triton.Config(c, num_warps=warps, num_stages=stages, pre_hook=pre_hook))
     return out
 
 

@@ -32,34 +32,50 @@ def _prune(cfgs, named_args, **kw):
     return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
 
 
+def _tile_rows(rows: int, gp: int) -> int:
+    """Matmul rows of a tile: TOK = ROWS // GP whole tokens (at least one) of GP head rows each."""
+    return max(1, rows // gp) * gp
+
+
+def _descriptor_block(nargs):
+    """Autotune pre-hook: the partial-output descriptor's box is one tile of the config being launched."""
+    desc = nargs["o_desc"]
+    if hasattr(desc, "block_shape"):  # a TensorDescriptor (TMA on), else the partials' pointer
+        desc.block_shape = [_tile_rows(nargs["ROWS"], nargs["GP"]), nargs["DP"]]
+
+
 @autotune(
     configs=configs(
         [dict(ROWS=r, num_warps=w, num_stages=s) for r in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3)],
         interpret=dict(ROWS=32, num_warps=4, num_stages=1),
         default=dict(ROWS=64, num_warps=4, num_stages=2),
+        pre_hook=_descriptor_block,
     ),
-    key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "tune_bucket"],
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "TMA", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket"])
 def gather_q_fwd_kernel(
-    q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
+    q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
+    stride_lb, stride_lt, stride_ls,
     T, t0, n_seg, scale_log2, tune_bucket,
     HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, ROWS: tl.constexpr,
+    IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: one (batch, KV head, key block) segment of the CSR, up to CHUNK of the queries that chose it;
-    # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them
+    # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them.
+    # Partial outputs and log-sum-exps are written in CSR entry order (row = entry * GP + head: a tile's rows are
+    # one contiguous range, stored whole by TMA where TMA is on); LSE_ONLY writes its log-sum-exps per (token,
+    # slot, head) instead, for a torch merge
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
         start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
             seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
             T, HKV, NB, D, DP, BS, BN, CHUNK)
-        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1  # gathered tokens per tile, each with its G heads
+        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1  # gathered tokens per tile (_tile_rows), G heads each
         o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
         o_hq = i_h * G + o_g
@@ -106,13 +122,20 @@ def gather_q_fwd_kernel(
                     o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
                 else:
                     o = tl.dot(p.to(b_v.dtype), b_v)
-                o = o * (1.0 / l)[:, None]
-                p_o = (part_o + i_b * stride_pb + o_tl[:, None].to(tl.int64) * stride_pt + o_slot[:, None] * stride_ps
-                       + o_hq[:, None] * stride_ph + o_d[None, :])
-                tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
-            lse = m + tl.math.log2(l)
-            p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
-            tl.store(p_l, lse, mask=m_row)
+                o = (o * (1.0 / l)[:, None]).to(part_o.dtype.element_ty)
+                o_row = (e0 + o_r // GP).to(tl.int64) * GP + o_g  # entry e0 + r // GP, head r % GP
+                p_o = part_o + o_row[:, None] * D + o_d[None, :]
+                if TMA:
+                    if e0 + TOK <= end:  # a whole tile; padding heads (GP > G) land in rows nothing reads
+                        o_desc.store([(e0 * GP).to(tl.int32), 0], o)
+                    else:  # a segment's last tile: the rows past it are the next segment's
+                        tl.store(p_o, o, mask=m_row[:, None] & m_d[None, :])
+                else:
+                    tl.store(p_o, o, mask=m_row[:, None] & m_d[None, :])
+                tl.store(part_lse + o_row, m + tl.math.log2(l), mask=m_row)
+            else:
+                p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
+                tl.store(p_l, m + tl.math.log2(l), mask=m_row)
 
 
 @triton.jit
@@ -130,25 +153,25 @@ def _token_group(C, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.c
 
 @triton.jit(do_not_specialize=["C", "t0"])
 def combine_kernel(
-    part_o, part_lse, blocks, out, lse_out,
-    stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
+    part_o, part_lse, entry, blocks, out, lse_out,
     stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh, stride_xb, stride_xt,
     C, t0,
-    K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
-    # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials
+    # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials, found
+    # through `entry` (the CSR position of each (batch, head, token, slot))
     i_b, i_tl, i_h, o_g, o_d, m_g, m_gd, o_hq = _token_group(C, G, GP, D, DP)
     m_acc = tl.full([GP], float("-inf"), tl.float32)
     l_acc = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
+    p_ent = entry + ((i_b * HKV + i_h) * C + i_tl) * K
     for s in tl.static_range(K):  # unrolled: the K partial loads are independent and issue together
         valid = (tl.zeros([GP], tl.int32) + tl.load(p_blk + s)) >= 0  # the slot's block id, per row
-        lse = tl.load(part_lse + i_b * stride_lb + i_tl * stride_lt + s * stride_ls + o_hq, mask=m_g & valid,
-                      other=float("-inf"))
-        o = tl.load(part_o + i_b * stride_pb + i_tl * stride_pt + s * stride_ps + o_hq[:, None] * stride_ph
-                    + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
+        o_row = tl.load(p_ent + s).to(tl.int64) * GP + o_g
+        lse = tl.load(part_lse + o_row, mask=m_g & valid, other=float("-inf"))
+        o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_gd & valid[:, None], other=0.0).to(tl.float32)
         m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
@@ -283,11 +306,12 @@ def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, NB, 
 
 
 @triton.jit(do_not_specialize=["n", "n_seg", "ck", "chunk", "seg_programs", "steps"])
-def csr_segments_kernel(key, order, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, steps,
+def csr_segments_kernel(key, order, payload, entry, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, steps,
                         BLOCK: tl.constexpr):
     # programs < seg_programs: BLOCK segments each; a segment's first entry in the sorted segment keys by binary
     # search (lower bound), and its tile count; the others: the payload (token * K + slot) of BLOCK entries, from
-    # the sort's permutation (entry = (batch * heads + head) * C*K + token * K + slot)
+    # the sort's permutation (entry = (batch * heads + head) * C*K + token * K + slot), and the permutation's
+    # inverse (`entry`: each entry's CSR position, where the forward writes its partials)
     pid = tl.program_id(0)
     if pid < seg_programs:
         s = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -313,7 +337,9 @@ def csr_segments_kernel(key, order, payload, seg_off, tiles, n, n_seg, ck, chunk
         o_e = (pid - seg_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = o_e < n
         live = tl.load(key + o_e, mask=m, other=0).to(tl.int64) < n_seg  # -1 slots, sorted last, get payload 0
-        tl.store(payload + o_e, tl.where(live, tl.load(order + o_e, mask=m, other=0) % ck, 0).to(tl.int32), mask=m)
+        src = tl.load(order + o_e, mask=m, other=0)
+        tl.store(payload + o_e, tl.where(live, src % ck, 0).to(tl.int32), mask=m)
+        tl.store(entry + src, o_e.to(tl.int32), mask=m)  # where each (batch, head, token, slot) sits in the CSR
 
 
 @triton.jit(do_not_specialize=["n_seg", "n_tiles", "chunk", "seg_programs"])

@@ -4,9 +4,12 @@ The selection [B, Hkv, T, K] is inverted into a CSR: for every (batch, KV head, 
 (query token, slot) entries that chose it, sorted by token. One program takes one segment (at most CHUNK entries of
 it), loads that key block's K and V once, and sweeps tiles of TOK gathered query tokens x G heads over them: the
 matmul rows are TOK * G, not G as in the query-major design, so Hopper tensor cores get full tiles. Each tile writes
-a normalised partial output and its log-sum-exp (base 2) per (token, slot, head); a second kernel merges a token's
-partials with a log-sum-exp combine, skipping -1 slots. Slot order carries no meaning and block ids need not be
-sorted. The query axis is processed in chunks so that the partial buffers stay bounded at any length.
+a normalised partial output and its log-sum-exp (base 2) per (CSR entry, head): a tile's rows are one contiguous
+range of the partial buffer, stored whole by TMA on Hopper (H200, G = 4, 128K: the gather kernel 15.4 -> 13.4 ms
+against per-(token, slot, head) rows; BENCHMARKS.md, session 14). A second kernel merges a token's partials with a
+log-sum-exp combine, finding them through the CSR's inverse permutation (`BlockCSR.entry`) and skipping -1 slots.
+Slot order carries no meaning and block ids need not be sorted. The query axis is processed in chunks so that the
+partial buffers stay bounded at any length.
 
 Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (any strides with unit last stride), blocks [B, Hkv, T, K]
 -> [B, Hq, T, D] (a head-major view of a token-major [B, T, Hq, D] buffer, so `transpose(1, 2).reshape` is free).
@@ -20,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from m3compile.kernels import reference as ref
-from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
+from m3compile.kernels._common import interpreting, next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "block_csr",
            "BlockCSR", "attention_chunk", "PARTIAL_BYTES"]
@@ -38,6 +41,7 @@ class BlockCSR(NamedTuple):
     seg_off: torch.Tensor  # [n_seg + 1] int32
     tile_seg: torch.Tensor  # [n_tiles] int32 (n_seg = idle program)
     tile_start: torch.Tensor  # [n_tiles] int32
+    entry: torch.Tensor  # [n_entries] int32: the CSR position of each (batch, head, token, slot), -1 slots included
     chunk: int
 
 
@@ -58,7 +62,9 @@ def build_csr(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int)
     """CSR of the queries [t0, t1) per (batch, KV head, block) segment and a static-size tile schedule.
 
     Returns (payload [n_entries] int32 = token_in_chunk * K + slot sorted by segment then token,
-    seg_off [n_seg + 1] int32, tile_seg [n_tiles] int32 (n_seg = idle program), tile_start [n_tiles] int32).
+    seg_off [n_seg + 1] int32, tile_seg [n_tiles] int32 (n_seg = idle program), tile_start [n_tiles] int32,
+    entry [n_entries] int32: the inverse of the sort, the CSR position of entry ((b * Hkv + h) * C + t) * K + s;
+    -1 slots sit past the last segment).
     The tile count is an upper bound known without reading the data back, so no host synchronisation happens.
     Where Triton runs, three small kernels around one sort build it (`_build_csr_triton`); elsewhere torch ops
     (`_build_csr_torch`, its reference): the same tensors.
@@ -75,7 +81,9 @@ def _build_csr_torch(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chun
     base, slot, bounds, pid, pid_start, empty = _csr_constants(B, Hkv, n_blocks, C, K, chunk, blocks.device)
     sel = blocks if (t0, t1) == (0, T) else blocks[:, :, t0:t1]
     # sort key: segment (batch, head, block) major, then token and slot; -1 slots sort past every segment
-    key = torch.where(sel >= 0, sel.long() * ck + base + slot, empty).view(-1).sort().values
+    key, order = torch.where(sel >= 0, sel.long() * ck + base + slot, empty).view(-1).sort(stable=True)
+    entry = torch.empty_like(order, dtype=torch.int32)
+    entry[order] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
     seg_off = torch.searchsorted(key, bounds, out_int32=True)
     tiles = (seg_off[1:] - seg_off[:-1] + (chunk - 1)) // chunk  # tiles per segment
     tile_end = tiles.cumsum(0, dtype=torch.int32)
@@ -83,7 +91,7 @@ def _build_csr_torch(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chun
     # a tile's first entry: its segment's first entry + chunk x (its rank among the segment's tiles); idle: 0
     seg_first = seg_off[:-1] - (tile_end - tiles) * chunk
     tile_start = torch.where(tile_seg < n_seg, seg_first[tile_seg.clamp(max=n_seg - 1)] + pid_start, 0)
-    return (key % ck).to(torch.int32), seg_off, tile_seg, tile_start
+    return (key % ck).to(torch.int32), seg_off, tile_seg, tile_start, entry
 
 
 _CSR_BLOCK = 1024  # entries / segments per program of the CSR kernels
@@ -106,24 +114,25 @@ def _build_csr_triton(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chu
                                                     n, C, t0, n_blocks, HKV=Hkv, K=K, BLOCK=_CSR_BLOCK)
     key, order = key.sort(stable=True)
     payload = torch.empty(n, dtype=torch.int32, device=dev)
+    entry = torch.empty(n, dtype=torch.int32, device=dev)
     seg_off = torch.empty(n_seg + 1, dtype=torch.int32, device=dev)
     tiles = torch.empty(n_seg, dtype=torch.int32, device=dev)
     seg_programs = -(-(n_seg + 1) // _CSR_BLOCK)
     csr_segments_kernel[(seg_programs + -(-n // _CSR_BLOCK),)](
-        key, order, payload, seg_off, tiles, n, n_seg, ck, chunk, seg_programs, max(1, n + 1).bit_length() + 1,
-        BLOCK=_CSR_BLOCK)
+        key, order, payload, entry, seg_off, tiles, n, n_seg, ck, chunk, seg_programs,
+        max(1, n + 1).bit_length() + 1, BLOCK=_CSR_BLOCK)
     tile_end = tiles.cumsum(0, dtype=torch.int32)
     tile_seg = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     tile_start = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     seg_programs = -(-n_seg // _CSR_BLOCK)
     csr_tiles_kernel[(seg_programs + -(-n_tiles // _CSR_BLOCK),)](
         seg_off, tiles, tile_end, tile_seg, tile_start, n_seg, n_tiles, chunk, seg_programs, BLOCK=_CSR_BLOCK)
-    return payload, seg_off, tile_seg, tile_start
+    return payload, seg_off, tile_seg, tile_start, entry
 
 
 def block_csr(blocks: torch.Tensor, n_blocks: int, chunk: int) -> BlockCSR:
     """build_csr over every query of `blocks` [B, Hkv, T, K], as one BlockCSR."""
-    return BlockCSR(*build_csr(blocks, n_blocks, 0, blocks.shape[2], chunk), chunk)
+    return BlockCSR(*build_csr(blocks, n_blocks, 0, blocks.shape[2], chunk), chunk=chunk)
 
 
 def attention_chunk(G: int) -> int:
@@ -155,30 +164,37 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     out = q.new_empty(1, 1, 1, 1) if lse_only else torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device) if want_lse else out.new_empty(1, 1)
     part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    row_bytes = K * Hq * (0 if lse_only else D * part_dtype.itemsize) + K * Hq * 4
+    # partials per query token: K slots x Hkv groups x GP head rows of (D outputs +) one log-sum-exp
+    row_bytes = K * Hq * 4 if lse_only else K * Hkv * GP * (D * part_dtype.itemsize + 4)
     C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
-    part_o = q.new_empty(1, 1, 1, 1, 1) if lse_only else torch.empty(B, C, K, Hq, D, dtype=part_dtype, device=q.device)
-    part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
+    if lse_only:  # per (token, slot, head), merged in torch
+        part_o = q.new_empty(1, 1)
+        part_lse = torch.empty(B, C, K, Hq, dtype=torch.float32, device=q.device)
+    else:  # in CSR entry order: row = entry * GP + head, entry = the CSR position of (batch, head, token, slot)
+        part_o = torch.empty(B * Hkv * C * K * GP, D, dtype=part_dtype, device=q.device)
+        part_lse = torch.empty(B * Hkv * C * K * GP, dtype=torch.float32, device=q.device)
+    tma = not lse_only and _tma_store(part_o, D, DP)
+    o_desc = _descriptor(part_o, GP, DP) if tma else part_o
+    lse_strides = part_lse.stride()[:3] if lse_only else (0, 0, 0)
     ieee = q.dtype == torch.float32
     whole = None
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         if C < T:
-            payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+            payload, seg_off, tile_seg, tile_start, entry = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
         else:
             whole = csr if csr is not None and csr.chunk == _chunk(GP) else block_csr(blocks, n_blocks, _chunk(GP))
-            payload, seg_off, tile_seg, tile_start, _ = whole
+            payload, seg_off, tile_seg, tile_start, entry = whole.payload, whole.seg_off, whole.tile_seg, \
+                whole.tile_start, whole.entry
         if lse_only:
             part_lse.fill_(float("-inf"))  # -1 slots are never written: they must add nothing to the merge
         gather_q_fwd_kernel[(tile_seg.numel(),)](
-            q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload,
+            q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *lse_strides,
             T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-            CHUNK=_chunk(GP), IEEE=ieee, LSE_ONLY=lse_only,
+            CHUNK=_chunk(GP), IEEE=ieee, LSE_ONLY=lse_only, TMA=tma,
         )
         if stage == "gather":  # benchmarks time the gather pass alone through this
             continue
@@ -186,15 +202,27 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             lse[:, t0:t1] = torch.logsumexp(part_lse[:, : t1 - t0] * math.log(2.0), 2) / math.log(2.0)
             continue
         combine_kernel[(B * (t1 - t0), Hkv)](
-            part_o, part_lse, blocks, out, lse,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            part_o, part_lse, entry, blocks, out, lse,
             blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             t1 - t0, t0,
-            K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse,
+            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse,
         )
     return out, (lse if want_lse else None), whole
+
+
+def _tma_store(part_o: torch.Tensor, D: int, DP: int) -> bool:
+    """Whether the forward stores its whole tiles of partial outputs by TMA (a Hopper-class GPU, not the
+    interpreter: its descriptor stores came out wrong for bf16 here; rows of 16-byte multiples, no column padding)."""
+    return (part_o.is_cuda and not interpreting() and D == DP and D * part_o.element_size() % 16 == 0
+            and torch.cuda.get_device_capability(part_o.device)[0] >= 9)
+
+
+def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
+    """TMA descriptor of the partial outputs [rows, D]; its box is set per autotune config (_tl_sparse)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(part_o, block_shape=[max(1, 64 // GP) * GP, DP])
 
 
 # gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
@@ -240,7 +268,7 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
         part, strides = dq, (dq.stride(0), dq.stride(1), 0, dq.stride(2))
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
-        payload, seg_off, tile_seg, tile_start = build_csr(blocks, n_blocks, t0, t1, _chunk(GP, True))
+        payload, seg_off, tile_seg, tile_start, _ = build_csr(blocks, n_blocks, t0, t1, _chunk(GP, True))
         gather_q_bwd_kernel[(tile_seg.numel(),)](
             q, k, v, do, lse, delta, part, dk, dv, tile_seg, tile_start, seg_off, payload,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),

@@ -57,7 +57,8 @@ class _SparseKL(torch.autograd.Function):
         meta = _meta(q_idx, q, k, blocks, block_size)
         if csr is None:
             csr = block_csr(blocks, meta["NB"], CSR_CHUNK)
-        payload, seg_off, tile_seg, tile_start, chunk = csr
+        payload, seg_off, tile_seg, tile_start, chunk = (csr.payload, csr.seg_off, csr.tile_seg, csr.tile_start,
+                                                         csr.chunk)
         meta["CHUNK"] = chunk
         K = meta["K"]
         # every (token, slot) of a selected block is written by the kernel, the -1 slots are skipped by the merge

@@ -219,8 +219,14 @@ def test_csr_lists_every_valid_entry_once():
     B, Hkv, T, K, bs = 2, 3, 40, 4, 8
     blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K)
     n_blocks = -(-T // bs)
-    payload, seg_off, tile_seg, tile_start = sa.build_csr(blocks, n_blocks, 0, T, chunk=8)
+    payload, seg_off, tile_seg, tile_start, entry = sa.build_csr(blocks, n_blocks, 0, T, chunk=8)
     assert seg_off[-1].item() == (blocks >= 0).sum().item()
+    # entry inverts the sort: each (batch, head, token, slot) finds its own payload there; -1 slots sort last
+    assert torch.equal(entry.sort().values, torch.arange(entry.numel(), dtype=torch.int32))
+    live = blocks.reshape(-1) >= 0
+    flat = torch.arange(live.numel())
+    assert torch.equal(payload[entry[live].long()], (flat[live] % (T * K)).int())
+    assert entry[~live].min() >= seg_off[-1]
     for seg in range(B * Hkv * n_blocks):
         b, h, j = seg // (Hkv * n_blocks), (seg // n_blocks) % Hkv, seg % n_blocks
         got = sorted(payload[seg_off[seg]:seg_off[seg + 1]].tolist())
