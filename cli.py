@@ -786,7 +786,9 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
                    "random weights: llama3-8b, qwen2.5-7b, ...): time to first token at --prefill-lengths (default "
                    "8K,32K,128K,512K; dense timed up to --dense-max, MSA up to --msa-max, longer ones extrapolated per "
                    "stage and marked) and decode tokens/s at --decode-lengths (default 32K,128K) x --batch, eager and "
-                   "as a CUDA graph, with a per-stage breakdown; writes OUT/<model>.json and OUT/model_speedup.png "
+                   "as a CUDA graph, with a per-stage breakdown (a batch whose caches do not fit runs lowered, and "
+                   "as asked on the first layers at two depths, extrapolated to the whole depth and marked); "
+                   "writes OUT/<model>.json and OUT/model_speedup.png "
                    "(every model bench in OUT). Uses --block/--topk to convert a dense model (layer 0 dense).")
 @click.option("--msa-max", default="128K", show_default=True, help="--model: longest prefill timed on the MSA model.")
 @click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="--model: the weights' dtype.")
@@ -1008,13 +1010,14 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
                                           "close" if all(c["close"] for c in checks) else "DIFFERENT")
             tok = lambda x: x.get("graph_tokens_per_s") or x.get("eager_tokens_per_s")  # noqa: E731
             speed = r.get("speedup") or r.get("speedup_eager")
-            t.add_row(f"{r['T']:,}", f"{r['batch']}/{r['batch_requested']}", f(d.get("eager_ms"), 2),
+            t.add_row(f"{r['T']:,}", f"{r['batch']}/{r['batch_requested']}" + ("*" if r.get("extrapolated") else ""),
+                      f(d.get("eager_ms"), 2),
                       f(d.get("graph_ms"), 2), f(m.get("eager_ms"), 2), f(m.get("graph_ms"), 2), f(tok(d), 0),
                       f(tok(m), 0), "-" if speed is None else f"{speed:.2f}x", same)
         console.print(t)
         for r in result["decode"]:
             if r["note"]:
-                console.print(f"decode {r['T']:,}: {r['note']}")
+                console.print(("* " if r.get("extrapolated") else "") + f"decode {r['T']:,}: {r['note']}")
         why = next((x.get("graph_unavailable") for r in result["decode"] for x in (r.get("dense"), r.get("msa"))
                     if x and x.get("graph_unavailable")), None)
         if why:

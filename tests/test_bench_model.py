@@ -12,8 +12,9 @@ from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
 from m3compile.pipelines import lower
 from m3compile.tools.bench_common import Profile, bench_models, module_ranges, profile_run
-from m3compile.tools.bench_model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, cache_bytes, decode_batch,
-                                         extrapolate, write_model_outputs)
+from m3compile.tools.bench_model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, ModelBenchConfig, cache_bytes,
+                                         decode_batch, decode_depths, extrapolate, run_model_bench, shallow,
+                                         write_model_outputs)
 from m3compile.tools import bench_model
 from tests.conftest import LLAMA_BYTE
 
@@ -100,6 +101,52 @@ def test_decode_batch_is_what_fits():
     assert decode_batch(qwen, 131072, 8, free, 128, torch.bfloat16, torch.bfloat16, reserve) == 8
     assert cache_bytes(llama, 100, 128, torch.bfloat16, torch.bfloat16) == \
         cache_bytes(llama, 128, 128, torch.bfloat16, torch.bfloat16)  # whole pages
+
+
+def test_decode_depths_fit_and_skip_layers_of_another_kind():
+    """Llama-3-8B at 128K, batch 8 (~146 GB of caches): with 131.6 GB free (a H200 beside the weights) the deepest
+    copy that fits has 28 layers, the other half of it; M3's first MoE-free layers (dense MLP) stay below L1."""
+    llama = PRESETS["llama3-8b"].replace(sparse_layers=(False,) + (True,) * 31, msa=MSALayerArgs(8, 128, 128, 16))
+    assert decode_depths(llama, 131072 + 40, 8, 131.6e9, 128, torch.bfloat16, torch.float8_e4m3fn, 4e9) == (14, 28)
+    assert decode_depths(llama, 131072, 8, 20e9, 128, torch.bfloat16, torch.bfloat16, 4e9) is None  # 2 layers fit
+    m3 = PRESETS["m3"]
+    m3 = m3.replace(sparse_layers=(False,) + (True,) * (m3.n_layers - 1), msa=MSALayerArgs(4, 128, 128, 16))
+    first_moe = m3.mlp_layer_types.index("sparse")
+    assert first_moe >= 2
+    l1, l2 = decode_depths(m3, 4096, 1, 1e12, 128, torch.bfloat16, torch.bfloat16, 0)
+    assert l2 == m3.n_layers - 1 and l1 >= first_moe
+
+
+def test_decode_batch_that_does_not_fit_is_extrapolated_from_two_depths(monkeypatch):
+    """Where the asked batch's caches do not fit, the bench runs the batch that fits and then the asked one on the
+    first L1 and L2 layers of both models (the same modules), extrapolated linearly in the depth and marked."""
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)  # torch references on CPU
+    args = bench_models(str(LLAMA_BYTE), device="cpu", dtype="float32", block=16, topk=2)[1].args
+    assert args.n_layers == 6
+    max_len = 48 + 1 + 8  # T + decode steps + the bench's room
+    four = args.replace(n_layers=4, sparse_layers=args.sparse_layers[:4])
+    # batch 2 fits at 4 layers, not at 5; at the full 6 layers batch 1 fits
+    free = 4e9 + 2 * cache_bytes(four, max_len, 16, torch.float32, torch.float32) + 1
+    monkeypatch.setattr(bench_model, "_free_bytes", lambda cfg: free)
+    cfg = ModelBenchConfig(str(LLAMA_BYTE), prefill_lengths=(), decode_lengths=(48,), batch=2, block=16, topk=2,
+                           dtype="float32", decode_steps=1, device="cpu")
+    lowered, asked = run_model_bench(cfg, log=lambda m: None)["decode"]
+    assert lowered["batch"] == 1 and not lowered["extrapolated"] and "ran batch 1" in lowered["note"]
+    assert asked["batch"] == asked["batch_requested"] == 2 and asked["extrapolated"]
+    assert "first 2 and 4 layers" in asked["note"]
+    for name in ("dense", "msa"):
+        row = asked[name]
+        assert row["extrapolated_from_depths"] == [2, 4] and set(row["measured"]) == {"2", "4"}
+        m2, m4 = row["measured"]["2"], row["measured"]["4"]
+        assert m2["batch"] == m4["batch"] == 2
+        assert _close(row["eager_ms"], m4["eager_ms"] + (m4["eager_ms"] - m2["eager_ms"]), rel=1e-3)
+        for st in STAGES:
+            assert _close(row["stages"][st], max(0.0, 2 * m4["stages"][st] - m2["stages"][st]), rel=1e-3)
+    assert asked["speedup_eager"] == round(asked["dense"]["eager_ms"] / asked["msa"]["eager_ms"], 3)
+    dense = bench_models(str(LLAMA_BYTE), device="cpu", dtype="float32", block=16, topk=2)[0]
+    part = shallow(dense, 3)  # shares the modules: no copy
+    assert part.args.n_layers == 3 and len(part.model.layers) == 3
+    assert part.model.layers[2] is dense.model.layers[2] and part.lm_head is dense.lm_head
 
 
 def test_extrapolation_below_the_selection_reach_is_quadratic():

@@ -37,11 +37,14 @@ kernels/decode.py's selection) for B sequences at context T, eager and replayed 
 (tools/generate.py DecodeStep), after a check that the replay's logits equal the eager step's from the same state.
 The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
 MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row
-says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB). Both models run the step on the same fused
-backbone kernels on CUDA (Decoder.set_kernels, as `m3c generate` does: RMSNorm, RoPE and, for MSA, the index branch
-as one matmul + one norm/RoPE kernel). Stages as for prefill, from one profiled eager step (attention =
-m3c.decode_attention, indexer = the index branch (m3c.index_branch; with the reference ops the index projections
-and norms, the index RoPE then counting in rest) + m3c.decode_select).
+says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB); a second row then runs the asked batch on
+the first L1 and L2 layers of both models (`shallow`: the same modules; L2 the deepest whose caches fit, L1 = L2 // 2)
+and extrapolates every time linearly in the depth to the whole model, marked "extrapolated" (`extrapolate_depth`:
+each layer past layer 0 does the same work, so a step's time is linear in the layer count).
+Both models run the step on the same fused backbone kernels on CUDA (Decoder.set_kernels, as `m3c generate` does:
+RMSNorm, RoPE and, for MSA, the index branch as one matmul + one norm/RoPE kernel). Stages as for prefill, from one
+profiled eager step (attention = m3c.decode_attention, indexer = the index branch (m3c.index_branch; with the
+reference ops the index projections and norms, the index RoPE then counting in rest) + m3c.decode_select).
 """
 from __future__ import annotations
 
@@ -65,8 +68,8 @@ from m3compile.pipelines import lower
 from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable, kernels_default
 
-__all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "cache_bytes",
-           "extrapolate", "STAGES", "GROUPS"]
+__all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
+           "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]
 
 # range name -> fine stage; a kernel counts once, for the innermost labelled range that launched it, except that a
 # range of ENCLOSING keeps everything inside it (Profile.attribute)
@@ -384,6 +387,87 @@ def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cf
     return row
 
 
+def _free_bytes(cfg: ModelBenchConfig) -> float | None:
+    """Free device memory for the decode caches (None off CUDA: the batch is not limited there)."""
+    if not is_cuda(cfg.device):
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(torch.device(cfg.device))[0]
+
+
+def _first_layers(args: ModelArgs, n: int) -> ModelArgs:
+    return args.replace(n_layers=n, sparse_layers=None if args.sparse_layers is None else args.sparse_layers[:n],
+                        mlp_layer_types=None if args.mlp_layer_types is None else args.mlp_layer_types[:n])
+
+
+def shallow(model: Decoder, n: int) -> Decoder:
+    """The first n layers of `model` as a Decoder of their own that shares every module with it (embedding, those
+    layers, final norm, head): no weight is copied."""
+    with torch.device("meta"):
+        m = Decoder(_first_layers(model.args, n))
+    m.model.embed_tokens, m.model.norm, m.model.rotary_emb = (model.model.embed_tokens, model.model.norm,
+                                                              model.model.rotary_emb)
+    m.model.layers = torch.nn.ModuleList(list(model.model.layers[:n]))
+    m.lm_head = model.lm_head
+    m._kernels = model._kernels
+    return m
+
+
+def decode_depths(args: ModelArgs, tokens: int, batch: int, free_bytes: float, page: int, dtype: torch.dtype,
+                  index_dtype: torch.dtype, reserve_bytes: float) -> tuple[int, int] | None:
+    """Two depths (first L1 < L2 layers) whose caches for `batch` sequences at `tokens` fit, for a decode step
+    extrapolated to the full depth: L2 the deepest that fits (below the model's), L1 = L2 // 2, at least 2 (layer 0
+    and one more) and past every layer of another kind (attention dense or MSA, MLP or MoE) than the last: the
+    layers that the line adds then all do the same work. None where L1 and L2 would be under 2 layers apart."""
+    def fits(n: int) -> bool:
+        return batch * cache_bytes(_first_layers(args, n), tokens, page, dtype, index_dtype) <= free_bytes - reserve_bytes
+
+    kind = lambda i: (args.is_sparse(i), args.is_moe(i))  # noqa: E731
+    uniform = next(i for i in range(args.n_layers) if all(kind(j) == kind(args.n_layers - 1)
+                                                          for j in range(i, args.n_layers)))
+    deep = max((n for n in range(2, args.n_layers) if fits(n)), default=0)
+    shallow_n = max(2, uniform, deep // 2)
+    return (shallow_n, deep) if deep - shallow_n >= 2 else None
+
+
+def extrapolate_depth(rows: dict[int, dict], layers: int) -> dict:
+    """A decode row at `layers` from rows measured at two depths {L1: row, L2: row}: every time (eager, graph,
+    each stage) linear in the depth through the two, ms(L) = ms(L2) + (L - L2) * (ms(L2) - ms(L1)) / (L2 - L1);
+    the layers beyond L2 repeat the ones between L1 and L2 (same shapes, all MSA or all dense)."""
+    (l1, r1), (l2, r2) = sorted(rows.items())
+
+    def line(a, b):
+        return None if a is None or b is None else round(b + (layers - l2) * (b - a) / (l2 - l1), 4)
+
+    out = {"T": r2["T"], "model": r2["model"], "batch": r2["batch"], "eager_ms": line(r1["eager_ms"], r2["eager_ms"]),
+           "graph_ms": line(r1["graph_ms"], r2["graph_ms"]),
+           "stages": {s: max(0.0, line(r1["stages"][s], r2["stages"][s])) for s in STAGES},
+           "graph_unavailable": r2["graph_unavailable"], "graph_check": r2.get("graph_check"),
+           "extrapolated_from_depths": [l1, l2], "measured": {str(l1): r1, str(l2): r2}}
+    for kind in ("eager", "graph"):
+        ms = out[f"{kind}_ms"]
+        out[f"{kind}_tokens_per_s"] = None if not ms else round(out["batch"] * 1e3 / ms, 1)
+    out["breakdown"] = _groups(out["stages"])
+    return out
+
+
+def _speedups(row: dict) -> dict:
+    d, m = row["dense"], row["msa"]
+    row["speedup_eager"] = round(d["eager_ms"] / m["eager_ms"], 3)
+    row["speedup"] = round(d["graph_ms"] / m["graph_ms"], 3) if d["graph_ms"] and m["graph_ms"] else None
+    return row
+
+
+def _decode_pair(dense: Decoder, sparse: Decoder, T: int, B: int, max_len: int, page: int, dtype, index_dtype,
+                 cfg: ModelBenchConfig, log) -> dict:
+    cache = PagedCache(sparse, B, max_len, page, cfg.device, dtype, index_dtype)
+    _fill(cache, cfg.seed)
+    out = {name: _decode_one(name, model, cache, T, B, cfg, log) for name, model in (("dense", dense),
+                                                                                      ("msa", sparse))}
+    del cache
+    return out
+
+
 def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list[dict]:
     args = sparse.args
     dtype = next(sparse.parameters()).dtype
@@ -394,32 +478,38 @@ def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list
     for T in cfg.decode_lengths:
         max_len = T + cfg.decode_steps + 8  # room for the steps timed from T (seq_lens is reset between runs)
         need = cache_bytes(args, max_len, page, dtype, index_dtype)
-        if is_cuda(cfg.device):
-            torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
-            B = decode_batch(args, max_len, cfg.batch, free, page, dtype, index_dtype, cfg.reserve_gb * 1e9)
-        else:
-            free, B = None, cfg.batch
+        free = _free_bytes(cfg)
+        B = cfg.batch if free is None else decode_batch(args, max_len, cfg.batch, free, page, dtype, index_dtype,
+                                                        cfg.reserve_gb * 1e9)
         note = None
         if B < cfg.batch:
             note = (f"batch {cfg.batch} needs {cfg.batch * need / 1e9:.1f} GB of caches, "
                     f"{free / 1e9:.1f} GB free: " + (f"ran batch {B}" if B else "not run"))
             log(f"decode T={T:,}: {note}")
         base = {"T": T, "batch_requested": cfg.batch, "batch": B, "cache_gb_per_seq": round(need / 1e9, 3),
-                "index_cache": cfg.index_cache, "note": note}
+                "index_cache": cfg.index_cache, "note": note, "extrapolated": False}
         if B == 0:
             rows.append(base | {"dense": None, "msa": None, "speedup": None})
-            continue
-        cache = PagedCache(sparse, B, max_len, page, cfg.device, dtype, index_dtype)
-        _fill(cache, cfg.seed)
-        out = dict(base)
-        for name, model in (("dense", dense), ("msa", sparse)):
-            out[name] = _decode_one(name, model, cache, T, B, cfg, log)
-        d, m = out["dense"], out["msa"]
-        out["speedup_eager"] = round(d["eager_ms"] / m["eager_ms"], 3)
-        out["speedup"] = round(d["graph_ms"] / m["graph_ms"], 3) if d["graph_ms"] and m["graph_ms"] else None
-        rows.append(out)
-        del cache
+        else:
+            rows.append(_speedups(base | _decode_pair(dense, sparse, T, B, max_len, page, dtype, index_dtype, cfg,
+                                                      log)))
+        if B < cfg.batch:  # the asked batch on shallower copies of both models, extrapolated to the full depth
+            depths = decode_depths(args, max_len, cfg.batch, _free_bytes(cfg), page, dtype, index_dtype,
+                                   cfg.reserve_gb * 1e9)
+            if depths is None:
+                log(f"decode T={T:,}: batch {cfg.batch} does not fit at two depths of 2+ layers apart either")
+                continue
+            log(f"decode T={T:,}: batch {cfg.batch} on the first {depths[0]} and {depths[1]} layers, "
+                f"extrapolated to {args.n_layers}")
+            measured = {n: _decode_pair(shallow(dense, n), shallow(sparse, n), T, cfg.batch, max_len, page, dtype,
+                                        index_dtype, cfg, log) for n in depths}
+            row = {"T": T, "batch_requested": cfg.batch, "batch": cfg.batch, "cache_gb_per_seq": round(need / 1e9, 3),
+                   "index_cache": cfg.index_cache, "extrapolated": True,
+                   "note": f"batch {cfg.batch} extrapolated from the first {depths[0]} and {depths[1]} layers "
+                           f"to {args.n_layers} (every time linear in the depth)"}
+            for name in ("dense", "msa"):
+                row[name] = extrapolate_depth({n: measured[n][name] for n in depths}, args.n_layers)
+            rows.append(_speedups(row))
     return rows
 
 
