@@ -127,7 +127,7 @@ def gather_q_fwd_kernel(
                 p_o = part_o + o_row[:, None] * D + o_d[None, :]
                 if TMA:
                     if e0 + TOK <= end:  # a whole tile; padding heads (GP > G) land in rows nothing reads
-                        o_desc.store([(e0 * GP).to(tl.int32), 0], o)
+                        o_desc.store([e0 * GP, 0], o)
                     else:  # a segment's last tile: the rows past it are the next segment's
                         tl.store(p_o, o, mask=m_row[:, None] & m_d[None, :])
                 else:

@@ -206,6 +206,23 @@ def test_sparse_prefill_query_chunks_agree():
     assert rel_err(many, one) < 1e-6
 
 
+def test_sparse_prefill_tma_and_masked_stores_agree(monkeypatch):
+    """The forward stores a segment's whole tiles of partials by TMA and its last, partial tile by masked stores
+    (fp32 under the interpreter, as on Hopper); with TMA off every tile takes the masked stores: the same output."""
+    B, Hkv, G, T, D, bs = 1, 2, 4, 150, 16, 16  # 8-token tiles under the interpreter: whole ones and a last one
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    boxes = []
+    descriptor = sa._descriptor
+    monkeypatch.setattr(sa, "_descriptor", lambda *a: boxes.append(a) or descriptor(*a))
+    tma = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert boxes, "the TMA path did not run"
+    monkeypatch.setattr(sa, "_tma_store", lambda *a: False)
+    masked = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert torch.equal(tma, masked)
+    assert rel_err(tma, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+
+
 def test_sparse_prefill_half_precision():
     B, Hkv, G, T, D, bs = 1, 2, 4, 60, 32, 16
     q, kk, v = (torch.randn(B, h, T, D).half() for h in (Hkv * G, Hkv, Hkv))
