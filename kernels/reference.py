@@ -241,6 +241,9 @@ def sparse_attention(
     out = torch.empty(B, Hkv, G, T, D, dtype=ct, device=q.device)
     qg = q.view(B, Hkv, G, T, D)
     n_blocks = -(-T // block_size)
+    if MASKED_REACH * K * block_size >= T:  # the selection reaches much of the sequence: a masked causal pass
+        return _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk).view(B, Hq, T, D).to(
+            q.dtype)
     pad = (0, 0, 0, n_blocks * block_size - T)
     kb = F.pad(k.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
     vb = F.pad(v.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)
@@ -263,6 +266,35 @@ def sparse_attention(
         p = torch.softmax(s, dim=-1)
         out[:, :, :, start:end] = torch.einsum("bhgcs,bhcsd->bhgcd", p, vg)
     return out.view(B, Hq, T, D).to(q.dtype)
+
+
+# sparse_attention masks a causal pass over all keys instead of gathering K * block keys per query where
+# MASKED_REACH * K * block >= T: on a 2-core CPU at 8K tokens (SmolLM2 shapes, block 128 / top-16) the gathers took
+# 50 of a 1K window's 61 s of attention
+MASKED_REACH = 4
+
+
+def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk):
+    """sparse_attention as causal attention over every key with the unselected blocks masked out, for selections
+    that reach much of the sequence (as at CPU eval lengths): matmuls over all T keys instead of gathering K * block
+    keys per query, the same softmax. A block in n slots weighs n times (log n added to its scores), as the gathered
+    form and the kernels count it; -1 slots add nothing. qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]."""
+    B, Hkv, G, T, D = qg.shape
+    n_blocks = -(-T // block_size)
+    key_block = torch.arange(T, device=qg.device) // block_size
+    chunk = chunk or query_chunk(B * Hkv * G, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        idx = blocks[:, :, start:end].long()  # [B, Hkv, C, K]
+        count = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=ct, device=qg.device)
+        count.scatter_add_(-1, torch.where(idx >= 0, idx, n_blocks), torch.ones_like(idx, dtype=ct))
+        bias = count[..., :n_blocks].log()[..., key_block[:end]]  # [B, Hkv, C, end]: log n, -inf where unselected
+        causal = torch.arange(end, device=qg.device) > torch.arange(start, end, device=qg.device)[:, None]
+        bias = bias.masked_fill(causal, float("-inf"))
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), k[:, :, :end].to(ct)) * scale
+        p = torch.softmax(s + bias[:, :, None], dim=-1)
+        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, v[:, :, :end].to(ct))
+    return out
 
 
 def dense_attention(

@@ -89,7 +89,9 @@ ATTN_CASES = [
 
 @pytest.mark.parametrize("B,Hkv,G,T,D,bs,topk", ATTN_CASES, ids=[str(c) for c in ATTN_CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_sparse_attention_matches_brute_force(B, Hkv, G, T, D, bs, topk, dtype):
+@pytest.mark.parametrize("reach", [ref.MASKED_REACH, 0], ids=["masked", "gathered"])
+def test_sparse_attention_matches_brute_force(B, Hkv, G, T, D, bs, topk, dtype, reach, monkeypatch):
+    monkeypatch.setattr(ref, "MASKED_REACH", reach)  # 0: every case through the per-query gather of whole blocks
     q = torch.randn(B, Hkv * G, T, D).to(dtype)
     k, v = torch.randn(B, Hkv, T, D).to(dtype), torch.randn(B, Hkv, T, D).to(dtype)
     blocks = ref.select_blocks(torch.randn(B, Hkv, T, 4), torch.randn(B, T, 4), block_size=bs, topk=topk)
@@ -109,6 +111,22 @@ def test_sparse_attention_ignores_minus_one_and_chunks():
     a = ref.sparse_attention(q, k, v, blocks, block_size=bs)
     b = ref.sparse_attention(q, k, v, padded, block_size=bs, chunk=5)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,Hkv,G,T,bs,topk", [(1, 2, 3, 50, 8, 4), (2, 1, 4, 37, 16, 2), (1, 1, 1, 1, 16, 3),
+                                                  (1, 3, 2, 130, 16, 3)])
+def test_masked_and_gathered_sparse_attention_agree(B, Hkv, G, T, bs, topk, monkeypatch):
+    """The masked causal pass (selections that reach much of the sequence) and the per-query gather of whole blocks
+    are one function: -1 slots add nothing and a block in two slots weighs twice, in both (fp64)."""
+    q = torch.randn(B, Hkv * G, T, 16, dtype=torch.float64)
+    k, v = torch.randn(B, Hkv, T, 16, dtype=torch.float64), torch.randn(B, Hkv, T, 16, dtype=torch.float64)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=topk)
+    blocks[..., 1:][torch.rand(blocks[..., 1:].shape) < 0.3] = -1
+    blocks[..., -1] = blocks[..., 0]  # a duplicate in every row
+    masked = ref.sparse_attention(q, k, v, blocks, block_size=bs, chunk=7)
+    monkeypatch.setattr(ref, "MASKED_REACH", 0)
+    gathered = ref.sparse_attention(q, k, v, blocks, block_size=bs)
+    torch.testing.assert_close(masked, gathered, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 131])
