@@ -239,24 +239,30 @@ def sparse_attention(
     scale = D**-0.5 if scale is None else scale
     ct = _compute_dtype(q)
     out = torch.empty(B, Hkv, G, T, D, dtype=ct, device=q.device)
-    qg = q.view(B, Hkv, G, T, D)
+    # the selection reaches much of the sequence: one masked causal pass; else gather the selected blocks per query
+    fill = _sparse_attention_masked if MASKED_REACH * K * block_size >= T else _sparse_attention_gathered
+    fill(q.view(B, Hkv, G, T, D), k, v, blocks, block_size, scale, ct, out, chunk)
+    return out.view(B, Hq, T, D).to(q.dtype)
+
+
+def _sparse_attention_gathered(qg, k, v, blocks, block_size, scale, ct, out, chunk):
+    """sparse_attention by gathering each query's K selected blocks: qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]."""
+    B, Hkv, G, T, D = qg.shape
+    K = blocks.shape[-1]
     n_blocks = -(-T // block_size)
-    if MASKED_REACH * K * block_size >= T:  # the selection reaches much of the sequence: a masked causal pass
-        return _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk).view(B, Hq, T, D).to(
-            q.dtype)
     pad = (0, 0, 0, n_blocks * block_size - T)
     kb = F.pad(k.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
     vb = F.pad(v.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)
-    i_b = torch.arange(B, device=q.device)[:, None, None, None]
-    i_h = torch.arange(Hkv, device=q.device)[None, :, None, None]
-    offs = torch.arange(block_size, device=q.device)
+    i_b = torch.arange(B, device=qg.device)[:, None, None, None]
+    i_h = torch.arange(Hkv, device=qg.device)[None, :, None, None]
+    offs = torch.arange(block_size, device=qg.device)
     chunk = chunk or query_chunk(B * Hkv * (G + 2 * D), K * block_size)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         idx = blocks[:, :, start:end]  # [B, Hkv, C, K]
         safe = idx.clamp(min=0)  # -1 slots read block 0, then are masked out by `valid`
         pos = (safe[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs] token ids
-        t_pos = torch.arange(start, end, device=q.device)[:, None]
+        t_pos = torch.arange(start, end, device=qg.device)[:, None]
         valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
         C = end - start
         kg = kb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
@@ -265,7 +271,6 @@ def sparse_attention(
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[:, :, :, start:end] = torch.einsum("bhgcs,bhcsd->bhgcd", p, vg)
-    return out.view(B, Hq, T, D).to(q.dtype)
 
 
 # sparse_attention masks a causal pass over all keys instead of gathering K * block keys per query where
@@ -294,7 +299,6 @@ def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk
         s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), k[:, :, :end].to(ct)) * scale
         p = torch.softmax(s + bias[:, :, None], dim=-1)
         out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, v[:, :, :end].to(ct))
-    return out
 
 
 def dense_attention(
