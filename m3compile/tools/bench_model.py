@@ -420,7 +420,8 @@ def decode_depths(args: ModelArgs, tokens: int, batch: int, free_bytes: float, p
     and one more) and past every layer of another kind (attention dense or MSA, MLP or MoE) than the last: the
     layers that the line adds then all do the same work. None where L1 and L2 would be under 2 layers apart."""
     def fits(n: int) -> bool:
-        return batch * cache_bytes(_first_layers(args, n), tokens, page, dtype, index_dtype) <= free_bytes - reserve_bytes
+        return decode_batch(_first_layers(args, n), tokens, batch, free_bytes, page, dtype, index_dtype,
+                            reserve_bytes) == batch
 
     kind = lambda i: (args.is_sparse(i), args.is_moe(i))  # noqa: E731
     uniform = next(i for i in range(args.n_layers) if all(kind(j) == kind(args.n_layers - 1)
@@ -503,10 +504,9 @@ def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list
                 f"extrapolated to {args.n_layers}")
             measured = {n: _decode_pair(shallow(dense, n), shallow(sparse, n), T, cfg.batch, max_len, page, dtype,
                                         index_dtype, cfg, log) for n in depths}
-            row = {"T": T, "batch_requested": cfg.batch, "batch": cfg.batch, "cache_gb_per_seq": round(need / 1e9, 3),
-                   "index_cache": cfg.index_cache, "extrapolated": True,
-                   "note": f"batch {cfg.batch} extrapolated from the first {depths[0]} and {depths[1]} layers "
-                           f"to {args.n_layers} (every time linear in the depth)"}
+            row = base | {"batch": cfg.batch, "extrapolated": True,
+                          "note": f"batch {cfg.batch} extrapolated from the first {depths[0]} and {depths[1]} "
+                                  f"layers to {args.n_layers} (every time linear in the depth)"}
             for name in ("dense", "msa"):
                 row[name] = extrapolate_depth({n: measured[n][name] for n in depths}, args.n_layers)
             rows.append(_speedups(row))
