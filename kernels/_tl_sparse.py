@@ -32,7 +32,7 @@ def _prune(cfgs, named_args, **kw):
     return [c for c in cfgs if c.kwargs["ROWS"] >= gp] or cfgs[-1:]
 
 
-def _tile_rows(rows: int, gp: int) -> int:
+def tile_rows(rows: int, gp: int) -> int:
     """Matmul rows of a tile: TOK = ROWS // GP whole tokens (at least one) of GP head rows each."""
     return max(1, rows // gp) * gp
 
@@ -41,7 +41,7 @@ def _descriptor_block(nargs):
     """Autotune pre-hook: the partial-output descriptor's box is one tile of the config being launched."""
     desc = nargs["o_desc"]
     if hasattr(desc, "block_shape"):  # a TensorDescriptor (TMA on), else the partials' pointer
-        desc.block_shape = [_tile_rows(nargs["ROWS"], nargs["GP"]), nargs["DP"]]
+        desc.block_shape = [tile_rows(nargs["ROWS"], nargs["GP"]), nargs["DP"]]
 
 
 @autotune(
@@ -75,7 +75,7 @@ def gather_q_fwd_kernel(
         start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
             seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
             T, HKV, NB, D, DP, BS, BN, CHUNK)
-        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1  # gathered tokens per tile (_tile_rows), G heads each
+        TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1  # gathered tokens per tile (tile_rows), G heads each
         o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
         o_hq = i_h * G + o_g

@@ -226,7 +226,9 @@ def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
     """TMA descriptor of the partial outputs [rows, D]; its box is set per autotune config (_tl_sparse)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(part_o, block_shape=[max(1, 64 // GP) * GP, DP])
+    from m3compile.kernels._tl_sparse import tile_rows
+
+    return TensorDescriptor.from_tensor(part_o, block_shape=[tile_rows(64, GP), DP])
 
 
 # gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
