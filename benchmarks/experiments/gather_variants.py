@@ -39,7 +39,7 @@ import triton.language as tl
 
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
-from m3compile.kernels._tl_common import csr_segment
+from m3compile.kernels._tl_sparse import _segment_block
 from m3compile.kernels.indexer import select_blocks
 from m3compile.tools.bench_common import median_ms
 
@@ -141,25 +141,16 @@ def variant_kernel(
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
-        start, end, i_b, i_h, j = csr_segment(seg, pid, tile_start, seg_off, HKV, NB, CHUNK)
-        o_n = tl.arange(0, BN)
-        o_d = tl.arange(0, DP)
-        m_d = o_d < D
-        o_key = j * BS + o_n
-        m_key = (o_n < BS) & (o_key < T)
-        m_kd = m_key[:, None] & m_d[None, :]
-        b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_key[:, None].to(tl.int64) * stride_kt + o_d[None, :],
-                      mask=m_kd, other=0.0)
-        if V == 7 or V == 9:
+        start, end, i_b, i_h, o_d, m_d, o_key, m_key, m_kd, b_k, b_v = _segment_block(
+            seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            T, HKV, NB, D, DP, BS, BN, CHUNK)
+        b_v1 = b_v
+        if V == 7 or V == 9:  # V as two head-dim halves (the whole block's load above is then unused)
             HD: tl.constexpr = D // 2
             o_h = tl.arange(0, HD)
             p_v = v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt + o_h[None, :]
             b_v = tl.load(p_v, mask=m_key[:, None], other=0.0)
             b_v1 = tl.load(p_v + HD, mask=m_key[:, None], other=0.0)
-        else:
-            b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_key[:, None].to(tl.int64) * stride_vt
-                          + o_d[None, :], mask=m_kd, other=0.0)
-            b_v1 = b_v
         TOK: tl.constexpr = ROWS // GP if ROWS >= GP else 1
         o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
