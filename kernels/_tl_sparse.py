@@ -79,26 +79,37 @@ def gather_q_fwd_kernel(
         o_r = tl.arange(0, TOK * GP)
         o_g = o_r % GP
         o_hq = i_h * G + o_g
-        # the first tile's gathered rows; inside the loop the next tile's rows are loaded before this tile's
-        # matmuls, so the indirect loads of one tile overlap the compute of the previous one
+        # the first tile's gathered rows and the second tile's payload; inside the loop the next tile's rows are
+        # loaded before this tile's matmuls, so the indirect loads of one tile overlap the compute of the previous
+        # one, and the payload two tiles ahead, so the rows' addresses never wait on a load issued just before
         o_e = start + o_r // GP
         m_next = (o_e < end) & (o_g < G)
         pl_next = tl.load(payload + o_e, mask=m_next, other=0)
         q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
                          + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
                          mask=m_next[:, None] & m_d[None, :], other=0.0)
+        m_after = (o_e + TOK < end) & (o_g < G)
+        pl_after = tl.load(payload + o_e + TOK, mask=m_after, other=0)
+        tok_next = tl.load(payload + start, mask=start < end, other=0)
+        tok_after = tl.load(payload + start + TOK, mask=start + TOK < end, other=0)
         # tiles whose every token lies past a full key block see all of it: no mask, and the scale rides in the
-        # exponent's FMA (the segment's tokens are sorted, so only its first tiles hold the block's own tokens)
+        # exponent's FMA. A segment's tokens are sorted, so only its first tiles hold the block's own tokens, and a
+        # tile's first token is its smallest: its payload, loaded two tiles ahead (`tok`), decides, not a reduction
+        # over the tile's rows
         past = (seg % NB + 1) * BS
         open_block = (BN == BS) & (past <= T)
         for e0 in range(start, end, TOK):
             m_row, pl, b_q = m_next, pl_next, q_next
-            o_e = e0 + TOK + o_r // GP
-            m_next = (o_e < end) & (o_g < G)
-            pl_next = tl.load(payload + o_e, mask=m_next, other=0)
+            m_next, pl_next = m_after, pl_after
             q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
                              + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
                              mask=m_next[:, None] & m_d[None, :], other=0.0)
+            o_e = e0 + 2 * TOK + o_r // GP
+            m_after = (o_e < end) & (o_g < G)
+            pl_after = tl.load(payload + o_e, mask=m_after, other=0)
+            tok = tok_next
+            tok_next = tok_after
+            tok_after = tl.load(payload + e0 + 2 * TOK, mask=e0 + 2 * TOK < end, other=0)
             o_tl = pl // K  # token index inside the query chunk
             o_slot = pl % K
             o_t = t0 + o_tl
@@ -106,7 +117,7 @@ def gather_q_fwd_kernel(
                 s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
             else:
                 s = tl.dot(b_q, tl.trans(b_k))
-            if open_block & (tl.min(tl.where(m_row, o_t, past)) >= past):
+            if open_block & (t0 + tok // K >= past):
                 m = tl.max(s, 1) * scale_log2
                 p = tl.math.exp2(s * scale_log2 - m[:, None])
                 l = tl.sum(p, 1)

@@ -206,9 +206,17 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             t1 - t0, t0,
-            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse,
+            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, num_warps=combine_warps(GP, DP),
         )
     return out, (lse if want_lse else None), whole
+
+
+def combine_warps(GP: int, DP: int) -> int:
+    """Warps of one combine program (one token's GP x DP head rows): one where that is at most 512 values (G <= 4 at
+    head dim 128), else four. H200, 128K, random top-16 (BENCHMARKS.md, session 15): at G = 4 the combine takes
+    4.27 ms at one warp against 4.61 at four; at G = 16 one warp was slower in the model's pass (10.38 ms against
+    8.53), though not alone (benchmarks/experiments/combine_config.py), so larger programs keep four."""
+    return 1 if GP * DP <= 512 else 4
 
 
 def _tma_store(part_o: torch.Tensor, D: int, DP: int) -> bool:
