@@ -184,6 +184,20 @@ def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
     assert rel_err(got, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
+def test_sparse_prefill_open_tiles_decided_two_tiles_ahead():
+    """The forward loads each tile's payload and first token two tiles ahead; a tile goes unmasked only where its
+    own first token lies past the block. Block 1's segment here: 12 of its own tokens (20..31), then 32 later ones,
+    so its second 8-token tile (interpreter tiles) straddles the block's end and its third does not; a first token
+    taken from the wrong tile would unmask the straddling one and let tokens 28..31 see keys past them."""
+    B, Hkv, G, T, D, bs = 1, 1, 4, 64, 16, 16
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    t = torch.arange(T)
+    own = torch.where((t >= bs) & (t % bs >= 4), t // bs, -1)  # a token's own block, from block 1 on, not all
+    blocks = torch.stack([torch.zeros_like(t), own, torch.where(t >= 2 * bs, 1, -1)], -1).int().view(B, Hkv, T, 3)
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert rel_err(got, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+
+
 def test_sparse_prefill_ignores_minus_one_slots_and_unsorted_ids():
     B, Hkv, G, T, D, bs = 1, 2, 3, 50, 16, 8
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
