@@ -20,7 +20,8 @@ fused indexer's selection on random index inputs, one sequence). The differences
 each at the tile configs listed, with registers, spills and shared memory per program from the compiled kernel, and
 the largest difference of the partial outputs from base (bf16exp, pipe, dsplit, noprefetch, and the entry-order
 variants through the CSR's layout; the others compute something else). Base is the production loop up to session
-13; session 14 made `entry_tma` production (its gather stage, CSR build included, is timed too). Prints one JSON
+13; session 14 made `entry_tma` production (its gather stage, CSR build included, is timed too), and session 15
+loads production's payload and first-token test two tiles ahead (not among these variants). Prints one JSON
 object. H200 figures: BENCHMARKS.md, session 14.
 
     python benchmarks/experiments/gather_variants.py [--length 131072] [--variants base,nostore,...]
