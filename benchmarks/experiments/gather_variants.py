@@ -16,13 +16,16 @@ fused indexer's selection on random index inputs, one sequence). The differences
     entry_dsplit, entry_tma   entry order with dsplit, or with whole tiles stored by TMA (host tensor descriptor)
     noprefetch  each tile's gathered Q loaded at the top of its own iteration
     rowsum    P V computed, only its row sums stored (P V without the output store)
+    ahead     production since session 15: entry_tma with the payload and the tile's first token (which decides
+              the unmasked path) loaded two tiles ahead, the log-sum-exps in entry order too
+    ahead_lsetma  ahead with a whole tile's log-sum-exps stored by TMA as well (a 1-D descriptor): the masked store
+              of them costs a cross-warp layout conversion (shared memory + barrier) per tile; not yet timed
 
 each at the tile configs listed, with registers, spills and shared memory per program from the compiled kernel, and
 the largest difference of the partial outputs from base (bf16exp, pipe, dsplit, noprefetch, and the entry-order
 variants through the CSR's layout; the others compute something else). Base is the production loop up to session
-13; session 14 made `entry_tma` production (its gather stage, CSR build included, is timed too), and session 15
-loads production's payload and first-token test two tiles ahead (not among these variants). Prints one JSON
-object. H200 figures: BENCHMARKS.md, session 14.
+13; session 14 made `entry_tma` production (its gather stage, CSR build included, is timed too), session 15
+`ahead`. Prints one JSON object. H200 figures: BENCHMARKS.md, sessions 14 and 15.
 
     python benchmarks/experiments/gather_variants.py [--length 131072] [--variants base,nostore,...]
         [--configs 64x4x2,128x8x2]
@@ -37,6 +40,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
@@ -45,9 +49,10 @@ from m3compile.kernels.indexer import select_blocks
 from m3compile.tools.bench_common import median_ms
 
 VARIANTS = {"base": 0, "nostore": 1, "nopv": 2, "noexp": 3, "contig": 4, "bf16exp": 5, "pipe": 6, "dsplit": 7,
-            "entry": 8, "entry_dsplit": 9, "entry_tma": 10, "noprefetch": 11, "rowsum": 12}
+            "entry": 8, "entry_dsplit": 9, "entry_tma": 10, "noprefetch": 11, "rowsum": 12, "ahead": 13,
+            "ahead_lsetma": 14}
 # variants that write the partials in CSR entry order ([entries, GP, D]: a tile's rows are one contiguous range)
-ENTRY = (8, 9, 10)
+ENTRY = (8, 9, 10, 13, 14)
 
 
 @triton.jit
@@ -59,13 +64,17 @@ def _ex2_bf16(x):
 @triton.jit
 def _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, part_o, part_lse, t0, i_b, past,
           open_block, scale_log2, stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls, e0, end,
-          desc,
+          desc, lse_e, lse_desc, first,
           K: tl.constexpr, V: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr):
     o_tl = pl // K
     o_slot = pl % K
     o_t = t0 + o_tl
     s = tl.dot(b_q, tl.trans(b_k))
-    if open_block & (tl.min(tl.where(m_row, o_t, past)) >= past):
+    if V >= 13:  # production since session 15: the tile's first token (its smallest), loaded two tiles ahead
+        unmasked = open_block & (t0 + first // K >= past)
+    else:
+        unmasked = open_block & (tl.min(tl.where(m_row, o_t, past)) >= past)
+    if unmasked:
         m = tl.max(s, 1) * scale_log2
         x = s * scale_log2 - m[:, None]
     else:
@@ -114,9 +123,9 @@ def _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, par
     elif V == 8:
         tl.store(part_o + o_row[:, None].to(tl.int64) * D + o_d[None, :], o.to(part_o.dtype.element_ty),
                  mask=m_row[:, None] & m_d[None, :])
-    elif V == 10:
+    elif V == 10 or V >= 13:
         if e0 + TOK <= end:
-            desc.store([(e0 * GP).to(tl.int32), 0], o.to(tl.bfloat16))
+            desc.store([e0 * GP, 0], o.to(tl.bfloat16))
         else:
             tl.store(part_o + o_row[:, None].to(tl.int64) * D + o_d[None, :], o.to(part_o.dtype.element_ty),
                      mask=m_row[:, None] & m_d[None, :])
@@ -125,13 +134,19 @@ def _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, par
                + o_hq[:, None] * stride_ph + o_d[None, :])
         tl.store(p_o, o.to(part_o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     lse = m + tl.math.log2(l)
-    p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
-    tl.store(p_l, lse, mask=m_row)
+    if V >= 13:  # entry order, as production; ahead_lsetma stores a whole tile's log-sum-exps by TMA too
+        if V == 14 and e0 + TOK <= end:
+            lse_desc.store([e0 * GP], lse)
+        else:
+            tl.store(lse_e + o_row, lse, mask=m_row)
+    else:
+        p_l = part_lse + i_b * stride_lb + o_tl.to(tl.int64) * stride_lt + o_slot * stride_ls + o_hq
+        tl.store(p_l, lse, mask=m_row)
 
 
 @triton.jit
 def variant_kernel(
-    q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload, desc,
+    q, k, v, part_o, part_lse, tile_seg, tile_start, seg_off, payload, desc, lse_e, lse_desc,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt, stride_ls,
     T, t0, n_seg, scale_log2,
@@ -158,7 +173,33 @@ def variant_kernel(
         o_hq = i_h * G + o_g
         past = (seg % NB + 1) * BS
         open_block = (BN == BS) & (past <= T)
-        if V == 6 or V == 11:
+        if V >= 13:  # production's loop since session 15: payload and first token two tiles ahead
+            o_e = start + o_r // GP
+            m_next = (o_e < end) & (o_g < G)
+            pl_next = tl.load(payload + o_e, mask=m_next, other=0)
+            q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
+                             + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
+                             mask=m_next[:, None] & m_d[None, :], other=0.0)
+            m_after = (o_e + TOK < end) & (o_g < G)
+            pl_after = tl.load(payload + o_e + TOK, mask=m_after, other=0)
+            tok_next = tl.load(payload + start, mask=start < end, other=0)
+            tok_after = tl.load(payload + start + TOK, mask=start + TOK < end, other=0)
+            for e0 in range(start, end, TOK):
+                m_row, pl, b_q = m_next, pl_next, q_next
+                m_next, pl_next = m_after, pl_after
+                q_next = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh
+                                 + (t0 + pl_next // K)[:, None].to(tl.int64) * stride_qt + o_d[None, :],
+                                 mask=m_next[:, None] & m_d[None, :], other=0.0)
+                o_e = e0 + 2 * TOK + o_r // GP
+                m_after = (o_e < end) & (o_g < G)
+                pl_after = tl.load(payload + o_e, mask=m_after, other=0)
+                tok = tok_next
+                tok_next = tok_after
+                tok_after = tl.load(payload + e0 + 2 * TOK, mask=e0 + 2 * TOK < end, other=0)
+                _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, part_o, part_lse, t0, i_b,
+                      past, open_block, scale_log2, stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt,
+                      stride_ls, e0, end, desc, lse_e, lse_desc, tok, K, V, GP, D, TOK)
+        elif V == 6 or V == 11:
             for e0 in tl.range(start, end, TOK, num_stages=NS if V == 6 else 1):
                 o_e = e0 + o_r // GP
                 m_row = (o_e < end) & (o_g < G)
@@ -168,7 +209,7 @@ def variant_kernel(
                               mask=m_row[:, None] & m_d[None, :], other=0.0)
                 _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, part_o, part_lse, t0, i_b,
                       past, open_block, scale_log2, stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt,
-                      stride_ls, e0, end, desc, K, V, GP, D, TOK)
+                      stride_ls, e0, end, desc, lse_e, lse_desc, 0, K, V, GP, D, TOK)
         else:
             o_e = start + o_r // GP
             m_next = (o_e < end) & (o_g < G)
@@ -193,7 +234,7 @@ def variant_kernel(
                                  mask=m_next[:, None] & m_d[None, :], other=0.0)
                 _tile(b_q, b_k, b_v, b_v1, pl, m_row, o_r, o_hq, o_d, m_d, o_key, m_key, part_o, part_lse, t0, i_b,
                       past, open_block, scale_log2, stride_pb, stride_pt, stride_ps, stride_ph, stride_lb, stride_lt,
-                      stride_ls, e0, end, desc, K, V, GP, D, TOK)
+                      stride_ls, e0, end, desc, lse_e, lse_desc, 0, K, V, GP, D, TOK)
 
 
 def main() -> None:
@@ -221,10 +262,10 @@ def main() -> None:
     scale_log2 = D ** -0.5 * math.log2(math.e)
     n_all = Hkv * T * topk  # CSR entries, -1 slots included (sorted last)
     part_e = torch.empty(n_all * GP, D, dtype=torch.bfloat16, device=dev)  # entry order: row = entry * GP + head
-    desc = None
-    if dev == "cuda":
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        desc = TensorDescriptor.from_tensor(part_e, block_shape=[64, D])  # the 64-row configs' tile
+    lse_e = torch.empty(n_all * GP, dtype=torch.float32, device=dev)  # entry order too (the ahead variants)
+    # the 64-row configs' tiles (under the interpreter a smoke run: its bf16 descriptor stores are wrong)
+    desc = TensorDescriptor.from_tensor(part_e, block_shape=[64, D])
+    lse_desc = TensorDescriptor.from_tensor(lse_e, block_shape=[64])
     grid = (csr.tile_seg.numel(),)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -233,7 +274,7 @@ def main() -> None:
 
     def base_run():  # the pre-session-14 production loop: partials per (token, slot, head)
         variant_kernel[grid](q, k, v, part_o, part_lse, csr.tile_seg, csr.tile_start, csr.seg_off, csr.payload, desc,
-                             *common, T, 0, Hkv * NB, scale_log2, **consts, ROWS=64, V=0, NS=2, num_warps=4,
+                             lse_e, lse_desc, *common, T, 0, Hkv * NB, scale_log2, **consts, ROWS=64, V=0, NS=2, num_warps=4,
                              num_stages=2)
 
     res = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
@@ -244,6 +285,7 @@ def main() -> None:
                         warmup=2, device=dev)[0]
     base_run()
     ref_o = part_o.clone()  # what every variant's partials are compared with
+    ref_lse = part_lse.clone()
     res["production_gather_stage_ms"] = prod_ms
     # matmul FLOPs on whole blocks and bytes of gathered Q + partial writes (what the pass must move)
     n_entries = int(csr.seg_off[-1].item())
@@ -260,7 +302,8 @@ def main() -> None:
 
             def run():
                 c = variant_kernel[grid](q, k, v, part_e if V in ENTRY else part_o, part_lse, csr.tile_seg,
-                                         csr.tile_start, csr.seg_off, csr.payload, desc, *common, T, 0, Hkv * NB,
+                                         csr.tile_start, csr.seg_off, csr.payload, desc, lse_e, lse_desc, *common,
+                                         T, 0, Hkv * NB,
                                          scale_log2, **consts, ROWS=rows, V=V,
                                          NS=stages, num_warps=warps, num_stages=stages, **extra)
                 if not compiled:
@@ -290,6 +333,10 @@ def main() -> None:
                 want = ref_o[0, (pl // topk)[:, None], (pl % topk)[:, None], heads]
                 got = part_e.view(n_all, GP, D)[i, :G]
                 row["max_abs_diff_vs_base"] = (got.float() - want.float()).abs().max().item()
+                if V >= 13:  # their log-sum-exps are in entry order as well
+                    want_l = ref_lse[0, (pl // topk)[:, None], (pl % topk)[:, None], heads]
+                    got_l = lse_e.view(n_all, GP)[i, :G]
+                    row["lse_max_abs_diff_vs_base"] = (got_l - want_l).abs().max().item()
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     print("RESULT " + json.dumps(res))
