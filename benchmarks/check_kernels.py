@@ -83,17 +83,22 @@ def _selection(B, Hkv, T, bs, k):
     return blocks[..., torch.randperm(k, device="cuda")].int()
 
 
-def check_sparse(B, Hq, Hkv, T, D, bs, k, dtype):
+def check_sparse(B, Hq, Hkv, T, D, bs, k, dtype, ahead=False):
+    """ahead: one slot of each token holds a block past its own (no key it may see), which must add nothing."""
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
     kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
     blocks = _selection(B, Hkv, T, bs, k)
+    if ahead:
+        nb, own = -(-T // bs), torch.arange(T, device="cuda") // bs
+        other = (blocks[..., 1:] >= 0).any(-1)  # rows that keep a visible block elsewhere (else no key: NaN)
+        blocks[..., 0] = torch.where(other & (own + 2 < nb), own + 2, blocks[..., 0]).int()
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs)
     want = ref.sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)
     err = rel_err(got, want)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    report(f"sparse prefill B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}", err < tol,
-           rel_err=f"{err:.2e}")
+    report(f"sparse prefill B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}"
+           + (", a block past the token in slot 0" if ahead else ""), err < tol, rel_err=f"{err:.2e}")
 
 
 def check_backward(B, Hq, Hkv, T, D, bs, k, dtype):
@@ -426,6 +431,7 @@ def main():
         for G in (1, 3, 4, 8, 16):
             check_sparse(1, 2 * G, 2, 1500, 64, 64, 4 if G % 2 else 32, fp32)
         check_sparse(1, 8, 2, 1, 128, 128, 16, bf16)
+        check_sparse(1, 32, 8, 4000, 128, 128, 16, bf16, ahead=True)
     if run("backward"):
         check_backward(1, 64, 4, 8192, 128, 128, 16, bf16)
         check_backward(1, 64, 4, 8000, 128, 128, 16, bf16)

@@ -123,9 +123,10 @@ def gather_q_fwd_kernel(
                 l = tl.sum(p, 1)
             else:
                 s = tl.where(m_key[None, :] & (o_key[None, :] <= o_t[:, None]), s * scale_log2, float("-inf"))
+                # a row that sees no key of the block (a block past its token's own) keeps m = -inf, so its stored
+                # log-sum-exp is -inf and the merge gives it no weight, as the reference does
                 m = tl.max(s, 1)
-                m = tl.where(m == float("-inf"), 0.0, m)
-                p = tl.math.exp2(s - m[:, None])
+                p = tl.math.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
                 l = tl.sum(p, 1)
                 l = tl.where(l == 0.0, 1.0, l)
             if not LSE_ONLY:  # LSE_ONLY: the per-block log-sum-exps alone (the KL's teacher), no P V

@@ -210,6 +210,35 @@ def test_sparse_prefill_ignores_minus_one_slots_and_unsorted_ids():
     assert rel_err(got, want) < 1e-5
 
 
+def test_sparse_prefill_ignores_blocks_past_the_token():
+    """A block past a token's own holds no key the token may see: like a -1 slot it adds nothing (its partial's
+    log-sum-exp is -inf), to the output, to the log-sum-exp kept for the backward, in the LSE-only pass and in the
+    gradients, as in the reference. Such a block used to be merged with weight 1 (an output ~30% off)."""
+    B, Hkv, G, T, D, bs = 1, 2, 3, 45, 16, 8
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    nb, t = -(-T // bs), torch.arange(T)
+    own = (t // bs).view(1, 1, T).expand(B, Hkv, T)
+    ahead = torch.where(own + 2 < nb, own + 2, -1)  # a block past the token's own where there is one
+    earlier = (torch.rand(B, Hkv, T) * (own + 1)).long()  # any visible block
+    blocks = torch.stack([ahead, own, earlier], -1).int().contiguous()
+    holes = torch.where(blocks > own.unsqueeze(-1), -1, blocks).contiguous()
+    want = ref.sparse_attention(q, kk, v, blocks, block_size=bs)
+    assert rel_err(want, ref.sparse_attention(q, kk, v, holes, block_size=bs)) < 1e-6
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    assert rel_err(got, want) < 1e-5
+    scale = D**-0.5
+    lse = sa._forward(q, kk, v, blocks, bs, scale, sa.PARTIAL_BYTES, None, "all", True)[1]
+    lse_holes = sa._forward(q, kk, v, holes, bs, scale, sa.PARTIAL_BYTES, None, "all", True)[1]
+    lse_only = sa._forward(q, kk, kk, blocks, bs, scale, sa.PARTIAL_BYTES, None, "lse", True)[1]
+    assert (lse - lse_holes).abs().max().item() < 1e-5 and (lse_only - lse_holes).abs().max().item() < 1e-5
+    x = [t.clone().requires_grad_() for t in (q, kk, v)]
+    grads = torch.autograd.grad(sa.sparse_attention(*x, blocks, block_size=bs, backend="triton").square().sum(), x)
+    x_ref = [t.clone().requires_grad_() for t in (q, kk, v)]
+    want_grads = torch.autograd.grad(ref.sparse_attention(*x_ref, blocks, block_size=bs).square().sum(), x_ref)
+    for g, w in zip(grads, want_grads):
+        assert rel_err(g, w) < 1e-4
+
+
 def test_sparse_prefill_query_chunks_agree():
     """A tiny partial-buffer budget forces many query chunks; the result must not change."""
     B, Hkv, G, T, D, bs = 1, 2, 4, 70, 16, 8
