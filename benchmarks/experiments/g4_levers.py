@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -78,18 +77,12 @@ def main() -> None:
     cfg = bench.BenchConfig(heads=a.heads, kv_heads=a.kv_heads, prefill_lengths=(T,), decode_lengths=(),
                             selections=("independent",), flex=False, device=a.device)
     dev = a.device
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    g = torch.Generator(device=dev).manual_seed(cfg.seed)  # bench._prefill_one's draws, in its order
     H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-    q = torch.randn(1, T, H, D, device=dev, dtype=dt, generator=g).transpose(1, 2)
-    k = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g)
-    v = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g)
-    q_idx = torch.randn(1, T, Hkv, cfg.index_dim, device=dev, dtype=dt, generator=g)
-    k_idx = torch.randn(1, T, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    q, k, v, q_idx, k_idx = bench.prefill_inputs(cfg, T)  # the bench's own draws
     blocks = select_blocks(q_idx, k_idx, block_size=cfg.block, topk=cfg.topk)
     bs, scale = cfg.block, D**-0.5
-    res = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-           "T": T, "heads": H, "kv_heads": Hkv, "rows": {}}
+    res = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "T": T, "heads": H, "kv_heads": Hkv, "rows": {}}
 
     def row(name, ms, **extra):
         res["rows"][name] = dict(ms=round(ms, 4), **extra)

@@ -39,7 +39,8 @@ from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, 
 from m3compile.kernels.sparse_kl import sparse_index_kl
 from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
-__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement"]
+__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
+           "prefill_inputs"]
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,10 @@ def _shared_selection(blocks: torch.Tensor, block: int) -> torch.Tensor:
     return blocks[:, :, last]
 
 
-def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
-
+def prefill_inputs(cfg: BenchConfig, T: int):
+    """The prefill rows' inputs, one sequence of T tokens drawn from cfg.seed (bf16 on a GPU, fp32 elsewhere):
+    q [1, H, T, D] (a head-major view of token-major memory, as in the graph), k, v [1, Hkv, T, D], the index
+    queries [1, T, Hkv, Di] and keys [1, T, Di]. Experiments that must time the bench's own rows draw them here."""
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
     H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -203,6 +206,12 @@ def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
     v = torch.randn(1, Hkv, T, D, device=dev, dtype=dt, generator=g)
     q_idx = torch.randn(1, T, Hkv, cfg.index_dim, device=dev, dtype=dt, generator=g)
     k_idx = torch.randn(1, T, cfg.index_dim, device=dev, dtype=dt, generator=g)
+    return q, k, v, q_idx, k_idx
+
+
+def _prefill_one(cfg: BenchConfig, T: int, log) -> list[dict]:
+    H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    q, k, v, q_idx, k_idx = prefill_inputs(cfg, T)
     scale = D**-0.5
 
     def indexer():
