@@ -29,24 +29,19 @@ import torch
 import torch.nn.functional as F
 
 from m3compile.kernels import sparse_attention as sa
+from m3compile.kernels._common import next_pow2
 from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels.sparse_attention import build_csr, forward_stage, sparse_attention
 from m3compile.tools import bench
-from m3compile.tools.bench_common import median_ms
+from m3compile.tools.bench_common import median_ms, profile_run
 
 
 def timeline(fn, calls: int = 3) -> dict:
     """Device kernels of `calls` back-to-back calls of fn (one sync at the end): ms per kernel name, the idle time
     between consecutive kernels, and the largest gaps with their neighbours."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if getattr(e.device_type, "name", "") == "CUDA" and e.time_range.elapsed_us() > 0]
+    ev = [e for e in profile_run(lambda: [fn() for _ in range(calls)], "cuda").device_events
+          if e.time_range.elapsed_us() > 0]
     ev.sort(key=lambda e: e.time_range.start)
     names: dict[str, float] = {}
     for e in ev:
@@ -105,8 +100,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             res["rows"]["base_graph"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     G, K = H // Hkv, cfg.topk
-    GP = 1 << (G - 1).bit_length()
-    row_bytes = K * Hkv * GP * (D * 2 + 4)
+    GP = next_pow2(G)
+    row_bytes = K * Hkv * GP * (D * q.element_size() + 4)  # partials per query token, as _forward_csr counts them
     C = max(1, min(T, sa.PARTIAL_BYTES // row_bytes))
     n_chunks = -(-T // C)
     res["chunks"] = [min(C, T - t0) for t0 in range(0, T, C)]
@@ -126,14 +121,16 @@ def main() -> None:
     row("no_local", bench._time(lambda: attn(no_local), cfg))
     row("no_local_gather", bench._time(lambda: forward_stage(q, k, v, no_local, block_size=bs, scale=scale), cfg))
     nb = -(-T // bs)
-    row("csr", bench._time(lambda: [build_csr(blocks, nb, t0, min(T, t0 + C), sa._chunk(GP)) for t0 in
-                                    range(0, T, C)], cfg))
+
+    def csr_all():  # the CSR of every query chunk the forward walks
+        return [build_csr(blocks, nb, t0, min(T, t0 + C), sa._chunk(GP)) for t0 in range(0, T, C)]
+
+    row("csr", bench._time(csr_all, cfg))
     if dev != "cuda":
         print("RESULT " + json.dumps(res))
         return
     res["timeline_all"] = timeline(attn)
-    res["timeline_csr"] = timeline(lambda: [build_csr(blocks, nb, t0, min(T, t0 + C), sa._chunk(GP)) for t0 in
-                                            range(0, T, C)])
+    res["timeline_csr"] = timeline(csr_all)
     d = res["rows"].get("dense", {}).get("ms")
     if d:
         res["share_of_ideal"] = {n: round(d / r["ms"] / ideal, 4) for n, r in res["rows"].items() if "ms" in r}
