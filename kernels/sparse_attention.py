@@ -136,10 +136,11 @@ def block_csr(blocks: torch.Tensor, n_blocks: int, chunk: int) -> BlockCSR:
     return BlockCSR(*build_csr(blocks, n_blocks, 0, blocks.shape[2], chunk), chunk=chunk)
 
 
-def attention_chunk(G: int) -> int:
-    """Queries one forward program of the gather kernels sweeps over one key block, for groups of G heads: the
-    chunk of the CSR the sparse attention builds (and hands to the KL)."""
-    return _chunk(next_pow2(G))
+def attention_chunk(G: int, entries: int = 0) -> int:
+    """Queries one forward program of the gather kernels sweeps over one key block, for groups of G heads and a
+    query chunk of `entries` CSR entries (batch x KV heads x tokens x slots): the chunk of the CSR the sparse
+    attention builds (and hands to the KL)."""
+    return _chunk(next_pow2(G), rows=entries * next_pow2(G))
 
 
 def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse):
@@ -174,6 +175,7 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     else:  # in CSR entry order: row = entry * GP + head, entry = the CSR position of (batch, head, token, slot)
         part_o = torch.empty(B * Hkv * C * K * GP, D, dtype=part_dtype, device=q.device)
         part_lse = torch.empty(B * Hkv * C * K * GP, dtype=torch.float32, device=q.device)
+    chunk = attention_chunk(G, B * Hkv * C * K)  # one for every query chunk, so a whole-range CSR is reusable
     tma = not lse_only and _tma_store(part_o, D, DP)
     o_desc = _descriptor(part_o, GP, DP) if tma else part_o
     lse_strides = part_lse.stride()[:3] if lse_only else (0, 0, 0)
@@ -182,9 +184,9 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         if C < T:
-            payload, seg_off, tile_seg, tile_start, entry = build_csr(blocks, n_blocks, t0, t1, _chunk(GP))
+            payload, seg_off, tile_seg, tile_start, entry = build_csr(blocks, n_blocks, t0, t1, chunk)
         else:
-            whole = csr if csr is not None and csr.chunk == _chunk(GP) else block_csr(blocks, n_blocks, _chunk(GP))
+            whole = csr if csr is not None and csr.chunk == chunk else block_csr(blocks, n_blocks, chunk)
             payload, seg_off, tile_seg, tile_start, entry = whole.payload, whole.seg_off, whole.tile_seg, \
                 whole.tile_start, whole.entry
         if lse_only:
@@ -195,7 +197,7 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             v.stride(0), v.stride(1), v.stride(2), *lse_strides,
             T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-            CHUNK=_chunk(GP), IEEE=ieee, LSE_ONLY=lse_only, TMA=tma,
+            CHUNK=chunk, IEEE=ieee, LSE_ONLY=lse_only, TMA=tma,
         )
         if stage == "gather":  # benchmarks time the gather pass alone through this
             continue
@@ -241,16 +243,24 @@ def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
 
 
 # gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
-# the block's K and V once, so more rows per program re-read them less often, at the cost of a longer tail per segment.
-# H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md, session 13): G = 4 512 / 1024 / 2048 / 4096 rows ->
-# 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms
+# the block's K and V once, so more rows per program re-read them less often, at the cost of a longer tail per segment
+# and fewer programs. H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md, session 13): G = 4 512 / 1024 /
+# 2048 / 4096 rows -> 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms. Sessions 15-17
+# measured 4096 against 2048 again: 0.17-0.25 ms faster at 128K (G = 4, 7, 16), but 2% slower in SmolLM2's
+# distillation step at 2 x 8K (0.8M entries: too few programs to fill the GPU). So a query chunk with at least
+# LONG_ROWS gathered rows (entries x GP; 33M at 128K, G = 4 and 16) takes FORWARD_CHUNK_ROWS_LONG
 FORWARD_CHUNK_ROWS = 2048
+FORWARD_CHUNK_ROWS_LONG = 4096
+LONG_ROWS = 1 << 24
 
 
-def _chunk(gp: int, backward: bool = False) -> int:
-    """Queries one program may sweep over one K/V block. The backward takes up to 4x more (at most 256 tokens):
-    each program also adds the block's dK/dV to memory once at the end (the choice is measured in BENCHMARKS.md)."""
-    return max(8, min(256, 4096 // gp)) if backward else max(8, FORWARD_CHUNK_ROWS // gp)
+def _chunk(gp: int, backward: bool = False, rows: int = 0) -> int:
+    """Queries one program may sweep over one K/V block; `rows`: the gathered rows (CSR entries x gp) of the
+    forward's query chunk. The backward takes up to 4x more (at most 256 tokens): each program also adds the block's
+    dK/dV to memory once at the end (the choice is measured in BENCHMARKS.md)."""
+    if backward:
+        return max(8, min(256, 4096 // gp))
+    return max(8, (FORWARD_CHUNK_ROWS_LONG if rows >= LONG_ROWS else FORWARD_CHUNK_ROWS) // gp)
 
 
 def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_bytes=PARTIAL_BYTES,

@@ -10,7 +10,8 @@ timer (`tools.bench._time`: triton's do_bench, median, L2 flushed before each ru
     base_graph    the same captured in a CUDA graph and replayed (no host launch time at all)
     balanced      query chunks of equal size (today: chunks of the budget's size and a short last one)
     one_chunk     a partial budget large enough for one query chunk (no CSR rebuilt per chunk)
-    rows4096      FORWARD_CHUNK_ROWS 4096 (queries per program over one key block)
+    rows2048      2,048 gathered rows per program for every query chunk (sessions 13-16's default; since session 17
+                  query chunks of at least sparse_attention.LONG_ROWS rows take 4,096)
     no_local      the selection with each token's own (local) block removed (slot set to -1): what the gather and
                   the combine cost for the local block, the upper bound of computing it elsewhere
     csr           the CSR build alone for the base's chunks
@@ -109,12 +110,12 @@ def main() -> None:
     if "one_chunk" not in skip:
         row("one_chunk", bench._time(lambda: attn(max_partial_bytes=T * row_bytes + 1), cfg),
             partial_gb=T * row_bytes / 1e9)
-    old = sa.FORWARD_CHUNK_ROWS
-    sa.FORWARD_CHUNK_ROWS = 4096
+    old = sa.LONG_ROWS
+    sa.LONG_ROWS = 1 << 62  # every query chunk at FORWARD_CHUNK_ROWS (2048), the default until session 17
     try:
-        row("rows4096", bench._time(attn, cfg))
+        row("rows2048", bench._time(attn, cfg))
     finally:
-        sa.FORWARD_CHUNK_ROWS = old
+        sa.LONG_ROWS = old
     tok = torch.arange(T, device=dev, dtype=blocks.dtype).view(1, 1, T, 1) // bs
     no_local = torch.where(blocks == tok, -1, blocks)
     res["local_share"] = (blocks == tok).sum().item() / (blocks >= 0).sum().item()
@@ -123,7 +124,7 @@ def main() -> None:
     nb = -(-T // bs)
 
     def csr_all():  # the CSR of every query chunk the forward walks
-        return [build_csr(blocks, nb, t0, min(T, t0 + C), sa._chunk(GP)) for t0 in range(0, T, C)]
+        return [build_csr(blocks, nb, t0, min(T, t0 + C), sa.attention_chunk(G, Hkv * C * K)) for t0 in range(0, T, C)]
 
     row("csr", bench._time(csr_all, cfg))
     if dev != "cuda":

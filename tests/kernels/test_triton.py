@@ -249,6 +249,27 @@ def test_sparse_prefill_query_chunks_agree():
     assert rel_err(many, one) < 1e-6
 
 
+def test_sparse_prefill_takes_longer_programs_for_long_query_chunks(monkeypatch):
+    """A query chunk of at least LONG_ROWS gathered rows runs FORWARD_CHUNK_ROWS_LONG rows per program (here scaled
+    down so one segment spans several programs either way); the output is the same, and the CSR handed on (to
+    the KL) carries the chunk that was used."""
+    B, Hkv, G, T, D, bs = 1, 2, 3, 70, 16, 8
+    q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    entries = B * Hkv * T * 3
+    monkeypatch.setattr(sa, "FORWARD_CHUNK_ROWS", 32)
+    monkeypatch.setattr(sa, "FORWARD_CHUNK_ROWS_LONG", 64)
+    monkeypatch.setattr(sa, "LONG_ROWS", entries * 4 + 1)  # GP = 4: one row short of long
+    assert sa.attention_chunk(G, entries) == 8
+    short = sa._forward_csr(q, kk, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, "all", True)
+    monkeypatch.setattr(sa, "LONG_ROWS", entries * 4)
+    assert sa.attention_chunk(G, entries) == 16
+    long = sa._forward_csr(q, kk, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, "all", True)
+    assert (short[2].chunk, long[2].chunk) == (8, 16)
+    assert rel_err(long[0], short[0]) < 1e-6 and (long[1] - short[1]).abs().max().item() < 1e-5
+    assert rel_err(long[0].transpose(1, 2), ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+
+
 def test_sparse_prefill_tma_and_masked_stores_agree(monkeypatch):
     """The forward stores a segment's whole tiles of partials by TMA and its last, partial tile by masked stores
     (fp32 under the interpreter, as on Hopper); with TMA off every tile takes the masked stores: the same output."""
