@@ -1,5 +1,5 @@
-# sourced by the run_s16*.sh scripts: the working tree as a package in /tmp/pkg_new (kernels, models, passes linked),
-# M3C_AUTOTUNE=0, cwd /tmp; results under $O (copied to $OUT by each script)
+# sourced by the run_s16*.sh and run_s17*.sh scripts: the working tree as a package in /tmp/pkg_new (kernels,
+# models, passes linked), M3C_AUTOTUNE=0, cwd /tmp; results under $O (copied to $OUT by each script)
 R=${R:-$PWD}; O=/tmp/r; rm -rf $O; mkdir -p $O
 rm -rf /tmp/pkg_new && mkdir -p /tmp/pkg_new
 cp -rL $R/m3compile /tmp/pkg_new/ && rm -rf /tmp/pkg_new/m3compile/{kernels,models,passes}

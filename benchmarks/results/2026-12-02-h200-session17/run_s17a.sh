@@ -3,7 +3,7 @@
 # attention case now builds its CSR by counting sort, including session 16's untimed fix for blocks past the token);
 # g4_levers at G = 4, 128K (the counting CSR against the radix one, alone and inside the attention, and 4,096 rows
 # per program); `m3c bench` at G = 4 with 2,048 and 4,096 rows per program
-R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session17/setup.sh
+R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session16/setup.sh
 cat > /tmp/m3c_rows <<'X'
 #!/usr/bin/env bash
 rows=$1; shift

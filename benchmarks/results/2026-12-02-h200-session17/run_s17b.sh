@@ -3,7 +3,7 @@
 # against 2,048 everywhere (LONG_ROWS set past any chunk), in one call: `m3c bench` at G = 4 (32K, 128K), Qwen's
 # G = 7 and M3's G = 16 (128K); the whole Llama-3-8B-shaped model at 128K with the policy; the interpreter-untestable
 # part at full size: check_kernels --only sparse with the policy
-R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session17/setup.sh
+R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session16/setup.sh
 cat > /tmp/m3c_long <<'X'
 #!/usr/bin/env bash
 long=$1; shift

@@ -3,7 +3,7 @@
 # once per selected block; the partial stores stream 17 GB through L2 past them), the combine's partial loads
 # evict_first (read once). Production against the hints in one call, `m3c bench` at G = 4 and M3's G = 16, 128K,
 # each with query chunks of 32K and 48K tokens (Q rows of one head: 32 / 48 MB at G = 4)
-R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session17/setup.sh
+R=$PWD; . $R/benchmarks/results/2026-12-02-h200-session16/setup.sh
 rm -rf /tmp/pkg_var && cp -r /tmp/pkg_new /tmp/pkg_var && rm /tmp/pkg_var/m3compile/kernels && cp -r $R/kernels /tmp/pkg_var/m3compile/kernels
 (cd /tmp/pkg_var/m3compile && (patch -p1 < $R/benchmarks/results/2026-12-02-h200-session17/l2_hints.diff || git apply -p1 $R/benchmarks/results/2026-12-02-h200-session17/l2_hints.diff)) >&2
 grep -c evict_ /tmp/pkg_var/m3compile/kernels/_tl_sparse.py >&2
