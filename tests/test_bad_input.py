@@ -407,6 +407,36 @@ def test_sigterm_to_the_real_command(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (the moment
+    test_sigterm_to_the_real_command aims at, where it once found that directory left behind): the signal is
+    held until the directory is known, then the interrupted run removes it."""
+    import tempfile
+
+    from m3compile.io import checkpoint
+
+    def to_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, to_interrupt)
+    mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp_then_signal(*args, **kwargs):
+        made = mkdtemp(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives before the directory's path is returned
+        return made
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_signal)
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with checkpoint.atomic_output_dir(out) as tmp:
+                (tmp / "config.json").write_text("{}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
     """SIGTERM arriving while atomic_output_dir moves the output into place is held until the move is done and
     recorded: the output is whole, no partial directory stays, and m3c's message says what was written."""

@@ -656,9 +656,11 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
     with output_lock(out):
         for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         old = out.parent / f".{out.name}.partial-old-{os.getpid()}"
+        tmp = None
         try:
+            with _signals_held():  # a signal between the directory's creation and `tmp` would leave it behind
+                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
             yield tmp
             with _signals_held():
                 if out.exists():  # move the old output aside first: a kill at any point leaves one of the two in place
@@ -672,7 +674,8 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
                     tmp.rename(out)
                 COMMITTED.append(out)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:  # the previous output, once the new one is in place (also when a held signal fires after it)
             shutil.rmtree(old, ignore_errors=True)
