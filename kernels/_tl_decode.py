@@ -6,17 +6,8 @@ from m3compile.kernels._common import autotune, configs
 from m3compile.kernels._tl_common import lse_merge, online_softmax_block, quantize_rows_e4m3, round_e4m3
 
 
-@autotune(
-    configs=configs(
-        [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
-         for s in (2, 3)],
-        interpret=dict(NPG=2, PPP=2, num_warps=4, num_stages=1),
-        default=dict(NPG=1, PPP=2, num_warps=4, num_stages=2),
-    ),
-    key=["HP", "DP", "BN", "HAS_SCALE", "IEEE", "FP8_DOT"],
-)
 @triton.jit(do_not_specialize=["max_pages"])
-def paged_index_scores_kernel(
+def _paged_index_scores(
     q_idx, idx_cache, idx_scale, block_table, seq_lens, scores,
     stride_qb, stride_qh, stride_cp, stride_ct, stride_sp, stride_tb, stride_ob, stride_oh,
     max_pages,
@@ -59,6 +50,25 @@ def paged_index_scores_kernel(
         s = tl.max(tl.reshape(s, [HP, NPG, BN]), 2)  # [HP, NPG]
         tl.store(scores + i_b * stride_ob + o_h[:, None] * stride_oh + (p0 + o_g)[None, :], s,
                  mask=(o_h < H)[:, None] & ((p0 + o_g) < n_pages)[None, :])
+
+
+def _scores_tuner(default: dict):
+    return autotune(
+        configs=configs(
+            [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
+             for s in (2, 3)],
+            interpret=dict(NPG=2, PPP=2, num_warps=4, num_stages=1),
+            default=default,
+        ),
+        key=["HP", "DP", "BN", "HAS_SCALE", "IEEE", "FP8_DOT"],
+    )(_paged_index_scores)
+
+
+# one kernel, two tuned entry points: a bf16 and an fp8 index cache pick different tiles, and with M3C_AUTOTUNE=0 each
+# runs the one the H200 sweep chose for it (M3 shapes, 2026-11-29 decode run: bf16 NPG 1 / PPP 2 / 2 stages, fp8
+# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md session 17)
+paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_stages=2))
+paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
 
 
 @triton.jit

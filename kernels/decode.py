@@ -111,7 +111,8 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     if not use_triton(q_idx, idx_cache, backend=backend):
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
-    from m3compile.kernels._tl_decode import paged_index_scores_kernel, topk_rows_kernel
+    from m3compile.kernels._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
+                                              topk_rows_kernel)
 
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
@@ -122,8 +123,10 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
         if fp8 else scores.new_empty(1, 1)
     grid = lambda meta: (B, -(-max_pages // (meta["PPP"] * meta["NPG"])))  # noqa: E731
 
+    kernel = paged_index_scores_fp8_kernel if fp8 else paged_index_scores_kernel
+
     def launch(fp8_dot):
-        paged_index_scores_kernel[grid](
+        kernel[grid](
             q, idx_cache, scale, block_table, seq_lens, scores,
             q.stride(0), q.stride(1), idx_cache.stride(0), idx_cache.stride(1), scale.stride(0),
             block_table.stride(0), scores.stride(0), scores.stride(1),

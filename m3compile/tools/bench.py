@@ -329,7 +329,7 @@ def _autotune_choices() -> dict:
 
     for mod, names in (("kernels._tl_indexer", ["index_topk_kernel"]),
                        ("kernels._tl_sparse", ["gather_q_fwd_kernel", "gather_q_bwd_kernel"]),
-                       ("kernels._tl_decode", ["paged_index_scores_kernel"]),
+                       ("kernels._tl_decode", ["paged_index_scores_kernel", "paged_index_scores_fp8_kernel"]),
                        ("kernels._tl_kl", ["sparse_kl_fwd_kernel", "sparse_kl_bwd_kernel"]),
                        ("kernels._tl_varlen", ["varlen_fwd_kernel"])):
         try:

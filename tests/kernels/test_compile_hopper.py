@@ -121,7 +121,7 @@ KERNELS = [
     ("csr_tiles", "_tl_sparse.csr_tiles_kernel",
      dict(seg_off=I32, tiles=I32, tile_end=I32, tile_seg=I32, tile_start=I32), dict(BLOCK=1024), (),
      dict(num_warps=4, num_stages=1)),
-    ("paged_index_scores fp8", "_tl_decode.paged_index_scores_kernel",
+    ("paged_index_scores fp8", "_tl_decode.paged_index_scores_fp8_kernel",
      dict(q_idx=BF, idx_cache=FP8, idx_scale=F32, block_table=I32, seq_lens=I32, scores=F32),
      dict(H=4, HP=16, D=128, DP=128, BS=128, BN=128, HAS_SCALE=True, IEEE=False, FP8_DOT=True, NPG=1, PPP=4), (),
      dict(num_warps=4, num_stages=3)),
