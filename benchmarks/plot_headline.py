@@ -4,9 +4,9 @@ BENCHMARKS.md), nothing typed in:
     python3 benchmarks/plot_headline.py                 # writes docs/headline.png
     python3 benchmarks/plot_headline.py --out x.png
 
-Panels: MSA prefill and decode speed over dense attention at M3's attention shapes on one H200 (2026-11-29 runs of
-`m3c bench`), and the loss cost of sparse attention at 8K tokens, block 64 / top-8, on the shared byte-level model
-and on SmolLM2-135M (`m3c eval` JSON of the 2026-12-01 runs).
+Panels: MSA prefill and decode speed over dense attention at M3's attention shapes on one H200 (2026-12-02 runs of
+`m3c bench`, session 17), and the loss cost of sparse attention at 8K tokens, block 64 / top-8, on the shared
+byte-level model and on SmolLM2-135M (`m3c eval` JSON of the 2026-12-01 runs).
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PREFILL = RESULTS / "2026-11-29-h200" / "bench.json"
-DECODE = RESULTS / "2026-11-29-h200-decode" / "bench.json"  # the decode rerun BENCHMARKS.md's table gives
+S17 = RESULTS / "2026-12-02-h200-session17"  # BENCHMARKS.md, session 17, calls F and G (the 2026-11-29 runs before)
+PREFILL = S17 / "call_f" / "bench_prefill.json"
+DECODE = S17 / "call_g" / "bench_decode.json"
 S10, S12 = RESULTS / "2026-12-01-h200-session10", RESULTS / "2026-12-02-h200-session12"
 QUALITY = {  # bar label -> (eval JSON, its entry in a merged results file or None, which loss); what today's
     # `m3c convert --index-dim 128 --calib` (index rope "tile") and `m3c distill --block-loss 1` give (BENCHMARKS.md

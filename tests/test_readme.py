@@ -211,20 +211,20 @@ def test_every_code_block_runs(tmp_path, monkeypatch):
 
 def test_headline_picture_is_drawn_from_the_results(tmp_path):
     """docs/headline.png is what benchmarks/plot_headline.py draws from benchmarks/results, and those figures are
-    BENCHMARKS.md's (prefill 24.4x at 1M, decode 7.29x / 11.31x, SmolLM2 oracle +0.94%, init +6.68%, distilled
+    BENCHMARKS.md's (prefill 25.9x at 1M, decode 7.27x / 10.93x, SmolLM2 oracle +0.94%, init +6.68%, distilled
     +1.54%)."""
     import runpy
 
     script = runpy.run_path(str(ROOT / "benchmarks" / "plot_headline.py"))
     f = script["figures"]()
-    assert round(f["prefill"][-1][1], 1) == 24.4 and f["prefill"][-1][0] == 1 << 20
-    assert [round(x, 2) for x in f["decode"][-1][1:]] == [7.29, 11.31]
+    assert round(f["prefill"][-1][1], 1) == 25.9 and f["prefill"][-1][0] == 1 << 20
+    assert [round(x, 2) for x in f["decode"][-1][1:]] == [7.27, 10.93]
     assert round(dict(f["quality"])["SmolLM2\noracle"], 2) == 0.94
     assert round(dict(f["quality"])["SmolLM2\ndistilled\n(dim 128)"], 2) == 1.54
     assert round(dict(f["quality"])["SmolLM2\ncalibrated\ninit (dim 128)"], 2) == 6.68 and "**+6.68%**" in \
         (ROOT / "BENCHMARKS.md").read_text()
     bench = (ROOT / "BENCHMARKS.md").read_text()
-    assert "**24.4**" in bench and "**7.29**" in bench and "**11.31**" in bench and "**+0.94%**" in bench
+    assert "**25.9**" in bench and "**7.27**" in bench and "**10.93**" in bench and "**+0.94%**" in bench
     png = script["draw"](tmp_path / "h.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (ROOT / "docs" / "headline.png").is_file() and "docs/headline.png" in README.read_text()
