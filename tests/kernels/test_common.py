@@ -32,4 +32,5 @@ def test_every_autotuned_kernel_goes_through_the_caching_wrapper():
 
     sources = {p.name: p.read_text() for p in Path(_common.__file__).parent.glob("_tl_*.py")}
     assert sources and not [n for n, s in sources.items() if "@triton.autotune" in s]
-    assert sum(s.count("@autotune(") for s in sources.values()) == 10
+    # (the decode selection's bf16 and fp8 entry points are two calls of one `return autotune(...)`)
+    assert sum(s.count("@autotune(") + s.count("return autotune(") for s in sources.values()) == 10
