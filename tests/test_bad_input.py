@@ -407,18 +407,29 @@ def test_sigterm_to_the_real_command(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
-    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (the moment
-    test_sigterm_to_the_real_command aims at, where it once found that directory left behind): the signal is
-    held until the directory is known, then the interrupted run removes it."""
-    import tempfile
-
+def _write_under_sigterm(out: Path) -> None:
+    """atomic_output_dir(out) writing a config.json, with SIGTERM raising KeyboardInterrupt (as m3c's handler stops
+    a command) for the block; the test's patch sends the signal somewhere inside, and the interrupt must come out."""
     from m3compile.io import checkpoint
 
     def to_interrupt(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, to_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with checkpoint.atomic_output_dir(out) as tmp:
+                (tmp / "config.json").write_text("{}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (the moment
+    test_sigterm_to_the_real_command aims at, where it once found that directory left behind): the signal is
+    held until the directory is known, then the interrupted run removes it."""
+    import tempfile
+
     mkdtemp = tempfile.mkdtemp
 
     def mkdtemp_then_signal(*args, **kwargs):
@@ -427,13 +438,7 @@ def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monk
         return made
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_signal)
-    out = tmp_path / "out"
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with checkpoint.atomic_output_dir(out) as tmp:
-                (tmp / "config.json").write_text("{}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    _write_under_sigterm(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -443,10 +448,6 @@ def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
     from m3compile.cli import _interrupted
     from m3compile.io import checkpoint
 
-    def to_interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, to_interrupt)
     rename = Path.rename
 
     def rename_then_signal(self, target):
@@ -456,12 +457,7 @@ def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rename", rename_then_signal)
     checkpoint.COMMITTED.clear()
     out = tmp_path / "out"
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with checkpoint.atomic_output_dir(out) as tmp:
-                (tmp / "config.json").write_text("{}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    _write_under_sigterm(out)
     assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert checkpoint.COMMITTED == [out] and _interrupted() == f"interrupted after {out} was written in full"
     checkpoint.COMMITTED.clear()
