@@ -171,7 +171,7 @@ def main():
                    "indexer, its time linear in this. Above the head dim of a fully rotated head every index pair "
                    "turns too (sparse_index_rope \"tile\") and the init fits each RoPE pair with more ranks of the "
                    "shared key: SmolLM2 (heads of 64) at 128 (M3's) inits at +6.7% against +9.0% and distils to "
-                   "0.6 points of the oracle against 1.2 (BENCHMARKS.md, sessions 11-12).")
+                   "0.6 points of the oracle against 1.2 (BENCHMARKS.md).")
 @click.option("--index-heads", type=int, default=None, help="Index query heads [default: the KV head count, which it must equal].")
 @click.option("--init-blocks", default=0, show_default=True, help="Leading blocks every query keeps.")
 @click.option("--local-blocks", default=1, show_default=True, help="Most recent blocks every query keeps (its own first).")

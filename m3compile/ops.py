@@ -324,7 +324,7 @@ def _recall_rows(T: int, n: int, device: torch.device) -> torch.Tensor:
 
 # The sparse prefill kernel where no gradient is needed (msa_attention_triton): "gather" (kernels/sparse_attention.py,
 # gather-Q, the default) or "tile" (kernels/sparse_tile.py, the query-tile union design: it ties gather-Q at best
-# on the GPU, BENCHMARKS.md session 11, so opt-in: M3C_SPARSE_KERNEL=tile, or using_sparse_kernel("tile"))
+# on the GPU, BENCHMARKS.md, so opt-in: M3C_SPARSE_KERNEL=tile, or using_sparse_kernel("tile"))
 SPARSE_KERNELS = ("gather", "tile")
 _sparse_kernel: list[str] = []
 

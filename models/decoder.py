@@ -165,7 +165,7 @@ class RMSNorm(nn.Module):
 class FP32Frequencies(nn.Module):
     """Base of the RoPE modules: their `inv_freq` buffer follows the model's device but stays fp32 when the model is
     cast (`load` in a bf16 checkpoint's dtype, `.to(torch.float16)`), as in transformers. Rounded to bf16 the
-    frequencies are off by up to 2^-9 of themselves, a RoPE angle error that grows with the position (issue 22: a
+    frequencies are off by up to 2^-9 of themselves, a RoPE angle error that grows with the position (a
     bf16 checkpoint loaded then cast with .float() differed from its fp32 ONNX export by 0.02 in the logits at 20
     tokens, by 8 at 700)."""
 

@@ -42,7 +42,7 @@ shared key (exact once r_p >= Hkv). Twice the head dim gives two ranks. SmolLM2-
 calibrated, block 64 / top-8: at 4K on CPU +3.35% at index dim 128 against +4.13% at 64 (+3.30% at 192, rank 3,
 exact); at 8K on the GPU +6.68% against +9.00%. dense-llama-byte (2 KV heads, head dim 48) at 8K: +1.47% at 96 and
 128 against +2.07%. Distilled, the gain is gone (SmolLM2 +1.54% against +1.51% with non-rotated slots; byte +0.83%
-against +0.81%): BENCHMARKS.md, session 12. Ranks past Hkv have nothing to fit and start as unfitted slots.
+against +0.81%): BENCHMARKS.md. Ranks past Hkv have nothing to fit and start as unfitted slots.
 
 An index dim above what the dense channels fill otherwise (above the head dim of a partly rotated head, or more
 non-rotated channels than the dense head has; or "tile" ranks past Hkv) leaves slots with nothing to fit: their query rows start at zero and their key rows at random (seeded,
@@ -52,7 +52,7 @@ not depend on the gradient's scale). The index key norm, an RMS over all Di chan
 fitted rows' full norm the init is worse than the narrower head's (dense-llama-byte at index dim 128, head dim 48:
 +2.42% against +2.07% at 8K on the GPU), at 0.01 it is the narrower head's (+6.53% against +6.60% at 512 tokens,
 block 16 / top-4, CPU), and both distil past it (GPU at 8K with 1.0: +0.82% against +1.12%; CPU at 512 tokens,
-205K tokens: 0.01 +4.71%, 1.0 +4.90%, head dim +5.19%). BENCHMARKS.md, session 11.
+205K tokens: 0.01 +4.71%, 1.0 +4.90%, head dim +5.19%). BENCHMARKS.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input never hurts (issue 18): every kind of bad input through the CLI -> exit 2, one line `error: ...` on
+"""Bad input never hurts: every kind of bad input through the CLI -> exit 2, one line `error: ...` on
 stderr, no traceback, nothing written, inputs unchanged; Ctrl-C and SIGTERM leave nothing partial."""
 import fcntl
 import hashlib

@@ -1,7 +1,7 @@
 """Every supported model type, built small from a random `transformers` config, saved in bf16 and converted with a
 real selection (blocks of 16, top-2, 103 tokens = 7 blocks): the ONNX export (onnxruntime) and the generated
 graph/module.py (load_module) both match m3compile.load in fp32, and the checkpoint loaded in its own dtype (bf16)
-then cast with .float() is exactly the fp32 model: the RoPE frequencies stay fp32 through the casts (issue 22)."""
+then cast with .float() is exactly the fp32 model: the RoPE frequencies stay fp32 through the casts."""
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -20,7 +20,7 @@ CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32, "rope_theta": 500000.0})),
     "mistral": (transformers.MistralConfig, dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=None)),
-    # the layout of issue 22: head_dim 64, q/k/v bias, theta 1e5, untied head
+    # the layout where bf16 RoPE frequencies showed: head_dim 64, q/k/v bias, theta 1e5, untied head
     "qwen2-bias": (transformers.Qwen2Config, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                                   rope_theta=1e5, tie_word_embeddings=False)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),

@@ -1,4 +1,4 @@
-"""fp8 index scoring as a model setting (issue 17 item 2): MSAConfig.index_dtype "fp8" through conversion, the
+"""fp8 index scoring as a model setting: MSAConfig.index_dtype "fp8" through conversion, the
 saved config, loading, the reference and lowered graphs, generation, `m3c convert/eval --index-dtype` and export.
 
 The kernels themselves are tested against their reference in tests/kernels/test_triton.py; here the question is

@@ -1,4 +1,4 @@
-"""An index head narrower than the rotary width (issue 17, cheaper index options): index rope "low".
+"""An index head narrower than the rotary width (a cheaper indexer): index rope "low".
 
 Its Di/2 channel pairs turn at the model's Di/2 lowest RoPE frequencies (ops.index_rope_tables), so index scores
 depend on relative position only; the init fits exactly those pairs (passes/index_init.py); the converter writes

@@ -1,4 +1,4 @@
-"""An index head wider than a fully rotated dense head (issue 15, index capacity): index rope "tile".
+"""An index head wider than a fully rotated dense head (more index capacity): index rope "tile".
 
 Every one of its Di/2 channel pairs turns at one of the model's R/2 frequencies (each at least once, the lowest
 ones again: ops.tile_pairs), so a dense pair with r index pairs is fitted with r shared-key ranks

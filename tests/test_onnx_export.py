@@ -50,7 +50,7 @@ def test_onnxruntime_matches_pytorch(exported, batch, length):
 
 
 def test_onnxruntime_matches_the_checkpoint_loaded_in_its_own_dtype(exported):
-    """Issue 22: the bf16 checkpoint loaded as is, then cast with .float(), is the exported model: its RoPE frequencies
+    """The bf16 checkpoint loaded as is, then cast with .float(), is the exported model: its RoPE frequencies
     stay fp32 (rounded to bf16, the logits differed from the export by 8 at 150 tokens)."""
     session = ort.InferenceSession(str(exported / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     model = load(exported / "msa")

@@ -465,7 +465,7 @@ class _Run:
         step = start
         # SIGINT / SIGTERM recorded, not raised, while the loop runs (main thread): the loop stops after the step in
         # flight and saves. Raising at the signal (the CLI's handler) could stop torch anywhere inside a step: a run
-        # killed by `timeout` on the GPU died that way without saving (session 12). Signals during the save are
+        # killed by `timeout` on the GPU would die that way without saving. Signals during the save are
         # recorded too, and dropped. In another thread the handlers stay and Ctrl-C raises where it lands.
         with signals_recorded() as stop:
             try:
