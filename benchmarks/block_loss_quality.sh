@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's block-ranking loss on the real SmolLM2 at 8K, block 64 / top-8, layer 0 dense: calibrated init (eval with
+# The block-ranking loss on the real SmolLM2 at 8K, block 64 / top-8, layer 0 dense: calibrated init (eval with
 # the oracle row), then distilled with --block-loss L for each L of VARIANTS (0 = the token KL alone), each evaluated;
 # with EXTEND, each run is resumed to EXTEND steps and evaluated again (a second point of its loss-vs-tokens curve).
 # Everything ends up in one JSON, OUT_DIR/block_loss_quality.json (the GPU lease returns few files per call).
@@ -9,8 +9,7 @@
 #   env: M3C (m3c), DEVICE (cuda), STEPS (450), EXTEND (none; e.g. 900), VARIANTS ("0 1": block-loss weights),
 #        TIMEOUT (per distillation, s; an interrupted run saves its state and is evaluated as it stands: its report
 #        says which step)
-# Session 9 (H200): VARIANTS=1 STEPS=450 EXTEND=900 gave +2.62% / +2.22% (BENCHMARKS.md, "Session 9");
-# session 10: VARIANTS=1 STEPS=900 EXTEND=1800 gave +2.25% / +2.14% ("Session 10").
+# On an H200, VARIANTS=1 STEPS=900 EXTEND=1800 gave +2.25% / +2.14% (BENCHMARKS.md, "Quality").
 set -euo pipefail
 HF=$1; DATA=$2; OUT=$3
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; C=$DATA/calib_code_smollm2.npy; E=$DATA/eval_code_smollm2.npy

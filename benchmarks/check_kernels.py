@@ -161,7 +161,7 @@ def check_kl_warmup(B, Hq, Hkv, T, D, Di, bs, k, dtype):
 
 
 def check_csr(B, Hkv, T, bs, k, chunk):
-    """The CSR from the Triton kernels equals the torch build, tensor for tensor (issue 16)."""
+    """The CSR from the Triton kernels equals the torch build, tensor for tensor."""
     blocks = _selection(B, Hkv, T, bs, k).int()
     nb = -(-T // bs)
     got, want = sa._build_csr_triton(blocks, nb, 0, T, chunk), sa._build_csr_torch(blocks, nb, 0, T, chunk)
@@ -184,7 +184,7 @@ def check_causal_lse(B, Hq, Hkv, T, D, dtype):
     manual = torch.exp2(sel[:, rows] - want[:, rows]).unflatten(2, (Hkv, Hq // Hkv)).mean(-1)
     r_err = (got - manual).abs().max().item()
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # base-2 log-sum-exp, absolute
-    report(f"causal LSE + recall B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} {str(dtype)[6:]}", err < tol and r_err < tol,
+    report(f"causal LSE + recall, B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} {str(dtype)[6:]}", err < tol and r_err < tol,
            max_abs_err_lse=f"{err:.2e}", max_abs_err_recall=f"{r_err:.2e}")
 
 
@@ -447,7 +447,7 @@ def main():
         check_kl_warmup(2, 9, 3, 8192, 64, 64, 64, 8, bf16)
         check_kl_warmup(1, 8, 2, 3000, 48, 48, 64, 8, fp32)
         check_kl_warmup(1, 8, 2, 1, 64, 64, 64, 8, bf16)
-    if run("fused"):  # issue 16: the kernels that cut the distillation step's host dispatches
+    if run("fused"):  # the kernels that cut the distillation step's host dispatches
         check_csr(2, 3, 8192, 64, 8, 256)
         check_csr(1, 4, 8000, 128, 16, 64)
         check_causal_lse(2, 9, 3, 8192, 64, bf16)
@@ -456,7 +456,7 @@ def main():
         check_norm_rope(1, 1000, 4, 128, 64, fp32)
         for mode in ("sparse", "warmup"):
             check_lowered_distill(2048, mode)
-    if run("block_loss"):  # issue 15: the block-ranking loss's kernel, at SmolLM2's distillation shapes first
+    if run("block_loss"):  # the block-ranking loss's kernel, at SmolLM2's distillation shapes first
         check_block_loss(2, 9, 3, 8192, 64, 64, 64, 8, bf16)
         check_block_loss(1, 8, 2, 3001, 48, 40, 64, 8, fp32, n_rows=700)  # G 4, D and Di not powers of two
         check_block_loss(1, 6, 6, 2000, 64, 64, 48, 4, fp32, n_rows=1)  # G 1, block 48, one row

@@ -5,7 +5,7 @@ BENCHMARKS.md), nothing typed in:
     python3 benchmarks/plot_headline.py --out x.png
 
 Panels: MSA prefill and decode speed over dense attention at M3's attention shapes on one H200 (2026-12-02 runs of
-`m3c bench`, session 17), and the loss cost of sparse attention at 8K tokens, block 64 / top-8, on the shared
+`m3c bench kernels`), and the loss cost of sparse attention at 8K tokens, block 64 / top-8, on the shared
 byte-level model and on SmolLM2-135M (`m3c eval` JSON of the 2026-12-01 runs).
 """
 from __future__ import annotations
@@ -16,18 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-S17 = RESULTS / "2026-12-02-h200-session17"  # BENCHMARKS.md, session 17, calls F and G (the 2026-11-29 runs before)
-PREFILL = S17 / "call_f" / "bench_prefill.json"
-DECODE = S17 / "call_g" / "bench_decode.json"
-S10, S12 = RESULTS / "2026-12-01-h200-session10", RESULTS / "2026-12-02-h200-session12"
+M3 = RESULTS / "2026-12-02-h200-m3-shapes"  # BENCHMARKS.md, "Kernels at M3 shapes"
+PREFILL = M3 / "prefill.json"
+DECODE = M3 / "decode.json"
+Q1, Q2 = RESULTS / "2026-12-01-h200-quality", RESULTS / "2026-12-02-h200-quality"
 QUALITY = {  # bar label -> (eval JSON, its entry in a merged results file or None, which loss); what today's
-    # `m3c convert --index-dim 128 --calib` (index rope "tile") and `m3c distill --block-loss 1` give (BENCHMARKS.md
-    # session 12), beside the oracles
-    "byte model\ndistilled\n(dim 128)": (S12 / "call2_byte_tile.json", "t128d.eval.json", "sparse_loss"),
-    "byte model\noracle": (S10 / "byte_block_loss_eval_speed_indexer.json", "bc.eval.json", "oracle_loss"),
-    "SmolLM2\ncalibrated\ninit (dim 128)": (S12 / "call3_smollm2_tile.json", "t64.eval.json", "sparse_loss"),
-    "SmolLM2\ndistilled\n(dim 128)": (S12 / "call3_smollm2_tile.json", "t64d.eval.json", "sparse_loss"),
-    "SmolLM2\noracle": (S10 / "smollm2_block_loss_1800.json", "c.eval.json", "oracle_loss"),
+    # `m3c convert --index-dim 128 --calib` (index rope "tile") and `m3c distill --block-loss 1` give (BENCHMARKS.md,
+    # "Quality"), beside the oracles
+    "byte model\ndistilled\n(dim 128)": (Q2 / "byte_index_rope_tile.json", "t128d.eval.json", "sparse_loss"),
+    "byte model\noracle": (Q1 / "byte_block_loss.json", "bc.eval.json", "oracle_loss"),
+    "SmolLM2\ncalibrated\ninit (dim 128)": (Q2 / "smollm2_index_rope_tile.json", "t64.eval.json", "sparse_loss"),
+    "SmolLM2\ndistilled\n(dim 128)": (Q2 / "smollm2_index_rope_tile.json", "t64d.eval.json", "sparse_loss"),
+    "SmolLM2\noracle": (Q1 / "smollm2_block_loss.json", "c.eval.json", "oracle_loss"),
 }
 
 

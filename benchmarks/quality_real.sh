@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's quality figures on both checkpoints, at 8K: dense / oracle / weight-only init / calibrated init /
+# The quality figures on both checkpoints, at 8K: dense / oracle / weight-only init / calibrated init /
 # distilled from the calibrated init, at block 64 / top-8 and M3's block 128 / top-16 (layer 0 dense), with the
 # retrieval test. Every figure is an `m3c eval --json` file in OUT.
 #
@@ -10,8 +10,8 @@
 #        WARMUP (20), BATCH (2), LR (3e-3), CALIB_TOKENS (8192),
 #        MODELS ("smollm2 byte"), SETTINGS ("64/8 128/16"), DISTILL_SETTINGS ("64/8": the settings distilled),
 #        INDEX_DIM (--index-dim of both conversions; unset: the head dim), BLOCK_LOSS (unset: m3c distill's
-#        default, 1 since session 11; sessions 7-8 ran this script at 0)
-# The next GPU run (issue 15: the wider head with its 0.01 init at both settings; evals of 128 / 16 take 40-80 s):
+#        default, 1; BENCHMARKS.md's token-KL rows ran it at 0)
+# The wider head with its 0.01 init at both settings (evals of 128 / 16 take 40-80 s each on an H200):
 #   MODELS=smollm2 DISTILL_SETTINGS="64/8 128/16" INDEX_DIM=128 STEPS="900" benchmarks/quality_real.sh ...
 set -euo pipefail
 HF=$1; SHARED=$2; DATA=$3; OUT=$4

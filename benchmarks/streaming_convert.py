@@ -1,4 +1,4 @@
-"""Issue 8's benchmark: convert a synthetic 7B Llama-style checkpoint (bf16, ~12.9 GB) and report wall time and
+"""Convert a synthetic 7B Llama-style checkpoint (bf16, ~12.9 GB) and report wall time and
 peak resident memory, against a plain copy of the same bytes on the same disk.
 
     python3 benchmarks/streaming_convert.py WORK_DIR [--shape 7b] [--max-shard-size 5GB]

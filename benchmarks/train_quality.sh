@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's quality benchmark: dense-llama-byte -> MSA (block 64, top-8, layer 0 dense) -> KL distillation of the
+# The continued-training benchmark: dense-llama-byte -> MSA (block 64, top-8, layer 0 dense) -> KL distillation of the
 # index branch -> continued training (LM loss + LOSS_COEFF x KL, sparse attention active) from the distilled
 # checkpoint, both on calib_code.bin -> `m3c eval` of the distilled and of the trained model on eval_code.bin.
 # The question it answers: does continued training lower the sparse eval loss compared with distillation alone?

@@ -1,11 +1,11 @@
-"""The gather-Q forward's combine at each launch width (issue 17, item 4: G = 4 sparse attention).
+"""The gather-Q forward's combine at each launch width (G = 4 sparse attention).
 
 combine_kernel (kernels/_tl_sparse.py) merges each (token, KV group)'s top-k partial outputs, found through the CSR's
 inverse permutation, in one program of G head rows x D. At Llama-3-8B shapes that is 512 bf16 values per partial,
 4 per thread at the default 4 warps. This times it at 1, 2, 4 and 8 warps on one sequence (random partials; the
 CSR of the fused indexer's selection on random index inputs, so the partials are read in the real scattered
 order), checks every width writes the same output bit for bit, and reports the bytes it moves per ms. Prints one
-JSON object. H200 figures: BENCHMARKS.md, session 15. They rank the widths as the model's pass does at G = 4 (one
+JSON object. H200 figures: BENCHMARKS.md. They rank the widths as the model's pass does at G = 4 (one
 warp best), not at G = 16, where one warp wins here and loses in the pass (10.38 against 8.53 ms): choose widths in
 the pass (`sparse_attention_profile.py`), not from this alone.
 

@@ -1,4 +1,4 @@
-"""How far the depth-extrapolated decode step (m3c bench --model, a batch whose caches do not fit) is from a measured
+"""How far the depth-extrapolated decode step (m3c bench model, a batch whose caches do not fit) is from a measured
 one: at a batch that fits, the decode step of both models measured on their first L1 and L2 layers, extrapolated
 linearly to the whole depth (bench_model.extrapolate_depth), against the whole model measured at the same batch and
 context. Prints one JSON object (the rows, and the extrapolation's error per model and for the speedup).

@@ -1,4 +1,4 @@
-"""Experiment (issue 17): how often fp8 index scoring selects the same blocks as full-precision scoring on a real
+"""How often fp8 index scoring selects the same blocks as full-precision scoring on a real
 model's own index queries and keys. CPU run in BENCHMARKS.md, 2026-12-01.
 
 Runs the converted model densely (so every layer sees the dense model's hidden states, whatever it selects), takes

@@ -1,17 +1,17 @@
 """What G = 4's sparse attention at 128K spends beyond its kernels, and what each remaining lever would save
-(issue 17, item 4: sparse attention at G = 4 >= 0.45 of ideal).
+(sparse attention at G = 4 against 0.45 of ideal).
 
-The inputs are `m3c bench`'s (kernel bench, `_prefill_one`: same seed, same draw order, the fused indexer's
+The inputs are `m3c bench kernels`' (`_prefill_one`: same seed, same draw order, the fused indexer's
 selection on random index inputs), so the base row is the bench's attention row. Every time is the bench's own
 timer (`tools.bench._time`: triton's do_bench, median, L2 flushed before each run) unless the row says otherwise:
 
-    base          sparse_attention as `m3c bench` times it
+    base          sparse_attention as `m3c bench kernels` times it
     base_events   the same, CUDA events around single calls with a sync between them (bench_common.median_ms)
     base_graph    the same captured in a CUDA graph and replayed (no host launch time at all)
     balanced      query chunks of equal size (today: chunks of the budget's size and a short last one)
     one_chunk     a partial budget large enough for one query chunk (no CSR rebuilt per chunk)
-    rows2048      2,048 gathered rows per program for every query chunk (sessions 13-16's default; since session 17
-                  query chunks of at least sparse_attention.LONG_ROWS rows take 4,096)
+    rows2048      2,048 gathered rows per program for every query chunk (the default below
+                  sparse_attention.LONG_ROWS rows a query chunk; chunks of at least that many take 4,096)
     no_local      the selection with each token's own (local) block removed (slot set to -1): what the gather and
                   the combine cost for the local block, the upper bound of computing it elsewhere
     csr           the CSR build alone for the base's chunks
@@ -111,7 +111,7 @@ def main() -> None:
         row("one_chunk", bench._time(lambda: attn(max_partial_bytes=T * row_bytes + 1), cfg),
             partial_gb=T * row_bytes / 1e9)
     old = sa.LONG_ROWS
-    sa.LONG_ROWS = 1 << 62  # every query chunk at FORWARD_CHUNK_ROWS (2048), the default until session 17
+    sa.LONG_ROWS = 1 << 62  # every query chunk at FORWARD_CHUNK_ROWS (2048), the short chunks' default
     try:
         row("rows2048", bench._time(attn, cfg))
     finally:

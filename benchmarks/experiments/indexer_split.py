@@ -1,4 +1,4 @@
-"""Where the prefill indexer's time goes (issue 17): scoring vs the running top-k, per tile config, bf16 vs fp8.
+"""Where the prefill indexer's time goes: scoring vs the running top-k, per tile config, bf16 vs fp8.
 
 index_topk_kernel (kernels/_tl_indexer.py) computes, per key block, the [rows, block] token scores (one matmul),
 their causal block max, and inserts that block score into a per-row top-k kept in registers (a min + argmin + two
@@ -12,8 +12,7 @@ shared key head, block 128, top-16), variants of the same loop that differ only 
     write    the block scores written out [B, H, T, n_blocks] bf16 (the two-pass design), then torch.topk timed apart
 
 and checks that `packed` selects the production kernel's blocks (as sets per row). Prints one JSON object.
-(Session 9 ran these variants as one loop with a branch, which pipelined worse than production's two loops: their
-times then bounded nothing. They now loop as production does; not yet re-run on the GPU.)
+(The variants loop as production does, in two loops: one loop with a branch pipelines worse and bounds nothing.)
 
     python benchmarks/experiments/indexer_split.py [--lengths 32768,131072] [--modes topk,scores,packed,write]
 """

@@ -1,6 +1,6 @@
-"""Why the MSA kernels run slower inside the whole model than alone (issue 17): clocks under sustained load, or not.
+"""Why the MSA kernels run slower inside the whole model than alone: clocks under sustained load, or not.
 
-Session 11's whole Llama-3-8B-shaped model at 128K spent 23.2 ms per layer in index_topk_kernel against 17.2 ms
+A whole Llama-3-8B-shaped model at 128K spent 23.2 ms per layer in index_topk_kernel against 17.2 ms
 alone, and 22.0 against 18.2 in the gather-Q sparse attention. index_topk_kernel's work does not depend on the data
 (its top-k insert is branch-free), so the suspects are the GPU's clocks under a sustained matmul load and the
 inputs' layouts. This script times, on one GPU, at the model's shapes (index: 8 heads x 64 dims, fp8 keys; sparse

@@ -1,4 +1,4 @@
-"""Experiment (issue 17, sparse attention at few heads per group): how much consecutive queries share their blocks.
+"""How much consecutive queries share their blocks.
 
 A query-tile sparse-attention design keeps its partial outputs on chip by giving one program a tile of R consecutive
 query tokens x the G heads of a KV group and looping over the union of the blocks those tokens selected, masking

@@ -1,4 +1,4 @@
-"""Where the gather-Q sparse prefill spends its time at users' shapes (issue 17, item 4).
+"""Where the gather-Q sparse prefill spends its time at users' shapes.
 
 One sequence, Llama-3-8B attention shapes by default (32 query / 8 KV heads, d 128, G = 4), block 128 / top-16,
 the selection from the fused indexer on random index queries and keys. Times `sparse_attention` (median of 5, CUDA
