@@ -29,11 +29,11 @@ from m3compile.io.checkpoint import COMMITTED
 from m3compile.io.data import load_tokens
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
-from m3compile.tools.bench import (
+from m3compile.bench.kernels import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
-from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
-from m3compile.tools.bench_model import ModelBenchConfig, run_model_bench, write_model_outputs
+from m3compile.bench.distill import DistillBenchConfig, run_distill_bench
+from m3compile.bench.model import ModelBenchConfig, run_model_bench, write_model_outputs
 from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder

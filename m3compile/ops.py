@@ -71,7 +71,7 @@ def scope(name: str):
 
 @contextlib.contextmanager
 def recording_scopes():
-    """Open the `scope` ranges without a profiler (tools.op_count attributes dispatches to them)."""
+    """Open the `scope` ranges without a profiler (bench.op_count attributes dispatches to them)."""
     _FORCED_SCOPES[0] += 1
     try:
         yield

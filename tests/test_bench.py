@@ -10,9 +10,9 @@ from m3compile.cli import main
 from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
 from m3compile.models.decoder import Attention
-from m3compile.tools import bench_distill
-from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
-from m3compile.tools.bench_common import bench_models
+from m3compile.bench import distill as bench_distill
+from m3compile.bench.kernels import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
+from m3compile.bench.common import bench_models
 
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():
@@ -192,8 +192,8 @@ def test_distill_breakdown_books_each_kernel_once():
     """The distillation rows' per-stage GPU ms (synthetic trace, the profiler's fields): each kernel once, to the
     innermost labelled range that launched it; backward kernels go to their autograd function (run outside the
     forward's ranges, inside m3c.backward); range annotations on the device are not work; stages sum to the work."""
-    from m3compile.tools.bench_common import Profile
-    from m3compile.tools.bench_distill import _breakdown
+    from m3compile.bench.common import Profile
+    from m3compile.bench.distill import _breakdown
     from tests.test_bench_model import _ev, _flat, _kernel, _launch
 
     fwd = _ev("m3c.forward", 0, 40, id=1, children=[

@@ -11,11 +11,11 @@ from m3compile.cli import main
 from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
 from m3compile.pipelines import lower
-from m3compile.tools.bench_common import Profile, bench_models, module_ranges, profile_run
-from m3compile.tools.bench_model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, ModelBenchConfig, cache_bytes,
+from m3compile.bench.common import Profile, bench_models, module_ranges, profile_run
+from m3compile.bench.model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, ModelBenchConfig, cache_bytes,
                                          decode_batch, decode_depths, extrapolate, run_model_bench, shallow,
                                          write_model_outputs)
-from m3compile.tools import bench_model
+from m3compile.bench import model as bench_model
 from tests.conftest import LLAMA_BYTE
 
 
@@ -301,7 +301,7 @@ def test_attribution_books_each_kernel_once_to_the_innermost_range():
     assert Profile(events, True, 400.0, 0.0, device_events=annotations + kernels).attribute(
         PREFILL_LABELS, ENCLOSING).stages == a.stages
     # what the profiler's per-range lists give: annotation + children's kernels, the Triton kernels nowhere
-    from m3compile.tools.bench_common import kernel_us
+    from m3compile.bench.common import kernel_us
     assert kernel_us(roots[2]) == 50 + 25  # index_branch: its annotation + select's annotation, no real kernel
 
 
@@ -367,7 +367,7 @@ def test_fp8_index_option_and_a_lowered_dense_twin():
     import pytest
 
     from m3compile.errors import M3CompileError
-    from m3compile.tools.bench_model import ModelBenchConfig
+    from m3compile.bench.model import ModelBenchConfig
 
     dense, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2, index_dtype="fp8")
     assert sparse.args.msa.index_dtype == "fp8"

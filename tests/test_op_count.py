@@ -1,4 +1,4 @@
-"""The host cost of a distillation step, counted on CPU (tools/op_count.py): a regression guard.
+"""The host cost of a distillation step, counted on CPU (bench/op_count.py): a regression guard.
 
 A step on the GPU is bound by its host dispatches (issue 16: ~10K kernel launches per SmolLM2 step at 8K tokens,
 131 ms of GPU work against 557-681 ms of CPU time). Under TRITON_INTERPRET=1 the lowered graph takes the same host
@@ -12,7 +12,7 @@ import torch
 from m3compile.config import MSAConfig
 from m3compile.models.decoder import PRESETS, Decoder
 from m3compile.pipelines import convert
-from m3compile.tools.op_count import count_ops
+from m3compile.bench.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep
 
 # mode: (dispatches per MSA layer, per step of this 3-layer model), measured 112 / 302 and 104 / 286

@@ -5,7 +5,7 @@ profiled window of the lowered path), on a GPU: SmolLM2-135M shapes, random weig
 """
 import json, os, copy, time
 import torch
-from m3compile.tools.bench_common import bench_models, median_ms
+from m3compile.bench.common import bench_models, median_ms
 from m3compile.train.distill import DistillConfig, DistillStep
 out = {}
 dense, sparse, _, _ = bench_models("smollm2-135m", device="cuda", dtype="bfloat16", block=64, topk=8)

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from m3compile.tools.bench_common import bench_models, profile_run, union_us
-from m3compile.tools.bench_model import _fill, _steps_ms
+from m3compile.bench.common import bench_models, profile_run, union_us
+from m3compile.bench.model import _fill, _steps_ms
 from m3compile.tools.generate import DecodeStep, PagedCache
 
 

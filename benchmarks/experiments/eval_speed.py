@@ -16,7 +16,7 @@ import time
 import torch
 
 from m3compile.tools import evaluate as ev
-from m3compile.tools.bench_common import bench_models, median_ms, sync
+from m3compile.bench.common import bench_models, median_ms, sync
 
 
 def main():

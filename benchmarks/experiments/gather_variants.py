@@ -46,7 +46,7 @@ from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
 from m3compile.kernels._tl_sparse import _segment_block
 from m3compile.kernels.indexer import select_blocks
-from m3compile.tools.bench_common import median_ms
+from m3compile.bench.common import median_ms
 
 VARIANTS = {"base": 0, "nostore": 1, "nopv": 2, "noexp": 3, "contig": 4, "bf16exp": 5, "pipe": 6, "dsplit": 7,
             "entry": 8, "entry_dsplit": 9, "entry_tma": 10, "noprefetch": 11, "rowsum": 12, "ahead": 13,

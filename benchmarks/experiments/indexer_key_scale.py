@@ -16,7 +16,7 @@ import time
 import torch
 
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
-from m3compile.tools.bench_common import median_ms
+from m3compile.bench.common import median_ms
 
 
 def same_share(a: torch.Tensor, b: torch.Tensor) -> float:

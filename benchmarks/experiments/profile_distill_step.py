@@ -1,6 +1,6 @@
 import torch, sys
 from torch.profiler import profile, ProfilerActivity
-from m3compile.tools.bench_distill import DistillBenchConfig, _models
+from m3compile.bench.distill import DistillBenchConfig, _models
 from m3compile.train.distill import DistillConfig, DistillStep
 cfg = DistillBenchConfig(model="smollm2-135m", seq_len=8192, batch=2, block=64, topk=8)
 dense, sparse, _ = _models(cfg)

@@ -39,7 +39,8 @@ from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, 
 from m3compile.kernels.sparse_kl import sparse_index_kl
 from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
-__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
+__all__ = ["BenchConfig", "BenchResult", "VisionBenchConfig", "run_bench", "run_backward_bench", "run_vision_bench",
+           "speedups", "write_outputs", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
            "prefill_inputs"]
 
 
