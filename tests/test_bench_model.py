@@ -1,4 +1,4 @@
-"""m3c bench --model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
+"""m3c bench model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
 extrapolation laws, the per-stage attribution (synthetic profiler events and a real CPU run), the decode batch that
 fits in memory, and its outputs."""
 import json
@@ -33,7 +33,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
     out = tmp_path / "bench"
     r = CliRunner().invoke(main, [
-        "bench", "--model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths",
+        "bench", "model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths",
         "48,80", "--dense-max", "48", "--msa-max", "48", "--decode-lengths", "48", "--batch", "2", "--block", "16",
         "--topk", "2", "--steps", "1", "--decode-steps", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -158,20 +158,20 @@ def test_extrapolation_below_the_selection_reach_is_quadratic():
 
 
 def test_model_bench_refuses_bad_input(tmp_path):
-    r = CliRunner().invoke(main, ["bench", "--model", "no-such-model", "--device", "cpu", "--out", str(tmp_path / "o")])
+    r = CliRunner().invoke(main, ["bench", "model", "no-such-model", "--device", "cpu", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "neither a checkpoint directory nor a preset" in r.output
     model_dir = tmp_path / "ckpt"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
-    r = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
+    r = CliRunner().invoke(main, ["bench", "model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
     assert r.exit_code == 2 and "inside the model directory" in r.output
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
-    r = CliRunner().invoke(main, ["bench", "--model", "m3-tiny", "--device", "cpu", "--steps", "0",
+    r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--device", "cpu", "--steps", "0",
                                   "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "steps must be >= 1" in r.output
     assert not (tmp_path / "o").exists()
     if not torch.cuda.is_available():
-        r = CliRunner().invoke(main, ["bench", "--model", "m3-tiny", "--out", str(tmp_path / "o")])
+        r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--out", str(tmp_path / "o")])
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
         assert not (tmp_path / "o").exists()
 

@@ -1,4 +1,4 @@
-"""`m3c bench --distill MODEL`: distillation and continued training against the frozen dense forward, one run.
+"""`m3c bench distill MODEL`: distillation and continued training against the frozen dense forward, one run.
 
 On the same random token batch [batch, seq_len] of one model (a checkpoint directory, converted or dense, or a
 shape preset with random weights built on the device):
@@ -93,7 +93,7 @@ class DistillBenchConfig:
         if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):
             raise M3CompileError("--cuda-graph needs --device cuda (and timing: not with --count-ops)")
         if self.layers is not None and (self.layers < 2 or Path(self.model).is_dir()):
-            raise M3CompileError("--distill-layers takes a preset and at least 2 layers (layer 0 stays dense)")
+            raise M3CompileError("--layers takes a preset and at least 2 layers (layer 0 stays dense)")
         parse_dtype(self.dtype)
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise M3CompileError("--device cuda: no CUDA device is available (use --device cpu)")
