@@ -775,6 +775,13 @@ _bench_dtype = click.option("--dtype", default="bfloat16", show_default=True, he
 _bench_model_argument = click.argument("model", metavar="MODEL_DIR|PRESET")
 
 
+def _bench_attention_shapes(f):
+    """--heads --kv-heads --head-dim --index-dim --block --topk: the attention shapes the kernel benches time."""
+    for option in (_bench_topk, _bench_block, _bench_index_dim, _bench_head_dim, _bench_kv_heads, _bench_heads):
+        f = option(f)  # innermost first, as stacked decorators apply
+    return f
+
+
 def _bench_out(writes: str):
     return click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path),
                         help=f"Writes {writes} here.")
@@ -801,12 +808,7 @@ def bench():
 @_bench_lengths("prefill", "8K,32K,128K,512K,1M")
 @_bench_lengths("decode", "32K,128K,512K,1M")
 @_bench_decode_batch
-@_bench_heads
-@_bench_kv_heads
-@_bench_head_dim
-@_bench_index_dim
-@_bench_block
-@_bench_topk
+@_bench_attention_shapes
 @click.option("--selection", "selections", multiple=True, default=("independent", "shared"), show_default=True,
               help="Selection regimes for prefill: independent (indexer on random inputs) and/or shared (one "
                    "selection per 128-query block).")
@@ -1089,12 +1091,7 @@ def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, 
 
 
 @bench.command(name="backward", short_help="Sparse attention and fused KL, forward + backward, vs dense SDPA.")
-@_bench_heads
-@_bench_kv_heads
-@_bench_head_dim
-@_bench_index_dim
-@_bench_block
-@_bench_topk
+@_bench_attention_shapes
 @click.option("--lengths", default="32K,128K", show_default=True, help="Context lengths.")
 @_bench_dense_max("longer ones have no dense time")
 @_bench_rep_ms
