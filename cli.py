@@ -29,11 +29,11 @@ from m3compile.io.checkpoint import COMMITTED
 from m3compile.io.data import load_tokens
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
-from m3compile.tools.bench import (
+from m3compile.bench.kernels import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
-from m3compile.tools.bench_distill import DistillBenchConfig, run_distill_bench
-from m3compile.tools.bench_model import ModelBenchConfig, run_model_bench, write_model_outputs
+from m3compile.bench.distill import DistillBenchConfig, run_distill_bench
+from m3compile.bench.model import ModelBenchConfig, run_model_bench, write_model_outputs
 from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
 from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
 from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
@@ -151,8 +151,8 @@ def main():
     m3c generate MODEL ... text from a prompt, streamed (greedy, or sampled with --temperature)
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
-    m3c bench              Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
-    m3c bench --model M    the whole model: time to first token and decode tokens/s, dense vs MSA (GPU)
+    m3c bench kernels      Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
+    m3c bench model M      the whole model: time to first token and decode tokens/s, dense vs MSA (GPU)
     m3c passes             the graph passes and what each does
     """
 
@@ -726,130 +726,115 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-@main.command()
-@click.option("--prefill-lengths", default="8K,32K,128K,512K,1M", show_default=True, help="Prefill context lengths ('' to skip prefill).")
-@click.option("--decode-lengths", default="32K,128K,512K,1M", show_default=True, help="Decode context lengths ('' to skip decode).")
-@click.option("--batch", default=8, show_default=True, help="Decode batch.")
-@click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
-@click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
-@click.option("--head-dim", default=128, show_default=True)
-@click.option("--index-dim", default=128, show_default=True,
-              help="Index head dim (--model: the conversion's, default the model's head dim; below its rotary "
-                   "width the index head keeps the lowest RoPE frequencies).")
-@click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
-@click.option("--topk", default=16, show_default=True)
+# `m3c bench`'s mode flags before it had subcommands, and the subcommands that replaced them
+_BENCH_MODES = {"--model": "model MODEL", "--distill": "distill MODEL", "--backward": "backward", "--vision": "vision"}
+_BENCH_PREFIXES = tuple(f"{mode}-" for mode in _BENCH_MODES if mode != "--model")  # renamed without the prefix
+
+
+class _BenchGroup(click.Group):
+    """`m3c bench`'s group: the options it took before it had subcommands name the subcommand that now takes them."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0].startswith("-") and args[0] not in ctx.help_option_names:
+            moved = self.moved(args)
+            if moved:
+                raise click.UsageError(moved, ctx)
+        return super().parse_args(ctx, args)
+
+    def moved(self, args: list[str]) -> str | None:
+        """`'m3c bench --X' is now 'm3c bench SUB --Y'` for an option of the old single command, else None."""
+        options = [a.split("=")[0] for a in args if a.startswith("--")]
+        mode = next((m for m in _BENCH_MODES if m in options), None)  # as they chose the mode: --model first
+        if mode:
+            return f"'m3c bench {mode}' is now 'm3c bench {_BENCH_MODES[mode]}'"
+        for option in options:
+            for prefix in _BENCH_PREFIXES:  # --distill-seq-len -> distill MODEL --seq-len, ...
+                if option.startswith(prefix):
+                    new = f"{_BENCH_MODES[prefix[:-1]]} --{option[len(prefix):]}"
+                    return f"'m3c bench {option}' is now 'm3c bench {new}'"
+            for name, command in self.commands.items():  # kernels first: without a mode flag, they ran
+                if any(option in p.opts for p in command.params if isinstance(p, click.Option)):
+                    model = " MODEL" if any(isinstance(p, click.Argument) for p in command.params) else ""
+                    return f"'m3c bench {option}' is now 'm3c bench {name}{model} {option}'"
+        return None
+
+
+# Options several bench subcommands take, declared once
+_bench_device = click.option("--device", default="cuda", show_default=True,
+                             help="cuda; cpu runs a smoke test of the command (timings meaningless).")
+_bench_rep_ms = click.option("--rep-ms", default=500, show_default=True,
+                             help="Milliseconds of timed repeats per figure (median reported).")
+_bench_block = click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
+_bench_topk = click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to.")
+_bench_heads = click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
+_bench_kv_heads = click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
+_bench_head_dim = click.option("--head-dim", default=128, show_default=True)
+_bench_index_dim = click.option("--index-dim", default=128, show_default=True, help="Index head dim.")
+_bench_decode_batch = click.option("--batch", default=8, show_default=True, help="Decode batch.")
+_bench_dtype = click.option("--dtype", default="bfloat16", show_default=True, help="The model's weight dtype.")
+_bench_model_argument = click.argument("model", metavar="MODEL_DIR|PRESET")
+
+
+def _bench_attention_shapes(f):
+    """--heads --kv-heads --head-dim --index-dim --block --topk: the attention shapes the kernel benches time."""
+    for option in (_bench_topk, _bench_block, _bench_index_dim, _bench_head_dim, _bench_kv_heads, _bench_heads):
+        f = option(f)  # innermost first, as stacked decorators apply
+    return f
+
+
+def _bench_out(writes: str):
+    return click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path),
+                        help=f"Writes {writes} here.")
+
+
+def _bench_dense_max(beyond: str):
+    return click.option("--dense-max", default="128K", show_default=True,
+                        help=f"Longest length timed densely; {beyond}.")
+
+
+def _bench_lengths(name: str, default: str | None, bench_default: str | None = None):
+    """--prefill-lengths / --decode-lengths; a default of None leaves the lengths to the bench (`bench_default`)."""
+    unless = f"; default {bench_default}" if default is None else ""
+    return click.option(f"--{name}-lengths", default=default, show_default=default is not None,
+                        help=f"{name.capitalize()} context lengths ('' to skip {name}{unless}).")
+
+
+@main.group(cls=_BenchGroup)
+def bench():
+    """Time MSA against dense attention: the kernels, the whole model, its training steps (figures: BENCHMARKS.md)."""
+
+
+@bench.command(name="kernels", short_help="Triton MSA kernels vs dense SDPA and FlexAttention (GPU).")
+@_bench_lengths("prefill", "8K,32K,128K,512K,1M")
+@_bench_lengths("decode", "32K,128K,512K,1M")
+@_bench_decode_batch
+@_bench_attention_shapes
 @click.option("--selection", "selections", multiple=True, default=("independent", "shared"), show_default=True,
-              help="Selection regimes for prefill: independent (indexer on random inputs) and/or shared (one selection per 128-query block).")
-@click.option("--dense-max", default="128K", show_default=True, help="Longest prefill timed densely; longer ones are extrapolated as T^2 and marked.")
+              help="Selection regimes for prefill: independent (indexer on random inputs) and/or shared (one "
+                   "selection per 128-query block).")
+@_bench_dense_max("longer ones are extrapolated as T^2 and marked")
 @click.option("--flex-max", default="128K", show_default=True, help="Longest prefill timed with FlexAttention.")
 @click.option("--no-flex", is_flag=True, help="Skip FlexAttention.")
-@click.option("--query-chunk-sweep", default="", help="Also time the sparse attention with these query chunks, e.g. 4K,16K (tuning aid).")
-@click.option("--rep-ms", default=500, show_default=True, help="Milliseconds of timed repeats per figure (median reported).")
-@click.option("--device", default="cuda", show_default=True, help="cuda; cpu runs a smoke test of the command (timings meaningless).")
-@click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path), help="Writes bench.json and bench.png here.")
-@click.option("--backward", is_flag=True,
-              help="Instead: forward+backward of the sparse attention vs dense SDPA at --backward-lengths, and the "
-                   "fused KL's time (with its own teacher LSE pass, and with the LSE given, as a lowered training "
-                   "graph passes it from the attention) and peak memory; writes backward.json.")
-@click.option("--backward-lengths", default="32K,128K", show_default=True, help="--backward: context lengths.")
-@click.option("--vision", is_flag=True, help="Instead: the ViT's 3D windowed attention (fused varlen kernel vs SDPA loop vs padded SDPA); writes vision.json.")
-@click.option("--vision-steps", default="8,13,21,34,64", show_default=True, help="--vision: temporal steps of each video in the batch.")
-@click.option("--vision-grid", default=32, show_default=True, help="--vision: patches per side of each frame.")
-@click.option("--vision-window", default=4, show_default=True, help="--vision: temporal steps per 3D window.")
-@click.option("--vision-heads", default=16, show_default=True, help="--vision: ViT heads (M3: 16).")
-@click.option("--vision-head-dim", default=80, show_default=True, help="--vision: ViT head dim (M3: 80).")
-@click.option("--distill", "distill_model", default=None, metavar="MODEL_DIR|PRESET",
-              help="Instead: distillation and training steps vs the frozen dense forward on this model (a checkpoint "
-                   "directory or a preset: llama3-8b, qwen2.5-7b, smollm2-135m, m3-tiny), and m3c eval's forwards "
-                   "and evaluate() itself on the same batch (ratio: its forwards' ms over its ms); writes "
-                   "distill.json. Uses --block/--topk to convert a dense model.")
-@click.option("--distill-seq-len", default="8K", show_default=True, help="--distill: tokens per sequence.")
-@click.option("--distill-batch", default=2, show_default=True, help="--distill: sequences per step.")
-@click.option("--distill-dtype", default="bfloat16", show_default=True, help="--distill: the backbone's weight dtype.")
-@click.option("--distill-autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
-              help="--distill: as m3c distill --autocast.")
-@click.option("--distill-block-loss", type=float, default=1.0, show_default=True,
-              help="--distill: the distillation rows with m3c distill --block-loss L (m3c distill's default, 1; 0: "
-                   "the KL-only step; the training rows keep the KL).")
-@click.option("--no-train", is_flag=True, help="--distill: skip the two training steps (dense and MSA).")
-@click.option("--no-eval", is_flag=True,
-              help="--distill: skip the eval rows (the converted model's dense, MSA and oracle forwards, and "
-                   "m3c eval with and without the oracle pass).")
-@click.option("--distill-shard", is_flag=True,
-              help="--distill: the distillation and MSA training steps sharded with FSDP2 as m3c distill --shard "
-                   "(under torchrun, or in a process group of one).")
-@click.option("--steps", default=5, show_default=True,
-              help="--distill: timed steps (median reported) after 2 untimed; --model: timed prefill runs per figure, "
-                   "at most.")
-@click.option("--model", "model_name", default=None, metavar="MODEL_DIR|PRESET",
-              help="Instead: the whole model, dense vs converted and lowered (a checkpoint directory, or a preset with "
-                   "random weights: llama3-8b, qwen2.5-7b, ...): time to first token at --prefill-lengths (default "
-                   "8K,32K,128K,512K; dense timed up to --dense-max, MSA up to --msa-max, longer ones extrapolated per "
-                   "stage and marked) and decode tokens/s at --decode-lengths (default 32K,128K) x --batch, eager and "
-                   "as a CUDA graph, with a per-stage breakdown (a batch whose caches do not fit runs lowered, and "
-                   "as asked on the first layers at two depths, extrapolated to the whole depth and marked); "
-                   "writes OUT/<model>.json and OUT/model_speedup.png "
-                   "(every model bench in OUT). Uses --block/--topk to convert a dense model (layer 0 dense).")
-@click.option("--msa-max", default="128K", show_default=True, help="--model: longest prefill timed on the MSA model.")
-@click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="--model: the weights' dtype.")
-@click.option("--index-cache", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="--model: decode index-key cache dtype (auto: the model's).")
-@click.option("--index-dtype", "model_index_dtype", type=click.Choice(["auto", "fp8"]), default="auto",
-              show_default=True, help="--model: the converted model's index scoring (fp8: e4m3 scores in prefill and "
-                                      "an fp8 decode index cache).")
-@click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
-              help="--model: the MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
-                   "(kernels/sparse_tile.py; opt-in: it ties gather-Q at best, BENCHMARKS.md session 11; "
-                   "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
-@click.option("--decode-steps", default=32, show_default=True, help="--model: decode steps per timing.")
-@click.option("--figure-seconds", default=10.0, show_default=True,
-              help="--model: fewer than --steps timed prefill runs where one run is long (at least one).")
-@click.option("--distill-layers", type=int, default=None,
-              help="--distill with a preset: only its first N layers (op counts are extrapolated to its full depth).")
-@click.option("--count-ops", is_flag=True,
-              help="--distill: only count one step's host dispatches (aten ops, Triton launches) per mode, on the "
-                   "lowered graph, no timing; on CPU set TRITON_INTERPRET=1 so the Triton kernels' host path runs.")
-@click.option("--cuda-graph", "bench_cuda_graph", is_flag=True,
-              help="--distill: also each distillation mode's step captured in a CUDA graph: checked against the "
-                   "eager step from the same state (KL, recall, gradients, updated weights), then timed.")
-def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk, selections,
-          dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir, backward, backward_lengths, vision,
-          vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, distill_model, distill_seq_len,
-          distill_batch, distill_dtype, distill_autocast, no_train, no_eval, steps, model_name, msa_max, model_dtype,
-          index_cache, decode_steps, figure_seconds, distill_shard, distill_layers, count_ops, bench_cuda_graph,
-          model_index_dtype, distill_block_loss, sparse_kernel):
+@click.option("--query-chunk-sweep", default="",
+              help="Also time the sparse attention with these query chunks, e.g. 4K,16K (tuning aid).")
+@_bench_rep_ms
+@_bench_device
+@_bench_out("bench.json and bench.png")
+def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, index_dim, block, topk,
+                  selections, dense_max, flex_max, no_flex, query_chunk_sweep, rep_ms, device, out_dir):
     """Time MSA prefill and decode against dense SDPA and FlexAttention at M3 shapes.
 
     \b
     Prefill (one sequence, bf16): dense SDPA causal (enable_gqa); FlexAttention with a BlockMask built from the
     same selection; the gather-Q sparse attention alone; the fused indexer (scores + block max + top-k), in bf16
     and with fp8 scoring (e4m3 keys and query rows, fp32 accumulation; with the share of the bf16 selection's blocks
-    it also selects); and both together (the whole MSA prefill, index projections excluded). "ideal" = dense causal FLOPs / FLOPs on the keys
-    the selection makes visible.
+    it also selects); and both together (the whole MSA prefill, index projections excluded). "ideal" = dense causal
+    FLOPs / FLOPs on the keys the selection makes visible.
     Decode (batch of equal lengths): dense SDPA over a contiguous cache vs paged selection + split-K attention with
     bf16 and fp8 index keys, timed as CUDA-graph replays; "byte limit" = dense bytes / bytes MSA must read.
     Each figure is the median of repeated runs after warm-up (CUDA events). Prints a table, writes
     OUT/bench.json and OUT/bench.png.
     """
-
-    if model_name:
-        source = click.get_current_context().get_parameter_source
-        given = lambda name, text: text if source(name) != click.core.ParameterSource.DEFAULT else None  # noqa: E731
-        return _bench_model(model_name, given("prefill_lengths", prefill_lengths),
-                            given("decode_lengths", decode_lengths), batch, block, topk, dense_max, msa_max,
-                            model_dtype, index_cache, steps, decode_steps, figure_seconds, device, out_dir,
-                            model_index_dtype, index_dim if source("index_dim") != click.core.ParameterSource.DEFAULT
-                            else None, sparse_kernel)
-    if distill_model:
-        return _bench_distill(distill_model, _parse_lengths(distill_seq_len)[0], distill_batch, block, topk,
-                              distill_dtype, distill_autocast, not no_train, distill_shard, steps, device, out_dir,
-                              distill_layers, count_ops, bench_cuda_graph, distill_block_loss, not no_eval)
-    if backward:
-        return _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, _parse_lengths(backward_lengths),
-                               _parse_lengths(dense_max)[0], device, rep_ms, out_dir)
-    if vision:
-        return _bench_vision(vision_steps, vision_grid, vision_window, vision_heads, vision_head_dim, device, rep_ms,
-                             out_dir)
     cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
                topk=topk, prefill_lengths=_parse_lengths(prefill_lengths), decode_lengths=_parse_lengths(decode_lengths),
                batch=batch, dense_max=_parse_lengths(dense_max)[0], flex_max=_parse_lengths(flex_max)[0],
@@ -894,67 +879,46 @@ def bench(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_dim, ind
     console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 
-def _bench_distill(model, seq_len, batch, block, topk, dtype, autocast, train, shard, steps, device, out_dir, layers,
-                   count_only, cuda_graph, block_loss=0.0, eval_rows=True):
-    cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
-               autocast=autocast, train=train, shard=shard, steps=steps, device=device, layers=layers,
-               count_only=count_only, cuda_graph=cuda_graph, block_loss=block_loss, eval=eval_rows)
-    console = _console()
-    result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
-    counted = [r for r in result["rows"] if "ops" in r]
-    if counted:
-        t = Table(title=f"host dispatches per step ({result['layers']} layers"
-                        + (f", extrapolated to {counted[0]['ops']['full_depth_layers']}" if layers else "") + ")")
-        for c in ("stage", "total", "aten", "triton", "per MSA layer", "casts", "syncs", "at full depth"):
-            t.add_column(c, justify="right")
-        for r in counted:
-            o = r["ops"]
-            t.add_row(r["stage"], f"{o['total']:,}", f"{o['aten']:,}", f"{o['triton']:,}", str(o["per_msa_layer"]),
-                      str(o["casts"]), str(o["syncs"]), f"{o['ops_at_full_depth']:,}")
-        console.print(t)
-        for r in counted:
-            stages = sorted(r["ops"]["stages"].items(), key=lambda kv: -sum(kv[1].values()))[:6]
-            console.print(f"{r['stage']}, largest stages: " + ", ".join(f"{k} {sum(v.values())}" for k, v in stages))
-    if count_only:
-        console.print(f"wrote {out_dir / 'distill.json'}")
-        return
-    t = Table(title=f"{result['model']}: {result['layers']} layers, {batch} x {seq_len:,} tokens, block "
-                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
-                    f"{', sharded over ' + str(result['world_size']) + ' process(es)' if shard else ''}")
-    for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
-              "block loss", "rest fwd", "rest bwd", "optimizer", "host wait"):
-        t.add_column(c, justify="right")
-    for r in result["rows"]:
-        b = r.get("breakdown") or {}
-        cell = (lambda k: f"{b[k]:.1f}" if k in b else "-")
-        attention = f"{b['attention_fwd_ms'] + b['attention_bwd_ms']:.1f}" if b else "-"
-        block = f"{b['block_loss_fwd_ms'] + b['block_loss_bwd_ms']:.1f}" if b else "-"
-        t.add_row(r["stage"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", r["ratio_to"],
-                  f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
-                  block, cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"),
-                  cell("host_wait_ms"))
-    console.print(t)
-    for r in result["rows"]:
-        if "check" in r:
-            c = r["check"]
-            console.print(f"{r['stage']}: {'same' if c['ok'] else 'DIFFERENT'} as the eager step (relative: KL "
-                          f"{c['kl_rel']:.1e}, recall {c['recall_rel']:.1e}, gradients {c['grad_rel_max']:.1e}, "
-                          f"weights {c['param_rel_max']:.1e})")
-    for name, error in result.get("cuda_graph_errors", {}).items():
-        console.print(f"{name}, CUDA graph: {error}")
-    for r in result["rows"]:
-        if "passes" in r:
-            console.print(f"{r['stage']}: its {r['passes']} forwards {r['forwards_ms']:.1f} ms / its {r['ms']:.1f} ms "
-                          f"= {r['ratio']:.2f} (1: at the forwards' speed; {r['dtype']}, no autocast, "
-                          f"{'lowered' if r['kernels'] else 'reference'} ops)")
-    console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
+@bench.command(name="model", short_help="The whole model: time to first token and decode tokens/s, dense vs MSA (GPU).")
+@_bench_model_argument
+@_bench_lengths("prefill", None, "8K,32K,128K,512K")
+@_bench_lengths("decode", None, "32K,128K")
+@_bench_decode_batch
+@_bench_block
+@_bench_topk
+@click.option("--index-dim", type=int, default=None,
+              help="The conversion's index head dim (default: the model's head dim; below its rotary width the index "
+                   "head keeps the lowest RoPE frequencies).")
+@_bench_dense_max("longer ones are extrapolated per stage and marked")
+@click.option("--msa-max", default="128K", show_default=True,
+              help="Longest prefill timed on the MSA model; longer ones are extrapolated per stage and marked.")
+@_bench_dtype
+@click.option("--index-cache", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="Decode index-key cache dtype (auto: the model's).")
+@click.option("--index-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="The converted model's index scoring (fp8: e4m3 scores in prefill and an fp8 decode index cache).")
+@click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
+              help="The MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
+                   "(kernels/sparse_tile.py; opt-in: on the H200 it ties gather-Q at best, BENCHMARKS.md; "
+                   "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
+@click.option("--steps", default=5, show_default=True, help="Timed prefill runs per figure, at most.")
+@click.option("--decode-steps", default=32, show_default=True, help="Decode steps per timing.")
+@click.option("--figure-seconds", default=10.0, show_default=True,
+              help="Fewer than --steps timed prefill runs where one run is long (at least one).")
+@_bench_device
+@_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
+def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, dense_max, msa_max, dtype,
+                index_cache, index_dtype, sparse_kernel, steps, decode_steps, figure_seconds, device, out_dir):
+    """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
 
-
-def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, dense_max, msa_max, dtype, index_cache,
-                 steps, decode_steps, figure_seconds, device, out_dir, index_dtype="auto", index_dim=None,
-                 sparse_kernel="gather"):
+    MODEL_DIR|PRESET is a checkpoint directory, or a preset with random weights built on the device (llama3-8b,
+    qwen2.5-7b, ...); a dense model is converted in memory with --block/--topk (layer 0 dense). Time to first token
+    at --prefill-lengths (dense timed up to --dense-max, MSA up to --msa-max, longer ones extrapolated per stage and
+    marked) and decode tokens/s at --decode-lengths x --batch, eager and as a CUDA graph, each with a per-stage
+    breakdown. A batch whose caches do not fit runs lowered, and then as asked on the first layers at two depths,
+    extrapolated to the whole depth and marked. Writes OUT/<model>.json and OUT/model_speedup.png (the plot: every
+    model bench in OUT).
+    """
     lengths = {}
     if prefill_lengths is not None:
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
@@ -1029,11 +993,122 @@ def _bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, den
     console.print(f"wrote {path} and {png}")
 
 
-def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, device, rep_ms, out_dir):
-    cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
-               topk=topk, dense_max=dense_max, device=device, rep_ms=rep_ms, warmup_ms=max(25, rep_ms // 5))
+@bench.command(name="distill", short_help="Distillation and training steps vs the frozen dense forward.")
+@_bench_model_argument
+@click.option("--seq-len", default="8K", show_default=True, help="Tokens per sequence.")
+@click.option("--batch", default=2, show_default=True, help="Sequences per step.")
+@_bench_dtype
+@click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
+              help="As m3c distill --autocast.")
+@click.option("--block-loss", type=float, default=1.0, show_default=True,
+              help="The distillation rows with m3c distill --block-loss L (m3c distill's default, 1; 0: the KL-only "
+                   "step; the training rows keep the KL).")
+@click.option("--no-train", is_flag=True, help="Skip the two training steps (dense and MSA).")
+@click.option("--no-eval", is_flag=True,
+              help="Skip the eval rows (the converted model's dense, MSA and oracle forwards, and m3c eval with and "
+                   "without the oracle pass).")
+@click.option("--shard", is_flag=True,
+              help="The distillation and MSA training steps sharded with FSDP2 as m3c distill --shard (under "
+                   "torchrun, or in a process group of one).")
+@click.option("--layers", type=int, default=None,
+              help="With a preset: only its first N layers (op counts are extrapolated to its full depth).")
+@click.option("--count-ops", "count_only", is_flag=True,
+              help="Only count one step's host dispatches (aten ops, Triton launches) per mode, on the lowered graph, "
+                   "no timing; on CPU set TRITON_INTERPRET=1 so the Triton kernels' host path runs.")
+@click.option("--cuda-graph", is_flag=True,
+              help="Also each distillation mode's step captured in a CUDA graph: checked against the eager step from "
+                   "the same state (KL, recall, gradients, updated weights), then timed.")
+@click.option("--steps", default=5, show_default=True, help="Timed steps (median reported) after 2 untimed.")
+@_bench_block
+@_bench_topk
+@_bench_device
+@_bench_out("distill.json")
+def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, no_eval, shard, layers, count_only,
+                  cuda_graph, steps, block, topk, device, out_dir):
+    """Time distillation and training steps against the frozen dense forward, and m3c eval on the same batch.
+
+    MODEL_DIR|PRESET is a checkpoint directory or a preset (llama3-8b, qwen2.5-7b, smollm2-135m, m3-tiny); a dense
+    model is converted with --block/--topk. Rows: the dense forward, a distillation step in warm-up and in sparse
+    mode, m3c eval's forwards and evaluate() itself (ratio: its forwards' ms over its ms), a dense and an MSA
+    training step; each with its peak memory, a per-stage breakdown of one profiled step and, for distillation,
+    the step's host dispatches (aten ops and Triton launches by stage and layer). Writes OUT/distill.json.
+    """
+    seq_len = _parse_lengths(seq_len)[0]
+    cfg = _run(DistillBenchConfig, model=model, seq_len=seq_len, batch=batch, block=block, topk=topk, dtype=dtype,
+               autocast=autocast, train=not no_train, shard=shard, steps=steps, device=device, layers=layers,
+               count_only=count_only, cuda_graph=cuda_graph, block_loss=block_loss, eval=not no_eval)
     console = _console()
-    result = _run(run_backward_bench, cfg, lengths, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    result = _run(run_distill_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
+    counted = [r for r in result["rows"] if "ops" in r]
+    if counted:
+        t = Table(title=f"host dispatches per step ({result['layers']} layers"
+                        + (f", extrapolated to {counted[0]['ops']['full_depth_layers']}" if layers else "") + ")")
+        for c in ("stage", "total", "aten", "triton", "per MSA layer", "casts", "syncs", "at full depth"):
+            t.add_column(c, justify="right")
+        for r in counted:
+            o = r["ops"]
+            t.add_row(r["stage"], f"{o['total']:,}", f"{o['aten']:,}", f"{o['triton']:,}", str(o["per_msa_layer"]),
+                      str(o["casts"]), str(o["syncs"]), f"{o['ops_at_full_depth']:,}")
+        console.print(t)
+        for r in counted:
+            stages = sorted(r["ops"]["stages"].items(), key=lambda kv: -sum(kv[1].values()))[:6]
+            console.print(f"{r['stage']}, largest stages: " + ", ".join(f"{k} {sum(v.values())}" for k, v in stages))
+    if count_only:
+        console.print(f"wrote {out_dir / 'distill.json'}")
+        return
+    t = Table(title=f"{result['model']}: {result['layers']} layers, {batch} x {seq_len:,} tokens, block "
+                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
+                    f"{', sharded over ' + str(result['world_size']) + ' process(es)' if shard else ''}")
+    for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
+              "block loss", "rest fwd", "rest bwd", "optimizer", "host wait"):
+        t.add_column(c, justify="right")
+    for r in result["rows"]:
+        b = r.get("breakdown") or {}
+        cell = (lambda k: f"{b[k]:.1f}" if k in b else "-")
+        attention = f"{b['attention_fwd_ms'] + b['attention_bwd_ms']:.1f}" if b else "-"
+        block = f"{b['block_loss_fwd_ms'] + b['block_loss_bwd_ms']:.1f}" if b else "-"
+        t.add_row(r["stage"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", r["ratio_to"],
+                  f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
+                  block, cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"),
+                  cell("host_wait_ms"))
+    console.print(t)
+    for r in result["rows"]:
+        if "check" in r:
+            c = r["check"]
+            console.print(f"{r['stage']}: {'same' if c['ok'] else 'DIFFERENT'} as the eager step (relative: KL "
+                          f"{c['kl_rel']:.1e}, recall {c['recall_rel']:.1e}, gradients {c['grad_rel_max']:.1e}, "
+                          f"weights {c['param_rel_max']:.1e})")
+    for name, error in result.get("cuda_graph_errors", {}).items():
+        console.print(f"{name}, CUDA graph: {error}")
+    for r in result["rows"]:
+        if "passes" in r:
+            console.print(f"{r['stage']}: its {r['passes']} forwards {r['forwards_ms']:.1f} ms / its {r['ms']:.1f} ms "
+                          f"= {r['ratio']:.2f} (1: at the forwards' speed; {r['dtype']}, no autocast, "
+                          f"{'lowered' if r['kernels'] else 'reference'} ops)")
+    console.print(f"stage columns: GPU ms of one profiled step; wrote {out_dir / 'distill.json'}")
+
+
+@bench.command(name="backward", short_help="Sparse attention and fused KL, forward + backward, vs dense SDPA.")
+@_bench_attention_shapes
+@click.option("--lengths", default="32K,128K", show_default=True, help="Context lengths.")
+@_bench_dense_max("longer ones have no dense time")
+@_bench_rep_ms
+@_bench_device
+@_bench_out("backward.json")
+def bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, dense_max, rep_ms, device, out_dir):
+    """Time the training kernels: forward + backward of the sparse attention against dense SDPA, and the fused KL.
+
+    At each of --lengths: the sparse attention's forward + backward against dense SDPA's, and the fused KL's time
+    (with its own teacher LSE pass, and with the LSE given, as a lowered training graph passes it from the
+    attention) and peak memory. Writes OUT/backward.json.
+    """
+    cfg = _run(BenchConfig, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block,
+               topk=topk, dense_max=_parse_lengths(dense_max)[0], device=device, rep_ms=rep_ms,
+               warmup_ms=max(25, rep_ms // 5))
+    console = _console()
+    result = _run(run_backward_bench, cfg, _parse_lengths(lengths), log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".backward.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
@@ -1053,7 +1128,21 @@ def _bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, 
     console.print(f"wrote {out_dir / 'backward.json'}")
 
 
-def _bench_vision(steps, grid, window, heads, head_dim, device, rep_ms, out_dir):
+@bench.command(name="vision", short_help="The ViT's 3D windowed attention: fused varlen kernel vs SDPA.")
+@click.option("--steps", default="8,13,21,34,64", show_default=True, help="Temporal steps of each video in the batch.")
+@click.option("--grid", default=32, show_default=True, help="Patches per side of each frame.")
+@click.option("--window", default=4, show_default=True, help="Temporal steps per 3D window.")
+@click.option("--heads", default=16, show_default=True, help="ViT heads (M3: 16).")
+@click.option("--head-dim", default=80, show_default=True, help="ViT head dim (M3: 80).")
+@_bench_rep_ms
+@_bench_device
+@_bench_out("vision.json")
+def bench_vision(steps, grid, window, heads, head_dim, rep_ms, device, out_dir):
+    """Time the ViT's 3D windowed attention: the fused varlen kernel against SDPA per window and padded SDPA.
+
+    One launch of the fused kernel over every window, against a Python loop of SDPA per window and SDPA over the
+    windows padded to the longest, with each one's error against the loop. Writes OUT/vision.json.
+    """
     try:
         steps = tuple(int(t) for t in steps.split(","))
     except ValueError:

@@ -23,7 +23,7 @@ from m3compile.kernels import reference as ref
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels import sparse_kl
 from m3compile.kernels import varlen_attention as va
-from m3compile.tools.bench_common import median_ms
+from m3compile.bench.common import median_ms
 
 results = []
 

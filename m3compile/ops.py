@@ -62,7 +62,7 @@ _FORCED_SCOPES = [0]  # > 0 inside `recording_scopes`
 
 
 def scope(name: str):
-    """A profiler range `name` while a profiler records (what `m3c bench --distill` attributes GPU time to) or
+    """A profiler range `name` while a profiler records (what `m3c bench distill` attributes GPU time to) or
     inside `recording_scopes`; otherwise nothing: a range costs two dispatches per call, paid by every step."""
     if _FORCED_SCOPES[0] or torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
@@ -71,7 +71,7 @@ def scope(name: str):
 
 @contextlib.contextmanager
 def recording_scopes():
-    """Open the `scope` ranges without a profiler (tools.op_count attributes dispatches to them)."""
+    """Open the `scope` ranges without a profiler (bench.op_count attributes dispatches to them)."""
     _FORCED_SCOPES[0] += 1
     try:
         yield

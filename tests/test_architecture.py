@@ -1,6 +1,6 @@
 """The package's shape: one import name, and imports that point one way through the pipeline's layers.
 
-    cli -> api -> tools / train / export -> io -> pipelines -> passes -> graph -> models, ops -> config, errors
+    cli -> bench -> api -> tools / train / export -> io -> pipelines -> passes -> graph -> models, ops -> config, errors
     -> kernels (a leaf that knows no torch.fx)
 
 A module may import from its own layer or any layer below it, never above; no cycles; no private name
@@ -28,6 +28,7 @@ LAYERS = [  # bottom to top
     ("io", ("m3compile.io",)),
     ("tools / train / export", ("m3compile.tools", "m3compile.train", "m3compile.export")),
     ("api", ("m3compile.api", "m3compile")),
+    ("bench", ("m3compile.bench",)),  # above the library: only the command line and the tests import it
     ("cli", ("m3compile.cli",)),
 ]
 OPTIONAL = {"triton", "onnx", "onnxscript", "onnxruntime"}  # may be missing: modules that need them load lazily

@@ -1,5 +1,7 @@
-"""m3c bench: its FLOP model, the FlexAttention baseline's mask, and a CPU smoke run of the command."""
+"""m3c bench: its FLOP model, the FlexAttention baseline's mask, its subcommands' options, and CPU smoke runs of
+them."""
 import json
+import re
 
 import pytest
 import torch
@@ -10,9 +12,67 @@ from m3compile.cli import main
 from m3compile.kernels import reference as ref
 from m3compile import M3CompileError
 from m3compile.models.decoder import Attention
-from m3compile.tools import bench_distill
-from m3compile.tools.bench import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
-from m3compile.tools.bench_common import bench_models
+from m3compile.bench import distill as bench_distill
+from m3compile.bench.kernels import BenchConfig, flex_block_mask, prefill_flops, selection_agreement, visible_keys
+from m3compile.bench.common import bench_models
+
+
+# each subcommand's options, and no other's (BENCHMARKS.md's commands use these names)
+OPTIONS = {
+    "kernels": {"--prefill-lengths", "--decode-lengths", "--batch", "--heads", "--kv-heads", "--head-dim",
+                "--index-dim", "--block", "--topk", "--selection", "--dense-max", "--flex-max", "--no-flex",
+                "--query-chunk-sweep", "--rep-ms", "--device", "--out"},
+    "model": {"--prefill-lengths", "--decode-lengths", "--batch", "--block", "--topk", "--index-dim", "--dense-max",
+              "--msa-max", "--dtype", "--index-cache", "--index-dtype", "--sparse-kernel", "--steps", "--decode-steps",
+              "--figure-seconds", "--device", "--out"},
+    "distill": {"--seq-len", "--batch", "--dtype", "--autocast", "--block-loss", "--no-train", "--no-eval", "--shard",
+                "--layers", "--count-ops", "--cuda-graph", "--steps", "--block", "--topk", "--device", "--out"},
+    "backward": {"--heads", "--kv-heads", "--head-dim", "--index-dim", "--block", "--topk", "--lengths", "--dense-max",
+                 "--rep-ms", "--device", "--out"},
+    "vision": {"--steps", "--grid", "--window", "--heads", "--head-dim", "--rep-ms", "--device", "--out"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_bench_subcommand_lists_only_its_own_options(name):
+    r = CliRunner().invoke(main, ["bench", name, "--help"])
+    assert r.exit_code == 0, r.output
+    listed = set(re.findall(r"^  (--[\w-]+)", r.output.split("\nOptions:\n")[1], re.M)) - {"--help"}
+    assert listed == OPTIONS[name]
+    if name == "model":
+        assert "--vision-grid" not in r.output and "--heads" not in r.output
+    if name == "vision":
+        assert "--index-cache" not in r.output
+    assert "Instead:" not in r.output and not re.search(r"--(model|distill|vision|backward):", r.output)
+    writes = {"kernels": "OUT/bench.json", "model": "OUT/<model>.json"}.get(name, f"OUT/{name}.json")
+    assert writes in " ".join(r.output.split())  # it says what it writes
+
+
+def test_bench_alone_lists_its_subcommands():
+    r = CliRunner().invoke(main, ["bench"])
+    assert "Traceback" not in r.output
+    assert set(re.findall(r"^  (\w+)", r.output.split("\nCommands:\n")[1], re.M)) == set(OPTIONS)
+
+
+@pytest.mark.parametrize("argv, now", [
+    (["--model", "m3-tiny", "--device", "cpu"], "'m3c bench --model' is now 'm3c bench model MODEL'"),
+    (["--device", "cpu", "--distill", "m3-tiny", "--distill-seq-len", "48"],
+     "'m3c bench --distill' is now 'm3c bench distill MODEL'"),
+    (["--backward", "--backward-lengths", "24"], "'m3c bench --backward' is now 'm3c bench backward'"),
+    (["--vision", "--vision-grid", "4"], "'m3c bench --vision' is now 'm3c bench vision'"),
+    (["--prefill-lengths", "8K"], "'m3c bench --prefill-lengths' is now 'm3c bench kernels --prefill-lengths'"),
+    (["--device", "cpu"], "'m3c bench --device' is now 'm3c bench kernels --device'"),
+    (["--distill-seq-len", "8K"], "'m3c bench --distill-seq-len' is now 'm3c bench distill MODEL --seq-len'"),
+    (["--vision-grid", "4"], "'m3c bench --vision-grid' is now 'm3c bench vision --grid'"),
+    (["--msa-max", "8K"], "'m3c bench --msa-max' is now 'm3c bench model MODEL --msa-max'"),
+], ids=["model", "distill", "backward", "vision", "kernels", "shared", "distill-option", "vision-option",
+        "model-option"])
+def test_the_old_bench_flags_name_the_new_subcommand(tmp_path, argv, now):
+    """The single command's mode flags and options give one line naming the subcommand, exit 2, nothing written."""
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["bench", *argv, "--out", str(out)])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
+    assert r.stderr == f"error: {now}\n" and r.stdout == "" and not out.exists()
 
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():
@@ -57,7 +117,7 @@ def test_bench_config_rejects_bad_shapes():
 def test_bench_command_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, [
-        "bench", "--device", "cpu", "--prefill-lengths", "40", "--decode-lengths", "40", "--batch", "2",
+        "bench", "kernels", "--device", "cpu", "--prefill-lengths", "40", "--decode-lengths", "40", "--batch", "2",
         "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--index-dim", "16", "--block", "16", "--topk", "2",
         "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -73,27 +133,27 @@ def test_bench_command_smoke_on_cpu(tmp_path):
 def test_bench_needs_a_gpu_unless_told_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "b")])
+    result = CliRunner().invoke(main, ["bench", "kernels", "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
     assert not (tmp_path / "b").exists()
 
 
 def test_bench_vision_smoke_on_cpu(tmp_path):
     result = CliRunner().invoke(main, [
-        "bench", "--vision", "--device", "cpu", "--vision-steps", "3,5,1", "--vision-grid", "4",
-        "--vision-heads", "2", "--vision-head-dim", "16", "--out", str(tmp_path)])
+        "bench", "vision", "--device", "cpu", "--steps", "3,5,1", "--grid", "4",
+        "--heads", "2", "--head-dim", "16", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "vision.json").read_text())
     assert data["windows"] == 1 + 2 + 1 and data["tokens"] == (3 + 5 + 1) * 16
     assert data["rel_err_vs_loop"]["fused"] < 1e-5 and data["rel_err_vs_loop"]["padded"] < 1e-5
-    bad = CliRunner().invoke(main, ["bench", "--vision", "--device", "cpu", "--vision-steps", "0", "--out",
+    bad = CliRunner().invoke(main, ["bench", "vision", "--device", "cpu", "--steps", "0", "--out",
                                     str(tmp_path / "x")])
     assert bad.exit_code == 2 and "error:" in bad.output
 
 
 def test_bench_backward_smoke_on_cpu(tmp_path):
     result = CliRunner().invoke(main, [
-        "bench", "--backward", "--device", "cpu", "--backward-lengths", "24", "--heads", "4", "--kv-heads", "2",
+        "bench", "backward", "--device", "cpu", "--lengths", "24", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--index-dim", "16", "--block", "8", "--topk", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     row = json.loads((tmp_path / "backward.json").read_text())["rows"][0]
@@ -103,7 +163,7 @@ def test_bench_backward_smoke_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replica", "sharded"])
 def test_distill_bench_runs_every_stage_on_cpu(tmp_path, monkeypatch, shard):
-    """`m3c bench --distill` on CPU (timings meaningless there): every stage is run and reported, with the ratios
+    """`m3c bench distill` on CPU (timings meaningless there): every stage is run and reported, with the ratios
     against the dense forward (distillation, m3c eval's forwards), the dense training step (MSA training) and eval's
     own forwards (eval); also sharded (FSDP2 in a process group of one), there with --no-eval (no eval rows). The
     converted model's MSA switches are as before after the eval rows (so the training step traced it sparse, with
@@ -115,9 +175,9 @@ def test_distill_bench_runs_every_stage_on_cpu(tmp_path, monkeypatch, shard):
         return built[-1]
 
     monkeypatch.setattr(bench_distill, "bench_models", keep)
-    r = CliRunner().invoke(main, ["bench", "--distill", "m3-tiny", "--device", "cpu", "--distill-seq-len", "48",
-                                  "--distill-batch", "1" if shard else "2", "--steps", "1", "--block", "8",
-                                  "--topk", "2", "--out", str(tmp_path)] + (["--distill-shard", "--no-eval"]
+    r = CliRunner().invoke(main, ["bench", "distill", "m3-tiny", "--device", "cpu", "--seq-len", "48",
+                                  "--batch", "1" if shard else "2", "--steps", "1", "--block", "8",
+                                  "--topk", "2", "--out", str(tmp_path)] + (["--shard", "--no-eval"]
                                                                             if shard else []))
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "distill.json").read_text())
@@ -149,13 +209,13 @@ def test_distill_bench_runs_every_stage_on_cpu(tmp_path, monkeypatch, shard):
 
 
 def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):
-    """--count-ops: one counted step per mode, no timing; --distill-layers 3 of SmolLM2's 30 extrapolates the count
+    """--count-ops: one counted step per mode, no timing; --layers 3 of SmolLM2's 30 extrapolates the count
     to its depth at the count of an MSA layer. (The Triton kernels' host path is tests/test_op_count.py's; here the
     lowered ops run their torch reference, which is fast.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    r = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
-                                  "--distill-layers", "3", "--distill-seq-len", "24", "--distill-batch", "1",
-                                  "--block", "8", "--topk", "2", "--distill-dtype", "float32", "--out", str(tmp_path)])
+    r = CliRunner().invoke(main, ["bench", "distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                  "--layers", "3", "--seq-len", "24", "--batch", "1",
+                                  "--block", "8", "--topk", "2", "--dtype", "float32", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "distill.json").read_text())
     assert [row["stage"] for row in result["rows"]] == ["distill warm-up", "distill sparse"]
@@ -164,27 +224,27 @@ def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):
         ops = row["ops"]
         assert "ms" not in row and ops["msa_layers"] == 2 and ops["per_msa_layer"] == sum(ops["layers"]["1"].values())
         assert ops["ops_at_full_depth"] == ops["total"] + 27 * ops["per_msa_layer"]
-    bad = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
-                                    "--distill-layers", "1", "--out", str(tmp_path / "x")])
+    bad = CliRunner().invoke(main, ["bench", "distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                    "--layers", "1", "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "error:" in bad.output and not (tmp_path / "x").exists()
-    # --distill-block-loss: the distillation rows run m3c distill --block-loss, 1 by default as there (its op adds
+    # --block-loss: the distillation rows run m3c distill --block-loss, 1 by default as there (its op adds
     # dispatches per layer); 0 the KL-only step
-    r = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
-                                  "--distill-layers", "3", "--distill-seq-len", "24", "--distill-batch", "1",
-                                  "--block", "8", "--topk", "2", "--distill-dtype", "float32",
-                                  "--distill-block-loss", "0", "--out", str(tmp_path / "kl")])
+    r = CliRunner().invoke(main, ["bench", "distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                  "--layers", "3", "--seq-len", "24", "--batch", "1",
+                                  "--block", "8", "--topk", "2", "--dtype", "float32",
+                                  "--block-loss", "0", "--out", str(tmp_path / "kl")])
     assert r.exit_code == 0, r.output
     kl_only = json.loads((tmp_path / "kl" / "distill.json").read_text())
     assert result["config"]["block_loss"] == 1.0 and kl_only["config"]["block_loss"] == 0.0
     for a, b in zip(result["rows"], kl_only["rows"]):
         assert a["ops"]["per_msa_layer"] > b["ops"]["per_msa_layer"]
-    bad = CliRunner().invoke(main, ["bench", "--distill", "smollm2-135m", "--device", "cpu", "--count-ops",
-                                    "--distill-block-loss", "-1", "--out", str(tmp_path / "y")])
+    bad = CliRunner().invoke(main, ["bench", "distill", "smollm2-135m", "--device", "cpu", "--count-ops",
+                                    "--block-loss", "-1", "--out", str(tmp_path / "y")])
     assert bad.exit_code == 2 and "block_loss must be" in bad.output and not (tmp_path / "y").exists()
 
 
 def test_distill_bench_refuses_an_unknown_model(tmp_path):
-    r = CliRunner().invoke(main, ["bench", "--distill", "no-such-model", "--device", "cpu", "--out", str(tmp_path)])
+    r = CliRunner().invoke(main, ["bench", "distill", "no-such-model", "--device", "cpu", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "neither a checkpoint directory nor a preset" in r.output
 
 
@@ -192,8 +252,8 @@ def test_distill_breakdown_books_each_kernel_once():
     """The distillation rows' per-stage GPU ms (synthetic trace, the profiler's fields): each kernel once, to the
     innermost labelled range that launched it; backward kernels go to their autograd function (run outside the
     forward's ranges, inside m3c.backward); range annotations on the device are not work; stages sum to the work."""
-    from m3compile.tools.bench_common import Profile
-    from m3compile.tools.bench_distill import _breakdown
+    from m3compile.bench.common import Profile
+    from m3compile.bench.distill import _breakdown
     from tests.test_bench_model import _ev, _flat, _kernel, _launch
 
     fwd = _ev("m3c.forward", 0, 40, id=1, children=[

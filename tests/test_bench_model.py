@@ -1,4 +1,4 @@
-"""m3c bench --model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
+"""m3c bench model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
 extrapolation laws, the per-stage attribution (synthetic profiler events and a real CPU run), the decode batch that
 fits in memory, and its outputs."""
 import json
@@ -11,11 +11,11 @@ from m3compile.cli import main
 from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
 from m3compile.pipelines import lower
-from m3compile.tools.bench_common import Profile, bench_models, module_ranges, profile_run
-from m3compile.tools.bench_model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, ModelBenchConfig, cache_bytes,
+from m3compile.bench.common import Profile, bench_models, module_ranges, profile_run
+from m3compile.bench.model import (ENCLOSING, GROUPS, PREFILL_LABELS, STAGES, ModelBenchConfig, cache_bytes,
                                          decode_batch, decode_depths, extrapolate, run_model_bench, shallow,
                                          write_model_outputs)
-from m3compile.tools import bench_model
+from m3compile.bench import model as bench_model
 from tests.conftest import LLAMA_BYTE
 
 
@@ -33,7 +33,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
     out = tmp_path / "bench"
     r = CliRunner().invoke(main, [
-        "bench", "--model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths",
+        "bench", "model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths",
         "48,80", "--dense-max", "48", "--msa-max", "48", "--decode-lengths", "48", "--batch", "2", "--block", "16",
         "--topk", "2", "--steps", "1", "--decode-steps", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -158,20 +158,20 @@ def test_extrapolation_below_the_selection_reach_is_quadratic():
 
 
 def test_model_bench_refuses_bad_input(tmp_path):
-    r = CliRunner().invoke(main, ["bench", "--model", "no-such-model", "--device", "cpu", "--out", str(tmp_path / "o")])
+    r = CliRunner().invoke(main, ["bench", "model", "no-such-model", "--device", "cpu", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "neither a checkpoint directory nor a preset" in r.output
     model_dir = tmp_path / "ckpt"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
-    r = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
+    r = CliRunner().invoke(main, ["bench", "model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
     assert r.exit_code == 2 and "inside the model directory" in r.output
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
-    r = CliRunner().invoke(main, ["bench", "--model", "m3-tiny", "--device", "cpu", "--steps", "0",
+    r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--device", "cpu", "--steps", "0",
                                   "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "steps must be >= 1" in r.output
     assert not (tmp_path / "o").exists()
     if not torch.cuda.is_available():
-        r = CliRunner().invoke(main, ["bench", "--model", "m3-tiny", "--out", str(tmp_path / "o")])
+        r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--out", str(tmp_path / "o")])
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
         assert not (tmp_path / "o").exists()
 
@@ -301,7 +301,7 @@ def test_attribution_books_each_kernel_once_to_the_innermost_range():
     assert Profile(events, True, 400.0, 0.0, device_events=annotations + kernels).attribute(
         PREFILL_LABELS, ENCLOSING).stages == a.stages
     # what the profiler's per-range lists give: annotation + children's kernels, the Triton kernels nowhere
-    from m3compile.tools.bench_common import kernel_us
+    from m3compile.bench.common import kernel_us
     assert kernel_us(roots[2]) == 50 + 25  # index_branch: its annotation + select's annotation, no real kernel
 
 
@@ -367,7 +367,7 @@ def test_fp8_index_option_and_a_lowered_dense_twin():
     import pytest
 
     from m3compile.errors import M3CompileError
-    from m3compile.tools.bench_model import ModelBenchConfig
+    from m3compile.bench.model import ModelBenchConfig
 
     dense, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2, index_dtype="fp8")
     assert sparse.args.msa.index_dtype == "fp8"

@@ -98,7 +98,7 @@ def test_index_branch_reads_detached_input():
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16), ("meta", torch.bfloat16)])
 def test_convert_keeps_the_models_device_and_dtype(device, dtype):
     """The tensors conversion adds (index projections and norms) take the model's device and dtype; nothing else
-    changes (RoPE frequencies stay fp32 by design). The GPU run of `m3c bench --model` checks the same on CUDA."""
+    changes (RoPE frequencies stay fp32 by design). The GPU run of `m3c bench model` checks the same on CUDA."""
     with torch.device(device):
         model = Decoder(PRESETS["m3-tiny"].replace(mlp_layer_types=None)).to(dtype).eval()
     gm, _ = m3compile.convert(model, MSAConfig(block_size=8, topk=2, dense_layers=(0,)))

@@ -218,7 +218,7 @@ def test_token_ids_beyond_the_vocabulary(converted, tmp_path):
 
 def test_cuda_graph_needs_cuda(converted, tmp_path):
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the capture itself is checked by m3c bench --distill --cuda-graph")
+        pytest.skip("a GPU is present: the capture itself is checked by m3c bench distill MODEL --cuda-graph")
     code, output = distill_cli(converted, CALIB_DATA, tmp_path / "out", "--cuda-graph")
     assert code == 2 and "--cuda-graph needs a CUDA device" in output and not (tmp_path / "out").exists()
 

@@ -1,10 +1,11 @@
-"""The host cost of a distillation step, counted on CPU (tools/op_count.py): a regression guard.
+"""The host cost of a distillation step, counted on CPU (bench/op_count.py): a regression guard.
 
-A step on the GPU is bound by its host dispatches (issue 16: ~10K kernel launches per SmolLM2 step at 8K tokens,
-131 ms of GPU work against 557-681 ms of CPU time). Under TRITON_INTERPRET=1 the lowered graph takes the same host
-path as on CUDA, so the dispatches of one step are countable here. Measured on SmolLM2's shapes (9 query / 3 KV
-heads, tied embeddings; 3 layers, layer 0 dense), before this guard (commit e0a6e27), per MSA layer: 376 (sparse)
-and 411 (warm-up) dispatches; after: 112 and 104 (`m3c bench --distill smollm2-135m --count-ops`, BENCHMARKS.md).
+A step on the GPU can be bound by its host dispatches (a sparse distillation step of SmolLM2 at batch 2 measured
+~10K kernel launches, 131 ms of GPU work against 557-681 ms of CPU time). Under TRITON_INTERPRET=1 the lowered
+graph takes the same host path as on CUDA, so the dispatches of one step are countable here. Measured on SmolLM2's
+shapes (9 query / 3 KV heads, tied embeddings; 3 layers, layer 0 dense), per MSA layer: 112 (sparse) and 104
+(warm-up) dispatches (`m3c bench distill smollm2-135m --count-ops`, BENCHMARKS.md; with per-layer glue ops, 376
+and 411).
 The bounds below sit a few ops above the measured counts: a change that adds per-layer glue fails here.
 """
 import torch
@@ -12,7 +13,7 @@ import torch
 from m3compile.config import MSAConfig
 from m3compile.models.decoder import PRESETS, Decoder
 from m3compile.pipelines import convert
-from m3compile.tools.op_count import count_ops
+from m3compile.bench.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep
 
 # mode: (dispatches per MSA layer, per step of this 3-layer model), measured 112 / 302 and 104 / 286

@@ -90,10 +90,14 @@ def dry_parse(args: list[str]) -> None:
             dry_parse(head + rest[:cut])
             rest = rest[cut + 1:]
         return dry_parse(head + rest)
-    command = cli.main.get_command(None, args[0])
-    assert command is not None, f"m3c has no command {args[0]!r}"
+    parent, command, name = None, cli.main, "m3c"
+    while isinstance(command, click.Group) and args and not args[0].startswith("-"):  # m3c bench model: its options
+        parent = click.Context(command, info_name=name, parent=parent)
+        name, args = args[0], args[1:]
+        command = command.get_command(parent, name)
+        assert command is not None, f"m3c has no command {name!r}"
     try:
-        command.make_context(args[0], args[1:], parent=click.Context(cli.main, info_name="m3c"))
+        command.make_context(name, args, parent=parent)
     except click.exceptions.Exit as e:  # --help
         assert e.exit_code == 0
 

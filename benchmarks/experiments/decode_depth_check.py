@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from m3compile.tools import bench_model as bm
-from m3compile.tools.bench_common import bench_models
+from m3compile.bench import model as bm
+from m3compile.bench.common import bench_models
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
 from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels.sparse_attention import build_csr, forward_stage, sparse_attention
-from m3compile.tools import bench
-from m3compile.tools.bench_common import median_ms, profile_run
+from m3compile.bench import kernels as bench
+from m3compile.bench.common import median_ms, profile_run
 
 
 def timeline(fn, calls: int = 3) -> dict:

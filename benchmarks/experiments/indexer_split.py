@@ -31,7 +31,7 @@ from m3compile.kernels._tl_common import quantize_rows_e4m3
 from m3compile.kernels._tl_indexer import _block_scores, _insert, index_topk_kernel
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks_reference
 from m3compile.kernels._common import next_pow2
-from m3compile.tools.bench_common import median_ms
+from m3compile.bench.common import median_ms
 
 MODES = {"topk": 0, "scores": 1, "packed": 2, "write": 3}
 I64_MIN = -9223372036854775807 - 1

@@ -25,7 +25,7 @@ import torch
 
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import sparse_attention
-from m3compile.tools.bench_common import median_ms
+from m3compile.bench.common import median_ms
 
 
 def _smi() -> dict:

@@ -247,7 +247,7 @@ def train(
 
 
 class DistillStep:
-    """One optimisation step, shared by the run loop and `m3c bench --distill`: the traced model with its KL hooks
+    """One optimisation step, shared by the run loop and `m3c bench distill`: the traced model with its KL hooks
     (lowered to the Triton kernels on CUDA), the trained parameters, AdamW, and the compute dtype.
 
     Distillation trains the index branch only: under autocast its parameters are fp32 whatever the backbone's

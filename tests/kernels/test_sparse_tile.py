@@ -74,7 +74,7 @@ def test_lowered_model_runs_the_tile_kernel_when_asked(monkeypatch):
     the query-tile kernel where no gradient is needed: the same logits; a bad name is refused."""
     from m3compile import ops
     from m3compile.pipelines import lower
-    from m3compile.tools.bench_common import bench_models
+    from m3compile.bench.common import bench_models
 
     _, sparse, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=8, topk=2, n_layers=2)
     lowered = lower(sparse.model)

@@ -1,4 +1,4 @@
-"""`m3c bench --model PRESET|DIR`: the whole model, dense against converted-and-lowered: time to first token at a
+"""`m3c bench model PRESET|DIR`: the whole model, dense against converted-and-lowered: time to first token at a
 list of lengths and decode tokens/s at batch B, each split into stages.
 
 Models: a preset's shapes with random weights built on the device (`llama3-8b`, `qwen2.5-7b`, ...), or a checkpoint
@@ -65,7 +65,7 @@ from m3compile.kernels.decode import quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
-from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
+from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable, kernels_default
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
@@ -138,7 +138,7 @@ class ModelBenchConfig:
             raise M3CompileError(f"sparse_kernel must be one of {', '.join(SPARSE_KERNELS)}, got {self.sparse_kernel!r}")
         parse_dtype(self.dtype)
         if is_cuda(self.device) and not torch.cuda.is_available():
-            raise M3CompileError("m3c bench --model needs a CUDA GPU (use --device cpu for a smoke run)")
+            raise M3CompileError("m3c bench model needs a CUDA GPU (use --device cpu for a smoke run)")
 
 
 def _classify(qualname: str, module: torch.nn.Module) -> str | None:
@@ -630,7 +630,7 @@ def _plot(results: list[dict], png: Path) -> None:
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)
     env = results[-1]["env"] if results else {}
-    fig.suptitle(f"m3c bench --model: {env.get('gpu', env.get('device', ''))}, torch {env.get('torch')}, "
+    fig.suptitle(f"m3c bench model: {env.get('gpu', env.get('device', ''))}, torch {env.get('torch')}, "
                  f"triton {env.get('triton')}", fontsize=9)
     fig.tight_layout()
     tmp = png.with_name(f".{png.name}.tmp")

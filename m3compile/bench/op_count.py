@@ -3,7 +3,7 @@
 A GPU step whose kernels are short is bound by the host: every aten op costs a few microseconds of dispatch (and
 usually a kernel launch), every Triton launch ~10-20 us of argument binding. Counting them needs no GPU: on CPU
 under TRITON_INTERPRET=1 a lowered graph takes the same host path as on CUDA (only autocast's casts are missing),
-so the count is a CPU-measurable proxy of the host time (`m3c bench --distill` reports it per mode).
+so the count is a CPU-measurable proxy of the host time (`m3c bench distill` reports it per mode).
 
     count_ops(step, gm) -> OpCount    # runs step() once under a TorchDispatchMode; gm's forward runs node by node
 

@@ -1,4 +1,4 @@
-"""`m3c bench --distill MODEL`: distillation and continued training against the frozen dense forward, one run.
+"""`m3c bench distill MODEL`: distillation and continued training against the frozen dense forward, one run.
 
 On the same random token batch [batch, seq_len] of one model (a checkpoint directory, converted or dense, or a
 shape preset with random weights built on the device):
@@ -31,7 +31,7 @@ distillation rows, on the model as converted (a distillation step casts its inde
 them, and `shard` shards it), and listed after them; evaluate() restores the model's switches, and the
 forwards' switches are restored after each call, so the rows after them see the model as before.
 
-Each distillation row also counts one step's host dispatches (tools/op_count.py: aten ops and Triton launches,
+Each distillation row also counts one step's host dispatches (bench/op_count.py: aten ops and Triton launches,
 by stage and layer), the host-cost proxy that needs no GPU: `count_only` skips the timing and counts one step
 per mode, on the lowered graph (on CPU under TRITON_INTERPRET=1 it runs the Triton kernels' host path), and
 `layers` keeps only a preset's first layers, so a full-size model's count is measured shallow and extrapolated
@@ -52,9 +52,9 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Attention, Decoder
-from m3compile.tools.bench_common import bench_models, is_cuda, median_ms, profile_run, sync
+from m3compile.bench.common import bench_models, is_cuda, median_ms, profile_run, sync
 from m3compile.tools.evaluate import evaluate
-from m3compile.tools.op_count import count_ops
+from m3compile.bench.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
 
@@ -93,7 +93,7 @@ class DistillBenchConfig:
         if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):
             raise M3CompileError("--cuda-graph needs --device cuda (and timing: not with --count-ops)")
         if self.layers is not None and (self.layers < 2 or Path(self.model).is_dir()):
-            raise M3CompileError("--distill-layers takes a preset and at least 2 layers (layer 0 stays dense)")
+            raise M3CompileError("--layers takes a preset and at least 2 layers (layer 0 stays dense)")
         parse_dtype(self.dtype)
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise M3CompileError("--device cuda: no CUDA device is available (use --device cpu)")
@@ -143,7 +143,7 @@ def _breakdown(prof) -> dict:
 
 
 def _op_counts(step: DistillStep, x: torch.Tensor, full_layers: int) -> dict:
-    """One step's dispatches (tools/op_count.py), and the count at the preset's full depth when it was cut."""
+    """One step's dispatches (bench/op_count.py), and the count at the preset's full depth when it was cut."""
     counted = count_ops(lambda: step(x), step.gm)
     out = counted.to_dict()
     msa = [int(k) for k in out["layers"] if k.isdigit() and int(k) in step.gm.meta["m3_kl_distill"].layers]

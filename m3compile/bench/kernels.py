@@ -1,4 +1,4 @@
-"""`m3c bench`: MSA kernels against dense SDPA and FlexAttention at M3 shapes, on one GPU.
+"""`m3c bench kernels` (and `backward`, `vision`): MSA kernels against dense SDPA and FlexAttention, on one GPU.
 
 Prefill, per length T (one sequence, bf16, 64 query heads / 4 KV heads / head dim 128, index 4 x 128 with one key
 head, block 128, top-16 by default):
@@ -39,7 +39,8 @@ from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, 
 from m3compile.kernels.sparse_kl import sparse_index_kl
 from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
-__all__ = ["BenchConfig", "run_bench", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
+__all__ = ["BenchConfig", "BenchResult", "VisionBenchConfig", "run_bench", "run_backward_bench", "run_vision_bench",
+           "speedups", "write_outputs", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
            "prefill_inputs"]
 
 
@@ -345,7 +346,7 @@ def _autotune_choices() -> dict:
 
 def run_bench(cfg: BenchConfig, prefill: bool = True, decode: bool = True, log=print) -> BenchResult:
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise M3CompileError("m3c bench needs a CUDA GPU (use --device cpu for a smoke run of tiny shapes)")
+        raise M3CompileError("m3c bench kernels needs a CUDA GPU (use --device cpu for a smoke run of tiny shapes)")
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
            "date": time.strftime("%Y-%m-%d")}
     try:
@@ -448,7 +449,7 @@ def write_outputs(result: BenchResult, out: Path) -> None:
                title=f"decode, batch {dec[0]['batch']}")
         ax.legend(fontsize=7)
     gpu = result.env.get("gpu", result.env["device"])
-    fig.suptitle(f"m3c bench: {gpu}, torch {result.env['torch']}, triton {result.env['triton']}", fontsize=9)
+    fig.suptitle(f"m3c bench kernels: {gpu}, torch {result.env['torch']}, triton {result.env['triton']}", fontsize=9)
     fig.tight_layout()
     tmp = out / ".bench.png.tmp"
     fig.savefig(tmp, format="png", dpi=110)
@@ -482,7 +483,7 @@ def run_vision_bench(cfg: VisionBenchConfig, log=print) -> dict:
     """Fused varlen kernel vs a Python loop of SDPA calls per window vs one SDPA over windows padded to the longest."""
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise M3CompileError("m3c bench --vision needs a CUDA GPU (use --device cpu for a smoke run)")
+        raise M3CompileError("m3c bench vision needs a CUDA GPU (use --device cpu for a smoke run)")
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     bench_cfg = BenchConfig(device=cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
     grids = [[t, cfg.grid, cfg.grid] for t in cfg.steps]
@@ -550,7 +551,7 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
     the attention forward)."""
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise M3CompileError("m3c bench --backward needs a CUDA GPU (use --device cpu for a smoke run)")
+        raise M3CompileError("m3c bench backward needs a CUDA GPU (use --device cpu for a smoke run)")
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     rows = []

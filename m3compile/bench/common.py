@@ -1,4 +1,4 @@
-"""What the model benches share (`m3c bench --distill`, `m3c bench --model`): the dense and converted models,
+"""What the model benches share (`m3c bench distill`, `m3c bench model`): the dense and converted models,
 CUDA-event timing, and per-stage attribution of one profiled run through torch.profiler ranges.
 
     bench_models(model, ...)      (dense Decoder, converted Decoder sharing its weights, description, conversion check)
