@@ -3,7 +3,7 @@
 
 The inputs are `m3c bench kernels`' (`_prefill_one`: same seed, same draw order, the fused indexer's
 selection on random index inputs), so the base row is the bench's attention row. Every time is the bench's own
-timer (`tools.bench._time`: triton's do_bench, median, L2 flushed before each run) unless the row says otherwise:
+timer (`bench.kernels._time`: triton's do_bench, median, L2 flushed before each run) unless the row says otherwise:
 
     base          sparse_attention as `m3c bench kernels` times it
     base_events   the same, CUDA events around single calls with a sync between them (bench_common.median_ms)
