@@ -25,7 +25,7 @@ import torch
 
 from m3compile.tools.bench_common import bench_models, profile_run, union_us
 from m3compile.tools.bench_model import _fill, _steps_ms
-from m3compile.tools.generate import DecodeStep, PagedCache
+from m3compile.runtime import DecodeStep, PagedCache
 
 
 def _kernels(prof, top: int) -> dict:
