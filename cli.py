@@ -25,8 +25,8 @@ from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
 from m3compile.export.onnx import export_onnx as run_export
 from m3compile.graph.pass_manager import PASSES
-from m3compile.io.checkpoint import COMMITTED
 from m3compile.io.data import load_tokens
+from m3compile.io.output_dir import COMMITTED
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
 from m3compile.tools.bench import (

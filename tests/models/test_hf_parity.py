@@ -7,7 +7,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import m3compile
-from m3compile.io.checkpoint import to_release_names
+from m3compile.io.tensor_names import to_release_names
 from tests.conftest import LLAMA_BYTE
 
 BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2, max_position_embeddings=512)
