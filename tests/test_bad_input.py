@@ -1,4 +1,4 @@
-"""Bad input never hurts (issue 18): every kind of bad input through the CLI -> exit 2, one line `error: ...` on
+"""Bad input never hurts: every kind of bad input through the CLI -> exit 2, one line `error: ...` on
 stderr, no traceback, nothing written, inputs unchanged; Ctrl-C and SIGTERM leave nothing partial."""
 import fcntl
 import hashlib
@@ -425,9 +425,9 @@ def _write_under_sigterm(out: Path) -> None:
 
 
 def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
-    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (the moment
-    test_sigterm_to_the_real_command aims at, where it once found that directory left behind): the signal is
-    held until the directory is known, then the interrupted run removes it."""
+    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (a moment
+    test_sigterm_to_the_real_command can hit): the signal is held until the directory is known, then the
+    interrupted run removes it."""
     import tempfile
 
     mkdtemp = tempfile.mkdtemp

@@ -87,7 +87,7 @@ def test_generate_equals_greedy_recompute(llama_dir):
 
 
 def test_generate_with_an_index_head_narrower_than_rope(tmp_path):
-    """Index dim 24 below the rotary width 32 (issue 21): the decode path's index keys get the same cut-table RoPE
+    """Index dim 24 below the rotary width 32: the decode path's index keys get the same cut-table RoPE
     as the prefill, so paged generation (torch references and Triton kernels) follows transformers' greedy logits."""
     from tests.models.test_hf_parity import m3_index_rope_model
 

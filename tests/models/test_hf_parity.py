@@ -147,13 +147,14 @@ def test_m3_release_layout_and_vl_wrapper(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The index head against the rotary width (issue 21): transformers' indexer applies RoPE with the main table cut to
+# The index head against the rotary width: transformers' indexer applies RoPE with the main table cut to
 # the index width, cos[..., :index_head_dim], and rotate_half pairs channels of that cut width.
 
 
 def m3_index_rope_model(index_dim, partial=None):
-    """Issue 21's config: 6 query / 3 KV heads of 32, `rotary_dim` 16 (which transformers ignores: the table is 32
-    wide unless rope_parameters has partial_rotary_factor), block 16, top-3."""
+    """An M3 text config to set the index head against the rotary width: 6 query / 3 KV heads of 32, `rotary_dim` 16
+    (which transformers ignores: the table is 32 wide unless rope_parameters has partial_rotary_factor), block 16,
+    top-3."""
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if partial is not None:
         rope["partial_rotary_factor"] = partial
