@@ -25,8 +25,8 @@ from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
 from m3compile.export.onnx import export_onnx as run_export
 from m3compile.graph.pass_manager import PASSES
-from m3compile.io.checkpoint import COMMITTED
 from m3compile.io.data import load_tokens
+from m3compile.io.output_dir import COMMITTED
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
 from m3compile.bench.kernels import (
@@ -362,35 +362,62 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     console.print(table)
 
 
+def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: str, after_lr=(), before_json=()):
+    """The arguments and options distill and train share, in their help's order: each command gives its own help
+    texts where they differ, and its own options to go after --lr and before --json."""
+    options = [
+        click.argument("model_dir", type=click.Path(path_type=Path)),
+        click.option("--data", required=True, type=click.Path(path_type=Path), help=data),
+        click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help=out),
+        click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total)."),
+        click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence."),
+        click.option("--batch", default=1, show_default=True,
+                     help="Sequences per process per step (global batch = batch x processes)."),
+        click.option("--lr", default=lr, show_default=True, help=lr_help),
+        *after_lr,
+        click.option("--checkpoint-every", default=100, show_default=True,
+                     help="Write a resumable checkpoint every this many steps."),
+        click.option("--device", default="cpu", show_default=True,
+                     help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU)."),
+        click.option("--dtype", default="float32", show_default=True, help=dtype),
+        click.option("--seed", default=0, show_default=True, help="Seed of the data order."),
+        click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit."),
+        click.option("--force", is_flag=True, help="Replace --out if it exists."),
+        click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
+                     help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' "
+                          "dtype."),
+        *before_json,
+        click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON."),
+        click.option("--shard/--no-shard", default=None,
+                     help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed "
+                          "from the checkpoint (no process holds the model) [default: under torchrun, when a replica "
+                          "would not fit the device]."),
+    ]
+
+    def apply(command):
+        for option in reversed(options):  # the first listed is applied last: it comes first in --help
+            command = option(command)
+        return command
+    return apply
+
+
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Calibration tokens: .bin bytes, .npy ids, .txt/.jsonl text.")
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Output directory: the distilled checkpoint plus its resumable state.")
-@click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total).")
-@click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence.")
-@click.option("--batch", default=1, show_default=True, help="Sequences per process per step (global batch = batch x processes).")
-@click.option("--lr", default=1e-3, show_default=True, help="AdamW learning rate of the index parameters.")
-@click.option("--warmup-steps", default=0, show_default=True, help="First steps with dense support and a dense main branch.")
-@click.option("--checkpoint-every", default=100, show_default=True, help="Write a resumable checkpoint every this many steps.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
-@click.option("--dtype", default="float32", show_default=True, help="Compute and index-weight dtype.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
-@click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
-@click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
-              help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
-@click.option("--cuda-graph", is_flag=True,
-              help="CUDA, one process: after two eager steps per mode, capture the whole step in a CUDA graph and "
-                   "replay it (no host dispatch per kernel); refused where the step cannot be captured.")
-@click.option("--block-loss", default=1.0, show_default=True,
-              help="Weight of the block-ranking loss added to the KL: the teacher's block mass against the index "
-                   "branch's block-max scores (what the selection ranks by), on up to 1,024 queries per sequence; "
-                   "0 = the KL alone (about 30% faster; SmolLM2 at 14.7M tokens: +3.08% against +2.25% with 1).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
-@click.option("--shard/--no-shard", default=None,
-              help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
-                   "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
-                   "fit the device].")
+@_training_options(
+    data="Calibration tokens: .bin bytes, .npy ids, .txt/.jsonl text.",
+    out="Output directory: the distilled checkpoint plus its resumable state.",
+    lr=1e-3, lr_help="AdamW learning rate of the index parameters.", dtype="Compute and index-weight dtype.",
+    after_lr=[click.option("--warmup-steps", default=0, show_default=True,
+                           help="First steps with dense support and a dense main branch.")],
+    before_json=[
+        click.option("--cuda-graph", is_flag=True,
+                     help="CUDA, one process: after two eager steps per mode, capture the whole step in a CUDA graph "
+                          "and replay it (no host dispatch per kernel); refused where the step cannot be captured."),
+        click.option("--block-loss", default=1.0, show_default=True,
+                     help="Weight of the block-ranking loss added to the KL: the teacher's block mass against the "
+                          "index branch's block-max scores (what the selection ranks by), on up to 1,024 queries per "
+                          "sequence; 0 = the KL alone (about 30% faster; SmolLM2 at 14.7M tokens: +3.08% against "
+                          "+2.25% with 1)."),
+    ])
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
             resume, force, autocast, cuda_graph, block_loss, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
@@ -446,27 +473,12 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Training tokens: .bin bytes, .npy ids, .txt/.jsonl text.")
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Output directory: the trained checkpoint plus its resumable state.")
-@click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total).")
-@click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence.")
-@click.option("--batch", default=1, show_default=True, help="Sequences per process per step (global batch = batch x processes).")
-@click.option("--lr", default=1e-5, show_default=True, help="AdamW learning rate of every parameter.")
-@click.option("--loss-coeff", default=1.0, show_default=True, help="Weight of the index KL added to the LM loss.")
-@click.option("--checkpoint-every", default=100, show_default=True, help="Write a resumable checkpoint every this many steps.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
-@click.option("--dtype", default="float32", show_default=True, help="Compute and weight dtype.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the data order.")
-@click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
-@click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
-              help="Compute dtype on CUDA: auto/bf16 = bf16 autocast over fp32 weights, none = the weights' dtype.")
-@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
-@click.option("--shard/--no-shard", default=None,
-              help="FSDP2: each process holds its shard of the parameters, gradients and AdamW state, streamed from "
-                   "the checkpoint (no process holds the model) [default: under torchrun, when a replica would not "
-                   "fit the device].")
+@_training_options(
+    data="Training tokens: .bin bytes, .npy ids, .txt/.jsonl text.",
+    out="Output directory: the trained checkpoint plus its resumable state.",
+    lr=1e-5, lr_help="AdamW learning rate of every parameter.", dtype="Compute and weight dtype.",
+    after_lr=[click.option("--loss-coeff", default=1.0, show_default=True,
+                           help="Weight of the index KL added to the LM loss.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
           resume, force, autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).

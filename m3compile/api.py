@@ -7,7 +7,7 @@
     evaluate / attention_map    tools/              dense vs sparse loss and recall; what the index branch selects
     distill / train             train/distill.py    the index branch's KL distillation; continued training
     export_onnx                 export/onnx.py      model.onnx (+ vision.onnx)
-    generate                    tools/generate.py   batched decoding with paged KV and index-K caches
+    generate                    tools/generate.py   batched decoding over runtime/'s paged KV and index-K caches
 """
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.export.onnx import export_onnx

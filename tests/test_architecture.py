@@ -1,7 +1,7 @@
 """The package's shape: one import name, and imports that point one way through the pipeline's layers.
 
-    cli -> bench -> api -> tools / train / export -> io -> pipelines -> passes -> graph -> models, ops -> config, errors
-    -> kernels (a leaf that knows no torch.fx)
+    cli -> bench -> api -> tools / train / export -> runtime -> io -> pipelines -> passes -> graph -> models, ops
+    -> config, errors -> kernels (a leaf that knows no torch.fx)
 
 A module may import from its own layer or any layer below it, never above; no cycles; no private name
 (`_x`) imported from another module; an import inside a function only for a module that needs an optional
@@ -26,6 +26,7 @@ LAYERS = [  # bottom to top
     ("passes", ("m3compile.passes",)),
     ("pipelines", ("m3compile.pipelines",)),
     ("io", ("m3compile.io",)),
+    ("runtime", ("m3compile.runtime",)),
     ("tools / train / export", ("m3compile.tools", "m3compile.train", "m3compile.export")),
     ("api", ("m3compile.api", "m3compile")),
     ("bench", ("m3compile.bench",)),  # above the library: only the command line and the tests import it

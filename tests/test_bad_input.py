@@ -362,9 +362,9 @@ def test_convert_copies_the_tokenizer_and_eval_reads_text(base, tmp_path):
 
 def test_unwritable_parent(base, tmp_path, monkeypatch):
     """(Root may write anywhere, so the permission is faked.)"""
-    from m3compile.io import checkpoint
+    from m3compile.io import output_dir
 
-    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: Path(path) != tmp_path)
+    monkeypatch.setattr(output_dir.os, "access", lambda path, mode: Path(path) != tmp_path)
     code, output, stderr, _ = _invoke("convert", base / "dense", tmp_path / "out")
     assert code == 2 and stderr == f"error: output {tmp_path / 'out'}: cannot write in {tmp_path} (permission denied)\n"
     assert list(tmp_path.iterdir()) == []
@@ -410,7 +410,7 @@ def test_sigterm_to_the_real_command(tmp_path):
 def _write_under_sigterm(out: Path) -> None:
     """atomic_output_dir(out) writing a config.json, with SIGTERM raising KeyboardInterrupt (as m3c's handler stops
     a command) for the block; the test's patch sends the signal somewhere inside, and the interrupt must come out."""
-    from m3compile.io import checkpoint
+    from m3compile.io import output_dir
 
     def to_interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -418,16 +418,16 @@ def _write_under_sigterm(out: Path) -> None:
     previous = signal.signal(signal.SIGTERM, to_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
-            with checkpoint.atomic_output_dir(out) as tmp:
+            with output_dir.atomic_output_dir(out) as tmp:
                 (tmp / "config.json").write_text("{}")
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_signal_as_the_partial_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
-    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (the moment
-    test_sigterm_to_the_real_command aims at, where it once found that directory left behind): the signal is
-    held until the directory is known, then the interrupted run removes it."""
+    """SIGTERM arriving just after atomic_output_dir has created its `.NAME.partial-*` directory (a moment
+    test_sigterm_to_the_real_command can hit): the signal is held until the directory is known, then the
+    interrupted run removes it."""
     import tempfile
 
     mkdtemp = tempfile.mkdtemp
@@ -446,7 +446,7 @@ def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
     """SIGTERM arriving while atomic_output_dir moves the output into place is held until the move is done and
     recorded: the output is whole, no partial directory stays, and m3c's message says what was written."""
     from m3compile.cli import _interrupted
-    from m3compile.io import checkpoint
+    from m3compile.io import output_dir
 
     rename = Path.rename
 
@@ -455,10 +455,10 @@ def test_a_signal_during_the_commit_comes_after_it(tmp_path, monkeypatch):
         return rename(self, target)
 
     monkeypatch.setattr(Path, "rename", rename_then_signal)
-    checkpoint.COMMITTED.clear()
+    output_dir.COMMITTED.clear()
     out = tmp_path / "out"
     _write_under_sigterm(out)
     assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert checkpoint.COMMITTED == [out] and _interrupted() == f"interrupted after {out} was written in full"
-    checkpoint.COMMITTED.clear()
+    assert output_dir.COMMITTED == [out] and _interrupted() == f"interrupted after {out} was written in full"
+    output_dir.COMMITTED.clear()
     assert _interrupted() == "interrupted; no output was written"

@@ -147,7 +147,7 @@ def test_preset_config_reads_back_as_the_same_model(name):
     """A converted preset's config.json describes the preset itself: the dense Llama-shaped presets as Llama configs
     (RMSNorm w * x, SiLU; they were written as M3 text models with intermediate_size 0, which then failed to load),
     m3-tiny as an M3 text model."""
-    from m3compile.io.checkpoint import args_from_config
+    from m3compile.io.hf_config import args_from_config
     from m3compile.io.save import config_for_preset
     from m3compile.models.decoder import PRESETS
 

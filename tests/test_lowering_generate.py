@@ -122,7 +122,7 @@ def test_generate_with_triton_kernels_matches_reference(tiny_dir):
 def test_decode_graph_capture_needs_cuda_and_cpu_stays_eager(tiny_dir):
     """The captured decode step (CUDA graph) cannot run on a CPU: asked for, it is a one-line error; by default a CPU
     runs the eager step (the GPU check, graph logits == eager logits, is in `m3c bench model`)."""
-    from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable
+    from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable
 
     model = m3compile.load(tiny_dir)
     assert "CUDA" in graph_unavailable(model, "cpu")

@@ -66,7 +66,7 @@ from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
-from m3compile.tools.generate import DecodeStep, PagedCache, graph_unavailable, kernels_default
+from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]

@@ -24,7 +24,7 @@ import torch
 
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import atomic_output_dir, check_output_dir
+from m3compile.io.output_dir import atomic_output_dir, check_output_dir
 from m3compile.io.load import load
 from m3compile.models.vision import MultimodalDecoder, VisionExport, onnx_vision_inputs, patchify
 from m3compile.ops import msa_fused

@@ -10,9 +10,10 @@ import torch
 
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.io.checkpoint import args_from_config, check_output_dir, read_config
 from m3compile.io.data import load_tokens
+from m3compile.io.hf_config import args_from_config, read_config
 from m3compile.io.load import check_device, from_preset
+from m3compile.io.output_dir import check_output_dir
 from m3compile.io.save import save
 from m3compile.io.streaming import convert_streaming
 from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS

@@ -9,11 +9,10 @@ import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.io.checkpoint import (
-    VISION_TENSOR, args_from_config, check_state, checkpoint_dtype, internal_names, load_state_dict, read_checkpoint,
-    read_config,
-)
+from m3compile.io.hf_config import args_from_config, read_config
 from m3compile.io.streaming import SourceTensors
+from m3compile.io.tensor_names import VISION_TENSOR, internal_names
+from m3compile.io.weights import check_state, checkpoint_dtype, load_state_dict, read_checkpoint
 from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding
 from m3compile.models.vision import MultimodalDecoder, VisionRotary, apply_window
 

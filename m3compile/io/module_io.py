@@ -20,8 +20,8 @@ import torch.fx
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from m3compile.io.checkpoint import read_checkpoint
 from m3compile.errors import M3CompileError
+from m3compile.io.weights import read_checkpoint
 from m3compile.models.decoder import ModelArgs, MoE, RMSNorm, RotaryEmbedding
 
 __all__ = ["write_module", "load_module", "build_submodules"]

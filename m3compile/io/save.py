@@ -13,9 +13,11 @@ import torch.fx
 
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
-from m3compile.io.checkpoint import atomic_output_dir, to_release_names, write_checkpoint
 from m3compile.io.module_io import write_module
+from m3compile.io.output_dir import atomic_output_dir
 from m3compile.io.remote_code import remote_config, write_modeling_file
+from m3compile.io.tensor_names import to_release_names
+from m3compile.io.weights import write_checkpoint
 from m3compile.models.decoder import Decoder, ModelArgs
 from m3compile.pipelines import ConversionReport
 

@@ -26,12 +26,15 @@ from safetensors import safe_open
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import (
-    VISION_TENSOR, args_from_config, atomic_output_dir, check_output_dir, check_state, check_weight_map,
-    copy_tokenizer_files, internal_names, plan_shards, read_config, read_weight_map, shard_files, strip_prefix, to_release_names, vision_args_from_config, vision_names, vision_release_names,
-    write_shard_index,
-)
+from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
+from m3compile.io.output_dir import atomic_output_dir, check_output_dir
 from m3compile.io.save import output_config, write_extras
+from m3compile.io.tensor_names import (
+    VISION_TENSOR, internal_names, strip_prefix, to_release_names, vision_names, vision_release_names,
+)
+from m3compile.io.weights import (
+    check_state, check_weight_map, copy_tokenizer_files, plan_shards, read_weight_map, shard_files, write_shard_index,
+)
 from m3compile.models.decoder import Decoder, DecoderLayer, ModelArgs, MSALayerArgs
 from m3compile.models.vision import Projector, VisionTower
 from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration

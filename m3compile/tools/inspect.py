@@ -23,8 +23,9 @@ from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import VISION_TENSOR, args_from_config, read_config, vision_args_from_config
+from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
 from m3compile.io.streaming import SourceTensors
+from m3compile.io.tensor_names import VISION_TENSOR
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs
 from m3compile.models.vision import Projector, VisionTower
 from m3compile.ops import is_op, op_args, segment_attention

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from m3compile.io.checkpoint import atomic_output_dir, plan_shards, write_shard_index
+from m3compile.io.output_dir import atomic_output_dir
 from m3compile.io.streaming import SafetensorsWriter, nbytes
+from m3compile.io.weights import plan_shards, write_shard_index
 
 __all__ = ["SHAPES", "write_synthetic_checkpoint"]
 

@@ -33,13 +33,13 @@ from safetensors import safe_open
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.checkpoint import (
-    atomic_output_dir, check_output_dir, copy_tokenizer_files, output_lock, signals_recorded, to_release_names,
-)
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load, load_meta, weights_by_layer
+from m3compile.io.output_dir import atomic_output_dir, check_output_dir, output_lock, signals_recorded
 from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
+from m3compile.io.tensor_names import to_release_names
+from m3compile.io.weights import copy_tokenizer_files
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import scope
 from m3compile.pipelines import run_pipeline

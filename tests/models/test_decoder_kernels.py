@@ -11,7 +11,7 @@ import m3compile
 from m3compile.graph.tracing import trace
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs, RMSNorm
 from m3compile.ops import GRAPH_OPS, LOWERING, index_branch_triton, rms_norm_triton
-from m3compile.tools.generate import DecodeStep, PagedCache
+from m3compile.runtime import DecodeStep, PagedCache
 from m3compile.bench.op_count import count_ops
 
 LOWERED = set(LOWERING.values()) | {index_branch_triton, rms_norm_triton}

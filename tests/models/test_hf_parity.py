@@ -7,7 +7,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import m3compile
-from m3compile.io.checkpoint import to_release_names
+from m3compile.io.tensor_names import to_release_names
 from tests.conftest import LLAMA_BYTE
 
 BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2, max_position_embeddings=512)
@@ -152,8 +152,9 @@ def test_m3_release_layout_and_vl_wrapper(tmp_path):
 
 
 def m3_index_rope_model(index_dim, partial=None):
-    """An index head against the rotary width: 6 query / 3 KV heads of 32, `rotary_dim` 16 (which transformers ignores: the table is 32
-    wide unless rope_parameters has partial_rotary_factor), block 16, top-3."""
+    """An M3 text config to set the index head against the rotary width: 6 query / 3 KV heads of 32, `rotary_dim` 16
+    (which transformers ignores: the table is 32 wide unless rope_parameters has partial_rotary_factor), block 16,
+    top-3."""
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if partial is not None:
         rope["partial_rotary_factor"] = partial

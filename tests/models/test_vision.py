@@ -4,7 +4,7 @@ import torch
 import transformers
 
 import m3compile
-from m3compile.io.checkpoint import vision_names, vision_release_names
+from m3compile.io.tensor_names import vision_names, vision_release_names
 from m3compile.models.vision import MultimodalDecoder, apply_window, patchify
 
 IMAGE, VIDEO = 60, 61
