@@ -16,7 +16,7 @@ each; a decode layer's dispatches, views included, halve).
     forward.py      prefill (one prompt into the caches), decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
 
-m3compile.tools.generate drives it (sampling, stopping, text); m3compile.tools.bench_model times it.
+m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
 from m3compile.runtime.forward import decode_step, kernels_default, prefill
