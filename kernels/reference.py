@@ -660,7 +660,7 @@ def block_stats(
 
     -inf (and arg the block's first key) where block n holds no visible key. The teacher's block mass of head h is
     exp(blse - logsumexp_n blse); M3's block score is `scores` (section 2.4). fp32 (fp64 for fp64 inputs); memory
-    O(chunk * T) (query rows in chunks), never T x T. kernels/block_stats.py computes the same in one kernel.
+    O(chunk * T) (query rows in chunks), never T x T. kernels/block_stats/ computes the same in one kernel.
 
     q_idx [B, Hi, T, Di], k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D] (Hi == Hkv), rows [R] int64
     -> (blse [B, Hq, R, nb], scores [B, Hi, R, nb], arg [B, Hi, R, nb] int64), nb = ceil(T / block_size).

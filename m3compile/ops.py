@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope, reference as ref
 from m3compile.kernels import sparse_attention as _sparse, sparse_kl
-from m3compile.kernels import sparse_tile
+from m3compile.kernels.sparse_attention import tile as sparse_tile
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.testing as tt
 from m3compile.kernels import sparse_attention as sa
-from m3compile.kernels import _tl_sparse
+from m3compile.kernels.sparse_attention import _tl_sparse
 from m3compile.kernels.indexer import select_blocks
 
 lengths = [int(x) for x in sys.argv[1].split(",")]

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.testing as tt
 from m3compile.kernels import sparse_attention as sa
-from m3compile.kernels import _tl_sparse
+from m3compile.kernels.sparse_attention import _tl_sparse
 from m3compile.kernels.indexer import select_blocks
 
 _tl_sparse.gather_q_fwd_kernel.configs = [triton.Config(dict(ROWS=r), num_warps=w, num_stages=s)

@@ -44,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
-from m3compile.kernels._tl_sparse import _segment_block
+from m3compile.kernels.sparse_attention._tl_sparse import _segment_block
 from m3compile.kernels.indexer import select_blocks
 from m3compile.tools.bench_common import median_ms
 

@@ -1,4 +1,4 @@
-"""The block-stats kernel (kernels/block_stats.py) against reference.block_stats on odd shapes, and the block-ranking
+"""The block-stats kernel (kernels/block_stats/) against reference.block_stats on odd shapes, and the block-ranking
 loss built on it (value and index-branch gradients) against reference.block_rank_kl. Interpreter: fp32 / fp16 only
 (bf16 tl.dot is wrong under Triton 3.6's interpreter; benchmarks/check_kernels.py --only block_loss runs bf16)."""
 import math

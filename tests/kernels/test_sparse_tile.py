@@ -1,11 +1,11 @@
-"""The query-tile union sparse attention (kernels/sparse_tile.py) against the plain-torch reference, on odd shapes:
+"""The query-tile union sparse attention (kernels/sparse_attention/tile.py) against the plain-torch reference, on odd shapes:
 lengths not a multiple of the block, one token, group sizes 1, 3 and 4, -1 slots, tiles that straddle blocks."""
 import pytest
 import torch
 
 from m3compile.kernels import reference as ref
 from m3compile.kernels import sparse_attention as gather
-from m3compile.kernels.sparse_tile import sparse_attention_tiled, tile_tokens, tile_union
+from m3compile.kernels.sparse_attention.tile import sparse_attention_tiled, tile_tokens, tile_union
 
 
 def selection(B, Hkv, T, K, block, g, holes=True):

@@ -84,7 +84,7 @@ def block_stats(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: to
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not use_triton(q_idx, k_idx, q, k, backend=backend):
         return block_stats_reference(q_idx, k_idx, q, k, rows, block_size=block_size, scale=scale)
-    from m3compile.kernels._tl_block_stats import block_stats_kernel
+    from m3compile.kernels.block_stats._tl_block_stats import block_stats_kernel
 
     q, k = _same_dtype(q, k)
     q_idx, k_idx = _same_dtype(q_idx, k_idx)

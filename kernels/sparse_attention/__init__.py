@@ -99,7 +99,7 @@ _CSR_BLOCK = 1024  # entries / segments per program of the CSR kernels
 
 
 def _build_csr_triton(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
-    from m3compile.kernels._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
 
     B, Hkv, T, K = blocks.shape
     C = t1 - t0
@@ -154,7 +154,7 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
 def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, csr=None):
     """_forward that also returns the CSR it walked when one query chunk held every query (else None); `csr`, a
     BlockCSR of `blocks` at this kernel's chunk, is used instead of building one."""
-    from m3compile.kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -237,7 +237,7 @@ def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
     """TMA descriptor of the partial outputs [rows, D]; its box is set per autotune config (_tl_sparse)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from m3compile.kernels._tl_sparse import tile_rows
+    from m3compile.kernels.sparse_attention._tl_sparse import tile_rows
 
     return TensorDescriptor.from_tensor(part_o, block_shape=[tile_rows(64, GP), DP])
 
@@ -271,7 +271,7 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
     one share per (token, slot): with `dq_parts` (default on a GPU) the shares are stored per (token, slot, head)
     in the input dtype, query chunk by chunk like the forward's partials, and summed in fp32 by a second kernel;
     otherwise they are added with fp32 atomics into one buffer."""
-    from m3compile.kernels._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -362,7 +362,7 @@ def sparse_attention_lse(
     return_csr: bool = False,
 ):
     """`sparse_attention` that also returns each head's log-sum-exp over its selected keys: [B, T, Hq] fp32, base 2,
-    softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl.py). The combine
+    softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl/). The combine
     kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter).
     With `return_csr`, also the BlockCSR the forward walked (None where it was not built whole: the reference, or
     several query chunks), which the fused KL over the same selection takes instead of building its own."""

@@ -43,7 +43,7 @@ def _tables(cos, sin, x, width):
 
 def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm):
     """Rows of D channels: x and out hold B * T * heads of them, (token, head) major."""
-    from m3compile.kernels._tl_norm_rope import norm_rope_fwd_kernel
+    from m3compile.kernels.norm_rope._tl_norm_rope import norm_rope_fwd_kernel
 
     B, T = x.shape[:2]
     cos, sin, cs = _tables(cos, sin, x, width)
@@ -57,7 +57,7 @@ def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm):
 
 def _launch_bwd(g, g_k, x, wq, wk, cos, sin, dx, D, heads, q_heads, width, eps, norm):
     """g [B, T, q_heads, D] (strided) for the first q_heads rows of a token, g_k [B, T, D] for the others."""
-    from m3compile.kernels._tl_norm_rope import norm_rope_bwd_kernel
+    from m3compile.kernels.norm_rope._tl_norm_rope import norm_rope_bwd_kernel
 
     B, T = x.shape[:2]
     cos, sin, cs = _tables(cos, sin, x, width)
@@ -155,7 +155,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = 
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if needs_grad or not use_triton(x, weight, backend=backend):
         return ref.rms_norm(x, weight, eps, style)
-    from m3compile.kernels._tl_norm_rope import rms_norm_kernel
+    from m3compile.kernels.norm_rope._tl_norm_rope import rms_norm_kernel
 
     D = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()

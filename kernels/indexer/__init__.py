@@ -101,7 +101,7 @@ def select_blocks(
         return out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
-    from m3compile.kernels._tl_indexer import index_topk_kernel as kernel
+    from m3compile.kernels.indexer._tl_indexer import index_topk_kernel as kernel
 
     HP = next_pow2(H)
     grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731

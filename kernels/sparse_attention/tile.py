@@ -1,6 +1,6 @@
 """MSA sparse prefill attention, query-tile union design (an alternative to sparse_attention's gather-Q; issue 17).
 
-The gather-Q kernel (kernels/sparse_attention.py) loads each selected K/V block once, but writes a partial output
+The gather-Q kernel (kernels/sparse_attention/) loads each selected K/V block once, but writes a partial output
 and log-sum-exp per (token, slot, head) and merges them in a second kernel: at Llama-3-8B shapes (G = 4) and 128K
 that is ~51 GB of traffic per layer, and it runs at 0.29 of the ideal (BENCHMARKS.md, session 9). This design keeps
 the partials on chip instead. One program takes TILE consecutive query tokens x the G heads of one KV group as the
@@ -86,7 +86,7 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     union, count = tile_union(blocks, n_blocks, tile)
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # token-major, as gather-Q's
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
-    from m3compile.kernels._tl_sparse_tile import tile_union_fwd_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse_tile import tile_union_fwd_kernel
 
     grid = (union.shape[2], B * Hkv)
     tile_union_fwd_kernel[grid](

@@ -38,7 +38,7 @@ def _check(q, k, rows):
 
 
 def _launch(q, k, rows, selected_lse, out, scale):
-    from m3compile.kernels._tl_lse import causal_lse_kernel
+    from m3compile.kernels.causal_lse._tl_lse import causal_lse_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]

@@ -51,7 +51,7 @@ def _strides(q_idx, k_idx, q, k, tlse):
 class _SparseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx, k_idx, q, k, blocks, teacher_lse, block_size, scale, csr, mean, want_mass):
-        from m3compile.kernels._tl_kl import sparse_kl_fwd_kernel, sparse_kl_merge_kernel
+        from m3compile.kernels.sparse_kl._tl_kl import sparse_kl_fwd_kernel, sparse_kl_merge_kernel
 
         B, T, Hi, Di = q_idx.shape
         meta = _meta(q_idx, q, k, blocks, block_size)
@@ -89,7 +89,7 @@ class _SparseKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl, _d_mass=None):
-        from m3compile.kernels._tl_kl import sparse_kl_bwd_kernel
+        from m3compile.kernels.sparse_kl._tl_kl import sparse_kl_bwd_kernel
 
         q_idx, k_idx, q, k, teacher_lse, lse_s, psum, payload, seg_off, tile_seg, tile_start = ctx.saved_tensors
         B, T, Hi, Di = q_idx.shape

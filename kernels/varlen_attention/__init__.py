@@ -74,7 +74,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
-    from m3compile.kernels._tl_varlen import varlen_fwd_kernel
+    from m3compile.kernels.varlen_attention._tl_varlen import varlen_fwd_kernel
 
     N, H, D = q.shape
     bm = block_m or (32 if interpreting() else 128)

@@ -111,7 +111,7 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     if not use_triton(q_idx, idx_cache, backend=backend):
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
-    from m3compile.kernels._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
+    from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
                                               topk_rows_kernel)
 
     B, H, D = q_idx.shape
@@ -162,7 +162,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k_cache, v_cache, backend=backend):
         return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale)
-    from m3compile.kernels._tl_decode import paged_attention_split_kernel, paged_merge_kernel
+    from m3compile.kernels.decode._tl_decode import paged_attention_split_kernel, paged_merge_kernel
 
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))
@@ -229,7 +229,7 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
     if not use_triton(idx_cache, tail, k_idx, backend=backend):
         paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table)
         return
-    from m3compile.kernels._tl_decode import index_write_kernel
+    from m3compile.kernels.decode._tl_decode import index_write_kernel
 
     bs, D = idx_cache.shape[1], idx_cache.shape[2]
     k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
