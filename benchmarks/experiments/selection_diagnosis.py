@@ -6,7 +6,7 @@ the same forward (as `m3c eval` does):
   max      the index branch with M3's rule: block score = max of the block's token scores (the model itself)
   lse      DIAGNOSTIC only: the index branch's scores pooled by log-sum-exp per block (the mass of the student's own
            token softmax in the block), same forced blocks and top-k; not a product option
-  oracle   the blocks of most dense group-mean attention mass (kernels/reference.py: oracle_blocks)
+  oracle   the blocks of most dense group-mean attention mass (kernels/causal_lse/naive.py: oracle_blocks)
 Per selection: loss vs dense, tail share (tokens > 0.5 nats worse than dense), and per layer the mean block recall,
 its 10th percentile, and `top1`: the share of (group, query) pairs with a choice to make (t >= topk * block) whose
 heaviest non-forced teacher block is selected. Loss deltas are also split by query position (quarters).
@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 import m3compile
 from m3compile.io.data import load_tokens, windows
-from m3compile.kernels import reference as ref
-from m3compile.kernels.reference import _select_from_scores  # experiment: the selection's own forced-block rule
+from m3compile.kernels.causal_lse.naive import block_recall
+from m3compile.kernels.indexer.naive import select_from_scores  # experiment: the selection's own forced-block rule
+from m3compile.kernels.sparse_kl.naive import block_mass
 from m3compile.ops import apply_index_rope, msa_attention, split_heads, visible_blocks
 
 TAIL = 0.5
@@ -43,8 +44,8 @@ def lse_blocks(q_idx, k_idx, m, chunk=256):
         t = torch.arange(s, e)
         z = z.masked_fill(torch.arange(e)[None, :] > t[:, None], float("-inf"))
         z = F.pad(z, (0, nb * m.block_size - e), value=float("-inf")).unflatten(-1, (nb, m.block_size))
-        out[:, :, s:e] = _select_from_scores(torch.logsumexp(z, -1), t, m.block_size, m.topk, m.init_blocks,
-                                             m.local_blocks)
+        out[:, :, s:e] = select_from_scores(torch.logsumexp(z, -1), t, m.block_size, m.topk, m.init_blocks,
+                                            m.local_blocks)
     return out
 
 
@@ -68,12 +69,12 @@ class Probe:
     def __call__(self, layer, attn, q, k, blocks):
         m = attn.msa
         B, H, T, _ = blocks.shape
-        r = ref.block_recall(q, k, blocks, block_size=m.block_size, scale=attn.scale)
+        r = block_recall(q, k, blocks, block_size=m.block_size, scale=attn.scale)
         self.recall.setdefault(layer, []).append(r.flatten())
         rows = torch.arange(T) >= m.topk * m.block_size
         if rows.any():
-            mass = ref.block_mass(q, k, visible_blocks(B, H, T, m.block_size), block_size=m.block_size,
-                                  scale=attn.scale)  # [B, H, T, nb]: slot j is block j
+            mass = block_mass(q, k, visible_blocks(B, H, T, m.block_size), block_size=m.block_size,
+                              scale=attn.scale)  # [B, H, T, nb]: slot j is block j
             nb = mass.shape[-1]
             own = torch.arange(T) // m.block_size
             forced = (torch.arange(nb)[None, :] > own[:, None] - m.local_blocks) | (torch.arange(nb) < m.init_blocks)

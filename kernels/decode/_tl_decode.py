@@ -28,7 +28,7 @@ def _paged_index_scores(
     m_d = o_d < D
     b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
-    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as reference.quantize_index_keys does (its scale,
+    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as naive_common.quantize_index_keys does (its scale,
         # one per (sequence, head), cannot change that head's ranking, so it is not applied)
         b_q = quantize_rows_e4m3(b_q, FP8_DOT)
     first = tl.program_id(1) * PPP * NPG

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.naive_common import check_attention_inputs
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels._common import interpreting, next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "block_csr",
@@ -387,14 +388,14 @@ def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tor
 
 
 def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):
-    ref._check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
         raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k, v, blocks, backend=backend):
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None, None
+        return naive.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None, None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()

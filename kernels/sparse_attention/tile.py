@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.naive_common import check_attention_inputs
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention_tiled", "tile_union", "tile_tokens"]
@@ -62,10 +63,10 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                            block_size: int, scale: float | None = None, tile: int | None = None,
                            backend: str = "auto", return_lse: bool = False):
     """Exact causal attention of every query head over its group's selected key blocks (as
-    kernels.reference.sparse_attention), by the query-tile union design of the module doc. `tile`: query tokens per
+    sparse_attention.naive.sparse_attention), by the query-tile union design of the module doc. `tile`: query tokens per
     program [default: tile_tokens(G); rounded up to a power of two of at least 16 matmul rows]. Elsewhere than on
     CUDA / under the interpreter it runs the reference, which has no log-sum-exp: return_lse then raises."""
-    G = ref._check_attention_inputs(q, k, v)
+    G = check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, K = k.shape[1], blocks.shape[-1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
@@ -78,7 +79,7 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if not use_triton(q, k, v, blocks, backend=backend):
         if return_lse:
             raise ValueError("return_lse needs the Triton kernel (CUDA, or TRITON_INTERPRET=1 on CPU)")
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+        return naive.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     n_blocks = -(-T // block_size)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
-from m3compile.kernels.reference import expand_block_scale
+from m3compile.kernels.naive_common import expand_block_scale
 from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention, Decoder, MoE
