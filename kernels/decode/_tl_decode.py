@@ -66,7 +66,7 @@ def _scores_tuner(default: dict):
 
 # one kernel, two tuned entry points: a bf16 and an fp8 index cache pick different tiles, and with M3C_AUTOTUNE=0 each
 # runs the one the H200 sweep chose for it (M3 shapes, 2026-11-29 decode run: bf16 NPG 1 / PPP 2 / 2 stages, fp8
-# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md session 17)
+# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md)
 paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_stages=2))
 paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
 

@@ -6,11 +6,11 @@ it), loads that key block's K and V once, and sweeps tiles of TOK gathered query
 matmul rows are TOK * G, not G as in the query-major design, so Hopper tensor cores get full tiles. Each tile writes
 a normalised partial output and its log-sum-exp (base 2) per (CSR entry, head): a tile's rows are one contiguous
 range of the partial buffer, stored whole by TMA on Hopper (H200, G = 4, 128K: the gather kernel 15.4 -> 13.4 ms
-against per-(token, slot, head) rows; BENCHMARKS.md, session 14). Each tile's gathered rows are loaded one tile
-ahead, and their payload (token * K + slot) two tiles ahead, so no tile waits on a load (13.4 -> 11.5 ms, session
-15). A second kernel merges a token's partials with a log-sum-exp combine, finding them through the CSR's inverse
-permutation (`BlockCSR.entry`) and skipping -1 slots. Slot order carries no meaning and block ids need not be
-sorted. The query axis is processed in chunks so that the partial buffers stay bounded at any length.
+against per-(token, slot, head) rows; BENCHMARKS.md). Each tile's gathered rows are loaded one tile ahead, and their
+payload (token * K + slot) two tiles ahead, so no tile waits on a load (13.4 -> 11.5 ms). A second kernel merges a
+token's partials with a log-sum-exp combine, finding them through the CSR's inverse permutation (`BlockCSR.entry`)
+and skipping -1 slots. Slot order carries no meaning and block ids need not be sorted. The query axis is processed
+in chunks so that the partial buffers stay bounded at any length.
 
 Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (any strides with unit last stride), blocks [B, Hkv, T, K]
 -> [B, Hq, T, D] (a head-major view of a token-major [B, T, Hq, D] buffer, so `transpose(1, 2).reshape` is free).
@@ -217,7 +217,7 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
 
 def combine_warps(GP: int, DP: int) -> int:
     """Warps of one combine program (one token's GP x DP head rows): one where that is at most 512 values (G <= 4 at
-    head dim 128), else four. H200, 128K, random top-16 (BENCHMARKS.md, session 15): at G = 4 the combine takes
+    head dim 128), else four. H200, 128K, random top-16 (BENCHMARKS.md): at G = 4 the combine takes
     4.27 ms at one warp against 4.61 at four; at G = 16 one warp was slower in the model's pass (10.38 ms against
     8.53), though not alone (benchmarks/experiments/combine_config.py), so larger programs keep four."""
     return 1 if GP * DP <= 512 else 4
@@ -245,11 +245,11 @@ def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
 
 # gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
 # the block's K and V once, so more rows per program re-read them less often, at the cost of a longer tail per segment
-# and fewer programs. H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md, session 13): G = 4 512 / 1024 /
-# 2048 / 4096 rows -> 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms. Sessions 15-17
-# measured 4096 against 2048 again: 0.17-0.25 ms faster at 128K (G = 4, 7, 16), but 2% slower in SmolLM2's
-# distillation step at 2 x 8K (0.8M entries: too few programs to fill the GPU). So a query chunk with at least
-# LONG_ROWS gathered rows (entries x GP; 33M at 128K, G = 4 and 16) takes FORWARD_CHUNK_ROWS_LONG
+# and fewer programs. H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md): G = 4 512 / 1024 / 2048 / 4096 rows
+# -> 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms. 4096 against 2048, measured again:
+# 0.17-0.25 ms faster at 128K (G = 4, 7, 16), but 2% slower in SmolLM2's distillation step at 2 x 8K (0.8M entries:
+# too few programs to fill the GPU). So a query chunk with at least LONG_ROWS gathered rows (entries x GP; 33M at
+# 128K, G = 4 and 16) takes FORWARD_CHUNK_ROWS_LONG
 FORWARD_CHUNK_ROWS = 2048
 FORWARD_CHUNK_ROWS_LONG = 4096
 LONG_ROWS = 1 << 24

@@ -1,8 +1,8 @@
-"""MSA sparse prefill attention, query-tile union design (an alternative to sparse_attention's gather-Q; issue 17).
+"""MSA sparse prefill attention, query-tile union design (an alternative to sparse_attention's gather-Q).
 
 The gather-Q kernel (kernels/sparse_attention/) loads each selected K/V block once, but writes a partial output
 and log-sum-exp per (token, slot, head) and merges them in a second kernel: at Llama-3-8B shapes (G = 4) and 128K
-that is ~51 GB of traffic per layer, and it runs at 0.29 of the ideal (BENCHMARKS.md, session 9). This design keeps
+that is ~51 GB of traffic per layer, and it runs at 0.29 of the ideal (BENCHMARKS.md). This design keeps
 the partials on chip instead. One program takes TILE consecutive query tokens x the G heads of one KV group as the
 matmul rows (TILE * G >= 64 rows: `tile_tokens`) and loops over the union of the blocks those tokens selected
 (`tile_union`, built in torch: sorted, deduplicated, -1 slots dropped). For each union block it loads K and V once,
@@ -14,7 +14,7 @@ bench's "shared" regime), up to TILE when they share none ("independent", random
 own selections consecutive queries share most blocks (benchmarks/experiments/selection_locality.py: tiles of 16
 tokens of dense-llama-byte, block 64 / top-8, 8K: 1.24x; random selections: 6.8x).
 
-Measured (H200, 128K, BENCHMARKS.md session 11): even where the union is the top-k it only ties gather-Q (Llama-3-8B
+Measured (H200, 128K, BENCHMARKS.md): even where the union is the top-k it only ties gather-Q (Llama-3-8B
 shapes, tiles of 16 tokens: 25.9 against 24.7 ms; M3 shapes, tiles of 4: 44.4 against 41.4), running at 0.28 of
 the ideal as gather-Q does, so it stays opt-in; it was timed untuned (4 warps, 2 stages, the causal mask on every
 block).
