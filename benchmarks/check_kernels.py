@@ -19,7 +19,13 @@ import torch
 from m3compile.kernels import block_stats as bst
 from m3compile.kernels import decode as dk
 from m3compile.kernels import indexer
-from m3compile.kernels import reference as ref
+from m3compile.kernels.block_stats.naive import block_rank_kl, block_stats
+from m3compile.kernels.causal_lse.naive import causal_lse
+from m3compile.kernels.indexer.naive import block_scores, select_blocks
+from m3compile.kernels.naive_common import fp8_round
+from m3compile.kernels.norm_rope.naive import index_norm_rope, rms_norm, rope
+from m3compile.kernels.sparse_attention.naive import sparse_attention
+from m3compile.kernels.sparse_kl.naive import index_kl
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels import sparse_kl
 from m3compile.kernels import varlen_attention as va
@@ -63,12 +69,12 @@ def check_indexer(T, H, Di, bs, k, dtype, fp8=False, block_scale=False):
         # dequantise, fp32 scores
         k8, scale = indexer.quantize_index_keys(k_idx, bs if block_scale else None)
         got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, k_scale=scale)
-        q_ref, k_ref = ref.fp8_round(q_idx), indexer.dequantize_index_keys(k8, scale, bs)
+        q_ref, k_ref = fp8_round(q_idx), indexer.dequantize_index_keys(k8, scale, bs)
     else:
         got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k)
         q_ref, k_ref = q_idx, k_idx
-    want = ref.select_blocks(q_ref.transpose(1, 2), k_ref, block_size=bs, topk=k)
-    scores = ref.block_scores(q_ref.transpose(1, 2), k_ref, bs)
+    want = select_blocks(q_ref.transpose(1, 2), k_ref, block_size=bs, topk=k)
+    scores = block_scores(q_ref.transpose(1, 2), k_ref, bs)
     same, worst = selection_agreement(got, want, scores, 0)
     # score units (after 1/sqrt(Di)): bf16 rounding of the sums; fp8 wgmma accumulates with less than fp32 precision
     tol = 1e-4 if dtype == torch.float32 and not fp8 else 5e-2
@@ -78,8 +84,8 @@ def check_indexer(T, H, Di, bs, k, dtype, fp8=False, block_scale=False):
 
 
 def _selection(B, Hkv, T, bs, k):
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
-                               block_size=bs, topk=k)
+    blocks = select_blocks(torch.randn(B, Hkv, T, 32, device="cuda"), torch.randn(B, T, 32, device="cuda"),
+                           block_size=bs, topk=k)
     return blocks[..., torch.randperm(k, device="cuda")].int()
 
 
@@ -94,7 +100,7 @@ def check_sparse(B, Hq, Hkv, T, D, bs, k, dtype, ahead=False):
         other = (blocks[..., 1:] >= 0).any(-1)  # rows that keep a visible block elsewhere (else no key: NaN)
         blocks[..., 0] = torch.where(other & (own + 2 < nb), own + 2, blocks[..., 0]).int()
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs)
-    want = ref.sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)
+    want = sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)
     err = rel_err(got, want)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     report(f"sparse prefill B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}"
@@ -110,7 +116,7 @@ def check_backward(B, Hq, Hkv, T, D, bs, k, dtype):
     d_out = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
     got = torch.autograd.grad(sa.sparse_attention(q, kk, v, blocks, block_size=bs), (q, kk, v), d_out)
     x32 = [t.detach().float().requires_grad_() for t in (q, kk, v)]
-    want = torch.autograd.grad(ref.sparse_attention(*x32, blocks, block_size=bs), x32, d_out.float())
+    want = torch.autograd.grad(sparse_attention(*x32, blocks, block_size=bs), x32, d_out.float())
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     report(f"sparse backward B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} bs={bs} topk={k} {str(dtype)[6:]}",
@@ -128,8 +134,8 @@ def check_kl(B, Hq, Hkv, T, D, Di, bs, k, dtype):
     kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, kk, blocks, block_size=bs)
     got = torch.autograd.grad((kl * w).sum(), (q_idx, k_idx))
     x32 = [t.detach().float().requires_grad_() for t in (q_idx, k_idx)]
-    want_kl = ref.index_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), blocks, block_size=bs,
-                           sparse=True)[0]
+    want_kl = index_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), blocks, block_size=bs,
+                       sparse=True)[0]
     want = torch.autograd.grad((want_kl * w).sum(), x32)
     errs = [rel_err(kl, want_kl)] + [rel_err(g, w_) for g, w_ in zip(got, want)]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -151,8 +157,8 @@ def check_kl_warmup(B, Hq, Hkv, T, D, Di, bs, k, dtype):
     kl, recall = msa_index_kl_triton(q, kk, q_idx, k_idx, blocks, bs, D**-0.5, False)
     got = torch.autograd.grad(kl, (q_idx, k_idx))
     x32 = [t.detach().float().requires_grad_() for t in (q_idx, k_idx)]
-    want_kl, want_recall = ref.index_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), blocks, block_size=bs,
-                                        sparse=False)
+    want_kl, want_recall = index_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), blocks, block_size=bs,
+                                    sparse=False)
     want = torch.autograd.grad(want_kl.mean(), x32)
     errs = [rel_err(kl, want_kl.mean()), rel_err(recall, want_recall.mean())] + [rel_err(g, w_) for g, w_ in zip(got, want)]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -176,7 +182,7 @@ def check_causal_lse(B, Hq, Hkv, T, D, dtype):
 
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
     kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
-    want = ref.causal_lse(q.float(), kk.float())
+    want = causal_lse(q.float(), kk.float())
     err = (cl.causal_lse(q, kk) - want).abs().max().item()
     rows = recall_rows(T, q.device)
     sel = want - torch.rand_like(want)
@@ -196,7 +202,7 @@ def check_norm_rope(B, T, H, D, R, dtype):
     pos = torch.arange(T, device="cuda")[None, :, None].float()
     cos, sin = (pos * torch.rand(R, device="cuda")).cos(), (pos * torch.rand(R, device="cuda")).sin()
     x = torch.randn(B, T, H, D, device="cuda", dtype=dtype, requires_grad=True)
-    got, want = nr.rope(x, cos, sin), ref.rope(x, cos, sin)
+    got, want = nr.rope(x, cos, sin), rope(x, cos, sin)
     g = torch.randn_like(got)
     dx_got, dx_want = torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0]
     rope_err = max(rel_err(got, want), rel_err(dx_got, dx_want))
@@ -207,7 +213,7 @@ def check_norm_rope(B, T, H, D, R, dtype):
     out = nr.index_norm_rope(y, wq, wk, cos, sin, eps=1e-6)
     y32 = y.detach().float().requires_grad_()
     w32 = [t.detach().clone().requires_grad_() for t in (wq, wk)]
-    out32 = ref.index_norm_rope(y32, *w32, cos, sin, eps=1e-6)
+    out32 = index_norm_rope(y32, *w32, cos, sin, eps=1e-6)
     gq, gk = torch.randn_like(out32[0]), torch.randn_like(out32[1])
     grads = torch.autograd.grad(out, (y, wq, wk), (gq.to(dtype), gk.to(dtype)))
     grads32 = torch.autograd.grad(out32, (y32, *w32), (gq, gk))
@@ -215,7 +221,7 @@ def check_norm_rope(B, T, H, D, R, dtype):
     hidden = torch.randn(B, T, 576, device="cuda", dtype=dtype)
     w = 1 + 0.1 * torch.randn(576, device="cuda", dtype=dtype)
     with torch.no_grad():
-        norm_err = rel_err(nr.rms_norm(hidden, w, eps=1e-5), ref.rms_norm(hidden.float(), w.float(), 1e-5))
+        norm_err = rel_err(nr.rms_norm(hidden, w, eps=1e-5), rms_norm(hidden.float(), w.float(), 1e-5))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     report(f"RoPE / index norm+RoPE / RMSNorm B={B} T={T} H={H} D={D} R={R} {str(dtype)[6:]}",
            max(rope_err, idx_err, norm_err) < tol, rope_bit_identical=identical, rel_err_rope=f"{rope_err:.2e}",
@@ -242,8 +248,8 @@ def check_block_loss(B, Hq, Hkv, T, D, Di, bs, k, dtype, n_rows=1024):
     rows = block_loss_rows(T, bs, k, n_rows, q.device)
     with torch.no_grad():
         blse, scores, arg = bst.block_stats(q_idx, k_idx, q, kk, rows, block_size=bs)
-        w_blse, w_scores, w_arg = ref.block_stats(q_idx.float().transpose(1, 2), k_idx.float(), q.float(), kk.float(),
-                                                  rows, block_size=bs)
+        w_blse, w_scores, w_arg = block_stats(q_idx.float().transpose(1, 2), k_idx.float(), q.float(), kk.float(),
+                                              rows, block_size=bs)
     same_inf = all(torch.equal(torch.isinf(a), torch.isinf(b)) for a, b in ((blse, w_blse), (scores, w_scores)))
     fin = torch.isfinite(w_scores)
     err_lse = (blse - w_blse)[torch.isfinite(w_blse)].abs().max().item()
@@ -261,7 +267,7 @@ def check_block_loss(B, Hq, Hkv, T, D, Di, bs, k, dtype, n_rows=1024):
     x32 = [t.detach().float().requires_grad_() for t in (q_idx, k_idx)]
 
     def reference():
-        return ref.block_rank_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), block_size=bs, rows=rows)
+        return block_rank_kl(x32[0].transpose(1, 2), x32[1], q.float(), kk.float(), block_size=bs, rows=rows)
 
     loss = lowered()
     got = torch.autograd.grad(loss, (q_idx, k_idx))

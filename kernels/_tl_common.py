@@ -14,7 +14,7 @@ def dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
-    """Rows of x [M, D] quantised as reference.quantize_index_keys does (amax of each row mapped to 448, round to
+    """Rows of x [M, D] quantised as naive_common.quantize_index_keys does (amax of each row mapped to 448, round to
     nearest even), the rows' scales dropped: positive and one per row, they cannot change a row's ranking. Returns
     float8e4nv, or (FP8_DOT False) the same values widened to fp16 (exact) for a matmul without fp8 operands.
 

@@ -8,12 +8,12 @@ lowering beside it, and access to its arguments by name.
     (index projections, Gemma norms, RoPE of one layer)            index_branch_triton (fuse_index_branch)
     (an RMSNorm module)                                             rms_norm_triton (lower_norms)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
-    msa_select         kernels.reference.select_blocks              msa_select_triton (fused scores + top-k)
+    msa_select         kernels.indexer.naive.select_blocks          msa_select_triton (fused scores + top-k)
                        (index_dtype "fp8": e4m3-rounded q and k)    (index_dtype "fp8": fp8 x fp8 scores)
-    msa_attention      kernels.reference.sparse_attention           msa_attention_triton (gather-Q sparse prefill)
-                                                                    msa_attention_lse_triton (+ per-head LSE)
-    msa_index_kl       kernels.reference.index_kl                   msa_index_kl_triton (fused sparse-support KL)
-    msa_block_loss     kernels.reference.block_rank_kl              msa_block_loss_triton (fused block stats, then
+    msa_attention      kernels.sparse_attention.naive               msa_attention_triton (gather-Q sparse prefill)
+                       .sparse_attention                            msa_attention_lse_triton (+ per-head LSE)
+    msa_index_kl       kernels.sparse_kl.naive.index_kl             msa_index_kl_triton (fused sparse-support KL)
+    msa_block_loss     kernels.block_stats.naive.block_rank_kl      msa_block_loss_triton (fused block stats, then
                                                                     the loss and its backward in vectorised torch)
     msa (torch.ops.m3compile.msa)  msa_select then msa_attention: the one node per layer that ONNX export emits
     frame_segments / window_segments / segment_attention   the ViT's attention segments and varlen attention
@@ -35,9 +35,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
-from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope, reference as ref
+from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope
+from m3compile.kernels.block_stats.naive import block_rank_kl, choice_rows
+from m3compile.kernels.indexer.naive import select_blocks
+from m3compile.kernels.norm_rope.naive import gemma_rms_norm
+from m3compile.kernels.sparse_attention.naive import sparse_attention
+from m3compile.kernels.sparse_kl.naive import index_kl
 from m3compile.kernels import sparse_attention as _sparse, sparse_kl
-from m3compile.kernels import sparse_tile
+from m3compile.kernels.sparse_attention import tile as sparse_tile
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
 
@@ -193,8 +198,8 @@ def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, l
                index_dtype: str = "auto"):
     """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty).
 
-    index_dtype "fp8": scores of the e4m3-quantised query rows and keys (kernels.reference.select_blocks fp8)."""
-    return ref.select_blocks(
+    index_dtype "fp8": scores of the e4m3-quantised query rows and keys (kernels.indexer.naive.select_blocks fp8)."""
+    return select_blocks(
         q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
         local_blocks=local_blocks, fp8=_fp8_scoring(index_dtype),
     )
@@ -209,7 +214,7 @@ def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool =
     """
     if not sparse:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+    return sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
 
 
 @torch.fx.wrap
@@ -222,14 +227,14 @@ def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, spar
     `teacher_lse` (the attention's per-head log-sum-exp) and `csr` (the BlockCSR its kernel walked), given by a
     lowered graph, are only used by the lowering.
     """
-    kl, recall = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
-                              scale=scale)
+    kl, recall = index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
+                          scale=scale)
     return kl.mean(), recall.mean()
 
 
 def block_loss_rows(T: int, block_size: int, topk: int, n: int = BLOCK_LOSS_ROWS, device=None) -> torch.Tensor:
     """The queries the block-ranking loss is computed on: those with a choice to make (t >= topk * block_size),
-    all of them up to `n`, else `n` evenly spaced (kernels.reference.choice_rows). The same rows every step: the
+    all of them up to `n`, else `n` evenly spaced (kernels.block_stats.naive.choice_rows). The same rows every step: the
     loss stays a pure function of the batch (a resumed run continues bit for bit). Cached per shape and device
     (a CUDA-graph capture finds them built): never write to the result."""
     return _block_loss_rows(T, block_size, topk, n, torch.device(device) if device is not None else torch.device("cpu"))
@@ -237,23 +242,24 @@ def block_loss_rows(T: int, block_size: int, topk: int, n: int = BLOCK_LOSS_ROWS
 
 @functools.lru_cache(maxsize=16)
 def _block_loss_rows(T: int, block_size: int, topk: int, n: int, device: torch.device) -> torch.Tensor:
-    return ref.choice_rows(T, block_size, topk, n, device=device)
+    return choice_rows(T, block_size, topk, n, device=device)
 
 
 @torch.fx.wrap
 @_scoped("msa_block_loss")
 def msa_block_loss(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
                    local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
-    """The block-ranking loss of one MSA layer (kernels.reference.block_rank_kl): mean over (batch, group, sampled
-    query) of KL(teacher block mass || softmax of the index branch's block-max scores) over the non-forced visible
-    blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off (the
-    query-chunked torch reference; msa_block_loss_triton is the lowering); gradients reach q_idx and k_idx only.
+    """The block-ranking loss of one MSA layer (kernels.block_stats.naive.block_rank_kl): mean over (batch, group,
+    sampled query) of KL(teacher block mass || softmax of the index branch's block-max scores) over the non-forced
+    visible blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off
+    (the query-chunked torch reference; msa_block_loss_triton is the lowering); gradients reach q_idx and k_idx
+    only.
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
     positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
     with torch.autocast(q.device.type, enabled=False):
-        return ref.block_rank_kl(q_idx.transpose(1, 2), k_idx, q, k, block_size=block_size, init_blocks=init_blocks,
-                                 local_blocks=local_blocks, scale=scale, rows=positions)
+        return block_rank_kl(q_idx.transpose(1, 2), k_idx, q, k, block_size=block_size, init_blocks=init_blocks,
+                             local_blocks=local_blocks, scale=scale, rows=positions)
 
 
 def _grid(grid_thw) -> torch.Tensor:
@@ -510,8 +516,8 @@ def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos
     concatenation runs per call; None: concatenated here (differentiable in both weights). rope: as apply_index_rope."""
     Di = q_norm_weight.shape[0]
     if not use_triton(x, cos, sin):
-        q = ref.gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
-        k = ref.gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
+        q = gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
+        k = gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
         return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
     y = F.linear(x, torch.cat((q_weight, k_weight)) if qk_weight is None else qk_weight)
     cos, sin = index_rope_tables(cos, sin, Di, rope)

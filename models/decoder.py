@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.kernels._common import use_triton
-from m3compile.kernels.reference import oracle_blocks
+from m3compile.kernels.causal_lse.naive import oracle_blocks
 from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
                            msa_attention_lse_triton, msa_attention_triton, msa_select, msa_select_triton,
                            rms_norm_triton, split_heads)

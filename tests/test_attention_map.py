@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.causal_lse import naive as ref
 from m3compile import MSAConfig, convert_checkpoint, load
 from m3compile.tools.attention_map import attention_map
 from m3compile.io.data import load_tokens

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from torch.nn.attention.flex_attention import flex_attention
 
 from m3compile.cli import main
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer.naive import select_blocks
+from m3compile.kernels.sparse_attention.naive import sparse_attention
 from m3compile import M3CompileError
 from m3compile.models.decoder import Attention
 from m3compile.bench import distill as bench_distill
@@ -77,7 +78,7 @@ def test_the_old_bench_flags_name_the_new_subcommand(tmp_path, argv, now):
 
 def test_visible_keys_counts_causal_keys_of_valid_slots():
     T, bs = 37, 8
-    blocks = ref.select_blocks(torch.randn(1, 2, T, 16), torch.randn(1, T, 16), block_size=bs, topk=3)
+    blocks = select_blocks(torch.randn(1, 2, T, 16), torch.randn(1, T, 16), block_size=bs, topk=3)
     got = visible_keys(blocks, bs)
     for h in range(2):
         for t in range(T):
@@ -101,9 +102,9 @@ def test_flex_block_mask_computes_the_same_selection():
     """The FlexAttention baseline attends exactly to the selected blocks (else the comparison would be unfair)."""
     B, Hq, Hkv, T, D, bs = 1, 4, 2, 80, 16, 16
     q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
+    blocks = select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
     out = flex_attention(q, k, v, block_mask=flex_block_mask(blocks, Hq, bs), enable_gqa=True)
-    want = ref.sparse_attention(q, k, v, blocks, block_size=bs)
+    want = sparse_attention(q, k, v, blocks, block_size=bs)
     assert (out - want).abs().max().item() < 1e-5
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from m3compile import MSAConfig, convert_checkpoint, evaluate, load
 from m3compile.io.data import load_tokens
-from m3compile.kernels import reference as ref
+from m3compile.kernels.causal_lse import naive as ref
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 from tests.test_cli import assert_clean_failure, run, small_ckpt  # noqa: F401 (fixture)

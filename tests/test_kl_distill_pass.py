@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.block_stats.naive import block_rank_kl
+from m3compile.kernels.sparse_kl.naive import index_kl
 from m3compile import M3CompileError, MSAConfig, convert, from_preset, load, save
 from m3compile.graph.pass_manager import PassManager
 from m3compile.graph.tracing import trace
@@ -54,16 +55,16 @@ def test_hook_on_a_loaded_msa_model_equals_the_loss_on_its_own_tensors(tmp_path)
     h = model.model.layers[2].input_layernorm(h)
     attn(h, cos, sin)
     q_idx, k_idx = attn.index_branch(h, cos, sin)
-    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], seen["blocks"], block_size=4,
-                           scale=attn.scale)
+    want, _ = index_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], seen["blocks"], block_size=4,
+                       scale=attn.scale)
     _, kl, _ = gm(x)
     torch.testing.assert_close(kl[1], want.mean())
     # with the block-ranking loss: its node sees the same tensors (17 tokens, block 4 / top-2: rows 8..16 choose)
     PassManager([StripKLDistill(), KLDistill("sparse", block_loss=True)]).run(gm)
     _, kl_b, _, block = gm(x)
     torch.testing.assert_close(kl_b, kl, rtol=0, atol=0)
-    want = ref.block_rank_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], block_size=4, topk=2,
-                             scale=attn.scale)
+    want = block_rank_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], block_size=4, topk=2,
+                         scale=attn.scale)
     assert block.shape == (3,) and float(want.detach()) > 0
     torch.testing.assert_close(block[1], want)
 

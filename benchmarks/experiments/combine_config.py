@@ -22,7 +22,7 @@ import triton
 
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._common import next_pow2
-from m3compile.kernels._tl_sparse import combine_kernel
+from m3compile.kernels.sparse_attention._tl_sparse import combine_kernel
 from m3compile.kernels.indexer import select_blocks
 from m3compile.bench.common import median_ms
 

@@ -17,7 +17,7 @@ import torch
 
 import m3compile
 from m3compile.io.data import load_tokens, windows
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer import naive as ref
 from m3compile.bench.kernels import selection_agreement
 
 ckpt, data, seq_len, n_windows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._tl_common import quantize_rows_e4m3
-from m3compile.kernels._tl_indexer import _block_scores, _insert, index_topk_kernel
+from m3compile.kernels.indexer._tl_indexer import _block_scores, _insert, index_topk_kernel
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks_reference
 from m3compile.kernels._common import next_pow2
 from m3compile.bench.common import median_ms

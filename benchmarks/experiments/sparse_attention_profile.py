@@ -24,7 +24,7 @@ import torch
 from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention
-from m3compile.kernels.sparse_tile import sparse_attention_tiled, tile_tokens, tile_union
+from m3compile.kernels.sparse_attention.tile import sparse_attention_tiled, tile_tokens, tile_union
 from m3compile.bench.common import median_ms, profile_run
 
 

@@ -55,7 +55,7 @@ def MSA(q: FLOAT, k: FLOAT, v: FLOAT, q_idx: FLOAT, k_idx: FLOAT, block_size: in
     visible = op.LessOrEqual(blk_row, op.Unsqueeze(qb, op.Constant(value_ints=[1])))
     recent = op.Greater(blk_row, op.Unsqueeze(op.Sub(qb, op.Constant(value_int=local_blocks)), op.Constant(value_ints=[1])))
     first = op.Less(blk_row, op.Constant(value_int=init_blocks))
-    # local blocks win over init blocks when the forced blocks outnumber the slots (as kernels/reference.py)
+    # local blocks win over init blocks when the forced blocks outnumber the slots (as kernels/indexer/naive.py)
     big = op.CastLike(op.Constant(value_float=3.4028234663852886e38), q)
     scores = op.Where(op.And(visible, first), big, op.Where(visible, scores, neg))
     scores = op.Where(op.And(visible, recent), pos_inf, scores)

@@ -8,7 +8,7 @@ config.json has model_type "m3compile_msa", the dense model's own type as `sourc
 `sparse_attention_config`. Tensors keep the source's names plus `self_attn.index_{q,k}_{proj,norm}.weight` per MSA
 layer. This file is plain torch and transformers and imports nothing else; when m3compile is importable and the
 tensors are on CUDA, a prompt's forward runs m3compile's Triton kernels (fused indexer, gather-Q sparse attention),
-and otherwise the torch code below, which follows m3compile's reference (`kernels/reference.py`) step by step.
+and otherwise the torch code below, which follows m3compile's references (`kernels/*/naive.py`) step by step.
 
 MSA layer, for hidden states x (MSA_SPEC sections 2-3):
     q_idx = rope(norm_q(x W_qi)) [B, T, Hi, Di], k_idx = rope(norm_k(x W_ki)) [B, T, Di]   (x detached; Hi = Hkv)

@@ -5,7 +5,7 @@ import torch
 
 from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import quantize_index_keys
-from m3compile.kernels.reference import expand_block_scale
+from m3compile.kernels.naive_common import expand_block_scale
 from m3compile.models.decoder import Decoder
 
 __all__ = ["PagedCache"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.causal_lse.naive import block_recall
+from m3compile.kernels.sparse_kl.naive import selected_blocks_mask
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Decoder
 
@@ -61,7 +62,7 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
     captured = {}
 
     def probe(i, attn, q, k, blocks):
-        sums[i] = float(ref.block_recall(q, k, blocks, block_size=attn.msa.block_size, scale=attn.scale).mean())
+        sums[i] = float(block_recall(q, k, blocks, block_size=attn.msa.block_size, scale=attn.scale).mean())
         if i == layer:
             G = q.shape[1] // k.shape[1]
             captured.update(q=q[0, group * G:(group + 1) * G], k=k[0, group], blocks=blocks[0, group], scale=attn.scale)
@@ -79,7 +80,7 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
     s = s * captured["scale"]
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     attention = torch.softmax(s, -1).mean(0).cpu()
-    selected = ref.selected_blocks_mask(captured["blocks"].cpu(), -(-T // bs))
+    selected = selected_blocks_mask(captured["blocks"].cpu(), -(-T // bs))
     return AttentionMap(layer, group, offset, bs, attention, selected, sums)
 
 

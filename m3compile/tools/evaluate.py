@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from m3compile.errors import M3CompileError
 from m3compile.io.data import windows
-from m3compile.kernels import causal_lse, reference
+from m3compile.kernels import causal_lse
+from m3compile.kernels.causal_lse import naive as reference
 from m3compile.models.decoder import Attention, Decoder
 
 __all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
@@ -51,7 +52,7 @@ class EvalReport:
     recall_p10                 per MSA layer, the 10th percentile of recall over (KV group, token) pairs (to 1e-4)
     min_recall_p10             the lowest recall_p10 over layers (the worst layer's tail; null without MSA)
     mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer, measured in the
-                               oracle forward (each layer's q/k there; equal to reference.oracle_recall of them);
+                               oracle forward (each layer's q/k there; equal to causal_lse.naive.oracle_recall of them);
                                null / {} when oracle_loss is (oracle=False, `--no-oracle`: no oracle pass runs)
     seconds                    wall time
     """
@@ -116,10 +117,10 @@ class _RecallProbe:
     back once, at the end.
 
     Recall is the share of the dense group-mean causal attention mass inside the selected blocks
-    (reference.block_recall). From the lowered attention's per-head log-sum-exp over the selected keys it is
+    (causal_lse.naive.block_recall). From the lowered attention's per-head log-sum-exp over the selected keys it is
     causal_lse.dense_recall (mean over the group's heads of exp2(lse_selected - lse_all), the FlashAttention-style
     streamed dense log-sum-exp, never T x T); where every visible block is selected it is 1; otherwise (the
-    reference ops ran) reference.block_recall."""
+    reference ops ran) causal_lse.naive.block_recall."""
 
     def __init__(self, hist: bool):
         self.hist = hist

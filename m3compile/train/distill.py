@@ -69,7 +69,7 @@ class DistillConfig:
     weight_decay: float = 0.0
     autocast: str = "auto"  # compute dtype on CUDA: "auto" = bf16 autocast on CUDA (fp32 master weights), or "none"
     cuda_graph: bool = False  # capture the step in a CUDA graph after warm-up (DistillStep); not part of a resume
-    # weight of the block-ranking loss added to the KL (kernels/reference.py: block_rank_kl): teacher block mass vs
+    # weight of the block-ranking loss added to the KL (kernels.block_stats.naive.block_rank_kl): teacher block mass vs
     # the index branch's block-max scores, on the queries that have a choice; 0 = the KL alone (no node is added).
     # 1 by default: better on both checkpoints measured (SmolLM2 +2.25% against +3.08% at 14.7M tokens; BENCHMARKS.md)
     block_loss: float = 1.0

@@ -1,11 +1,11 @@
-"""The block-ranking loss (kernels/reference.py: block_rank_kl) against a naive per-query loop, its gradient, its
-empty cases and its memory."""
+"""The block-ranking loss (kernels/block_stats/naive.py: block_rank_kl) against a naive per-query loop, its gradient,
+its empty cases and its memory."""
 import math
 
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.block_stats import naive as ref
 from m3compile.ops import block_loss_rows, msa_block_loss
 from tests.memory import PeakMemory
 

@@ -1,5 +1,5 @@
-"""The block-stats kernel (kernels/block_stats.py) against reference.block_stats on odd shapes, and the block-ranking
-loss built on it (value and index-branch gradients) against reference.block_rank_kl. Interpreter: fp32 / fp16 only
+"""The block-stats kernel (kernels/block_stats/) against naive.block_stats on odd shapes, and the block-ranking
+loss built on it (value and index-branch gradients) against naive.block_rank_kl. Interpreter: fp32 / fp16 only
 (bf16 tl.dot is wrong under Triton 3.6's interpreter; benchmarks/check_kernels.py --only block_loss runs bf16)."""
 import math
 from unittest import mock
@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from m3compile import ops
 from m3compile.kernels import block_stats as bs
-from m3compile.kernels import reference as ref
+from m3compile.kernels.block_stats import naive
 
 
 def inputs(B, Hi, G, T, D, Di, dtype, seed=0, grad=False):
@@ -82,14 +82,14 @@ def _rel(a, b):
 @pytest.mark.parametrize("B,Hi,G,T,D,Di,block,topk,init,local,n,dtype", _cases(LOSS, ["T203-block16-G3-init1-local2"]))
 def test_loss_and_gradients_match_the_reference(B, Hi, G, T, D, Di, block, topk, init, local, n, dtype):
     q_idx, k_idx, q, k = inputs(B, Hi, G, T, D, Di, dtype, grad=True)
-    rows = ref.choice_rows(T, block, topk, n)
+    rows = naive.choice_rows(T, block, topk, n)
     with mock.patch.object(bs, "block_stats", wraps=bs.block_stats) as kernel:
         got = bs.block_rank_kl(q_idx, k_idx, q, k, block_size=block, rows=rows, init_blocks=init, local_blocks=local)
         grads = torch.autograd.grad(got, (q_idx, k_idx))
     assert kernel.call_count == 1 and got.dtype == torch.float32 and got.shape == ()
     x = [t.detach().double().requires_grad_() for t in (q_idx, k_idx)]
-    want = ref.block_rank_kl(x[0].transpose(1, 2), x[1], q.double(), k.double(), block_size=block, rows=rows,
-                             init_blocks=init, local_blocks=local)
+    want = naive.block_rank_kl(x[0].transpose(1, 2), x[1], q.double(), k.double(), block_size=block, rows=rows,
+                               init_blocks=init, local_blocks=local)
     assert float(want.detach()) > 0
     want_grads = torch.autograd.grad(want, x)
     tol = 1e-5 if dtype == torch.float32 else 2e-3

@@ -30,7 +30,7 @@ def test_every_autotuned_kernel_goes_through_the_caching_wrapper():
     """No module calls triton.autotune directly (it would tune again in every process)."""
     from pathlib import Path
 
-    sources = {p.name: p.read_text() for p in Path(_common.__file__).parent.glob("_tl_*.py")}
+    sources = {p.name: p.read_text() for p in Path(_common.__file__).parent.rglob("_tl_*.py")}
     assert sources and not [n for n, s in sources.items() if "@triton.autotune" in s]
     # (the decode selection's bf16 and fp8 entry points are two calls of one `return autotune(...)`)
     assert sum(s.count("@autotune(") + s.count("return autotune(") for s in sources.values()) == 10

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer.naive import select_blocks
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels import sparse_attention as sa
 
 
@@ -10,13 +11,13 @@ def _inputs(B, Hkv, G, T, D, bs, K, dtype=torch.float32):
     q = torch.randn(B, T, Hkv * G, D, dtype=dtype).transpose(1, 2).requires_grad_()  # the graph's layout
     k = torch.randn(B, Hkv, T, D, dtype=dtype, requires_grad=True)
     v = torch.randn(B, Hkv, T, D, dtype=dtype, requires_grad=True)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=K)
+    blocks = select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=K)
     return q, k, v, blocks[..., torch.randperm(K)]  # slot order carries no meaning
 
 
 def test_reference_gradcheck_float64():
     q, k, v, blocks = _inputs(1, 2, 2, 11, 4, 4, 2, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda a, b, c: ref.sparse_attention(a, b, c, blocks, block_size=4), (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: naive.sparse_attention(a, b, c, blocks, block_size=4), (q, k, v))
 
 
 def _grads(fn, q, k, v, g):
@@ -49,7 +50,7 @@ def test_triton_backward_matches_reference(case):
     g = torch.randn(B, Hkv * G, T, D)
     out, (dq, dk, dv) = _grads(lambda a, b, c: sa.sparse_attention(a, b, c, blocks, block_size=bs, backend="triton"),
                                q, k, v, g)
-    want, (rq, rk, rv) = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
+    want, (rq, rk, rv) = _grads(lambda a, b, c: naive.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
     _close(out, want, 1e-5)
     for got, ref_grad in ((dq, rq), (dk, rk), (dv, rv)):
         if ref_grad.norm() == 0:  # T = 1: one key, softmax gradient through q and k is exactly zero
@@ -65,7 +66,7 @@ def test_backward_ignores_minus_one_slots():
     holes = torch.where((holes >= 0).any(-1, keepdim=True), holes, blocks)  # every row keeps some block
     g = torch.randn(1, 4, 40, 16)
     _, got = _grads(lambda a, b, c: sa.sparse_attention(a, b, c, holes, block_size=8, backend="triton"), q, k, v, g)
-    _, want = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, holes, block_size=8), q, k, v, g)
+    _, want = _grads(lambda a, b, c: naive.sparse_attention(a, b, c, holes, block_size=8), q, k, v, g)
     for a, b in zip(got, want):
         _close(a, b, 1e-5)
 
@@ -78,7 +79,7 @@ def test_both_dq_paths_in_query_chunks(dq_parts):
     q, k, v, blocks = _inputs(B, Hkv, G, T, D, bs, K)
     blocks[..., -1][torch.rand(blocks[..., -1].shape) < 0.5] = -1
     g = torch.randn(B, Hkv * G, T, D)
-    _, want = _grads(lambda a, b, c: ref.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
+    _, want = _grads(lambda a, b, c: naive.sparse_attention(a, b, c, blocks, block_size=bs), q, k, v, g)
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse = sa._forward(q, k, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, "all", True)
     budget = 16 * K * Hkv * G * D * 4  # 16 tokens of per-slot dQ shares: chunks of 16, 16, 13

@@ -1,8 +1,9 @@
-"""Fused sparse-support index KL (Triton, interpreter on CPU) against reference.index_kl(sparse=True)."""
+"""Fused sparse-support index KL (Triton, interpreter on CPU) against naive.index_kl(sparse=True)."""
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer.naive import select_blocks
+from m3compile.kernels.sparse_kl import naive
 from m3compile.kernels import sparse_kl
 
 CASES = [  # B, Hkv, G, T, D, Di, block, topk
@@ -19,7 +20,7 @@ def test_fused_kl_and_its_gradients_match_the_reference(case):
     q_idx = torch.randn(B, T, Hkv, Di, requires_grad=True)
     k_idx = torch.randn(B, T, Di, requires_grad=True)
     q, k = torch.randn(B, Hkv * G, T, D, requires_grad=True), torch.randn(B, Hkv, T, D, requires_grad=True)
-    blocks = ref.select_blocks(q_idx.detach().transpose(1, 2), k_idx.detach(), block_size=bs, topk=K)
+    blocks = select_blocks(q_idx.detach().transpose(1, 2), k_idx.detach(), block_size=bs, topk=K)
     blocks = blocks[..., torch.randperm(K)]
     g = torch.rand(B, Hkv, T)
     kl = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, backend="triton")
@@ -27,7 +28,7 @@ def test_fused_kl_and_its_gradients_match_the_reference(case):
     got = (q_idx.grad.clone(), k_idx.grad.clone())
     assert q.grad is None and k.grad is None  # the teacher is detached
     q_idx.grad = k_idx.grad = None
-    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
+    want, _ = naive.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
     want.backward(g)
     assert (kl - want).abs().max().item() < 1e-5
     for a, b in zip(got, (q_idx.grad, k_idx.grad)):
@@ -47,10 +48,10 @@ def test_fused_kl_takes_the_attention_lse_and_checks_its_shape():
     B, Hkv, G, T, D, Di, bs, K = 1, 2, 2, 21, 16, 16, 4, 3
     q_idx, k_idx = torch.randn(B, T, Hkv, Di), torch.randn(B, T, Di)
     q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=K)
+    blocks = select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=K)
     lse = _forward(q, k, k, blocks.int(), bs, D**-0.5, PARTIAL_BYTES, None, "all", True)[1]
     given = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse, backend="triton")
-    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
+    want, _ = naive.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
     assert (given - want).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="teacher_lse must be"):
         sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, teacher_lse=lse[:, :-1],
@@ -64,7 +65,7 @@ def test_lse_only_pass_equals_the_attention_forward_lse(G, K):
 
     B, Hkv, T, D, bs = 2, 2, 23, 16, 4
     q, k, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
+    blocks = select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
     want = _forward(q, k, v, blocks, bs, D**-0.5, PARTIAL_BYTES, None, "all", True)[1]
     got = _forward(q, k, k, blocks, bs, D**-0.5, PARTIAL_BYTES, None, "lse", True)[1]
     chunked = _forward(q, k, k, blocks, bs, D**-0.5, 1, 5, "lse", True)[1]  # several query chunks
@@ -82,19 +83,19 @@ def test_mean_block_mass_and_a_given_csr(case):
     q_idx = torch.randn(B, T, Hkv, Di, requires_grad=True)
     k_idx = torch.randn(B, T, Di, requires_grad=True)
     q, k = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(q_idx.detach().transpose(1, 2), k_idx.detach(), block_size=bs, topk=K).int()
+    blocks = select_blocks(q_idx.detach().transpose(1, 2), k_idx.detach(), block_size=bs, topk=K).int()
     csr = sa.block_csr(blocks, -(-T // bs), sa.attention_chunk(G))
     kl, mass = sparse_kl.sparse_index_kl(q_idx, k_idx, q, k, blocks, block_size=bs, backend="triton", csr=csr,
                                          reduction="mean", block_mass=True)
     kl.backward()
     got = (q_idx.grad.clone(), k_idx.grad.clone())
     q_idx.grad = k_idx.grad = None
-    want, _ = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
+    want, _ = naive.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=bs, sparse=True)
     want.mean().backward()
     assert kl.dim() == 0 and abs(kl.item() - want.mean().item()) < 1e-6
     for a, b in zip(got, (q_idx.grad, k_idx.grad)):
         assert (a - b).norm().item() <= 1e-5 * max(1.0, b.norm().item())
-    want_mass = ref.block_mass(q, k, blocks, block_size=bs)
+    want_mass = naive.block_mass(q, k, blocks, block_size=bs)
     assert (mass - want_mass).abs().max().item() < 1e-5
     assert torch.equal(mass[blocks < 0], torch.zeros_like(mass[blocks < 0]))
     assert (mass.sum(-1) - 1).abs().max().item() < 1e-5  # the support holds all of the sparse teacher's mass

@@ -1,11 +1,11 @@
-"""The query-tile union sparse attention (kernels/sparse_tile.py) against the plain-torch reference, on odd shapes:
-lengths not a multiple of the block, one token, group sizes 1, 3 and 4, -1 slots, tiles that straddle blocks."""
+"""The query-tile union sparse attention (kernels/sparse_attention/tile.py) against the plain-torch reference, on odd
+shapes: lengths not a multiple of the block, one token, group sizes 1, 3 and 4, -1 slots, tiles that straddle blocks."""
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels import sparse_attention as gather
-from m3compile.kernels.sparse_tile import sparse_attention_tiled, tile_tokens, tile_union
+from m3compile.kernels.sparse_attention.tile import sparse_attention_tiled, tile_tokens, tile_union
 
 
 def selection(B, Hkv, T, K, block, g, holes=True):
@@ -50,7 +50,7 @@ def test_tiled_matches_reference_and_gather_q(B, Hq, Hkv, T, D, K, block, tile):
     k = torch.randn(B, Hkv, T, D, generator=g)
     v = torch.randn(B, Hkv, T, D, generator=g)
     blocks = selection(B, Hkv, T, K, block, g)
-    want = ref.sparse_attention(q, k, v, blocks, block_size=block)
+    want = naive.sparse_attention(q, k, v, blocks, block_size=block)
     out, lse = sparse_attention_tiled(q, k, v, blocks, block_size=block, tile=tile, return_lse=True)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     _, want_lse = gather.sparse_attention_lse(q, k, v, blocks, block_size=block)

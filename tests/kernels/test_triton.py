@@ -11,7 +11,9 @@ import triton.language as tl
 
 from m3compile.kernels import decode as dk
 from m3compile.kernels import indexer
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer import naive
+from m3compile.kernels.naive_common import fp8_round, quantize_index_keys
+from m3compile.kernels.sparse_attention.naive import sparse_attention
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._tl_common import quantize_rows_e4m3
 
@@ -38,7 +40,7 @@ def assert_same_selection(got: torch.Tensor, want: torch.Tensor, scores: torch.T
 
 
 def _scores(q_idx, k_idx, bs):
-    s = ref.block_scores(q_idx.transpose(1, 2), k_idx, bs)
+    s = naive.block_scores(q_idx.transpose(1, 2), k_idx, bs)
     return s.transpose(1, 2)  # [B, Hi, T, NB] -> as selected rows [B, Hi, T, NB]
 
 
@@ -58,9 +60,9 @@ def test_indexer_matches_reference(case):
     q_idx, k_idx = torch.randn(B, T, H, D), torch.randn(B, T, D)
     got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
                                 backend="triton")
-    want = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local)
+    want = naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local)
     assert got.shape == (B, H, T, k) and got.dtype == torch.int32
-    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), k_idx, bs))
+    assert_same_selection(got, want, naive.block_scores(q_idx.transpose(1, 2), k_idx, bs))
     n_visible = torch.arange(T) // bs + 1
     assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
 
@@ -91,12 +93,12 @@ def test_indexer_fp8_matches_reference(case, per_block):
     want = indexer.select_blocks_reference(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
                                            k_scale=scale)
     assert got.shape == (B, H, T, k) and got.dtype == torch.int32
-    scores = ref.block_scores(ref.fp8_round(q_idx).transpose(1, 2), keys, bs)
+    scores = naive.block_scores(fp8_round(q_idx).transpose(1, 2), keys, bs)
     assert_same_selection(got, want, scores)
     n_visible = torch.arange(T) // bs + 1
     assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
     if per_block:  # the reference is what MSA's own reference selects in fp8 mode, from the unquantised keys
-        assert torch.equal(want, ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k,
+        assert torch.equal(want, naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k,
                                                    init_blocks=init, local_blocks=local, fp8=True).int())
 
 
@@ -134,15 +136,15 @@ def test_kernel_quantises_query_rows_as_torch_does(fp8_dot):
     x[2] = torch.randn(D) ** 7  # wide range in one row: many subnormals after scaling
     out = torch.empty(M, D)
     _quantize_rows_kernel[(1,)](x, out, M=M, D=D, FP8_DOT=fp8_dot)
-    assert torch.equal(out, ref.quantize_index_keys(x)[0].float())
+    assert torch.equal(out, quantize_index_keys(x)[0].float())
 
 
 def test_indexer_half_precision():
     B, T, H, D, bs, k = 1, 90, 4, 32, 16, 3
     q_idx, k_idx = torch.randn(B, T, H, D).half(), torch.randn(B, T, D).half()
     got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, backend="triton")
-    want = ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k)
-    assert_same_selection(got, want, ref.block_scores(q_idx.transpose(1, 2), k_idx, bs), tol=2e-2)
+    want = naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k)
+    assert_same_selection(got, want, naive.block_scores(q_idx.transpose(1, 2), k_idx, bs), tol=2e-2)
 
 
 SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
@@ -162,10 +164,10 @@ def test_sparse_prefill_matches_reference(case):
     B, Hkv, G, T, D, bs, k = case
     q = torch.randn(B, T, Hkv * G, D).transpose(1, 2)  # head-major view of token-major memory, as in the graph
     kk, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k)
     blocks = blocks[..., torch.randperm(k)].int()  # no slot order may be assumed
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
-    want = ref.sparse_attention(q, kk, v, blocks, block_size=bs)
+    want = sparse_attention(q, kk, v, blocks, block_size=bs)
     assert got.shape == want.shape
     assert rel_err(got, want) < 1e-5
 
@@ -181,7 +183,7 @@ def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
     blocks = torch.where(top.values >= 0, top.indices, -1).int()
     assert ((blocks == (torch.arange(T) // bs)[:, None]).any(-1)).float().mean() < 0.9  # own blocks often left out
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
-    assert rel_err(got, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+    assert rel_err(got, sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
 def test_sparse_prefill_open_tiles_decided_two_tiles_ahead():
@@ -195,25 +197,25 @@ def test_sparse_prefill_open_tiles_decided_two_tiles_ahead():
     own = torch.where((t >= bs) & (t % bs >= 4), t // bs, -1)  # a token's own block, from block 1 on, not all
     blocks = torch.stack([torch.zeros_like(t), own, torch.where(t >= 2 * bs, 1, -1)], -1).int().view(B, Hkv, T, 3)
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
-    assert rel_err(got, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+    assert rel_err(got, sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
 def test_sparse_prefill_ignores_minus_one_slots_and_unsorted_ids():
     B, Hkv, G, T, D, bs = 1, 2, 3, 50, 16, 8
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    full = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=4)
+    full = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=4)
     holes = full.clone()
     holes[..., 1:][torch.rand(holes[..., 1:].shape) < 0.4] = -1  # keep slot 0 (some block) in every row
     holes = holes.flip(-1).contiguous()
     got = sa.sparse_attention(q, kk, v, holes, block_size=bs, backend="triton")
-    want = ref.sparse_attention(q, kk, v, holes, block_size=bs)
+    want = sparse_attention(q, kk, v, holes, block_size=bs)
     assert rel_err(got, want) < 1e-5
 
 
 def test_sparse_prefill_ignores_blocks_past_the_token():
     """A block past a token's own holds no key the token may see: like a -1 slot it adds nothing (its partial's
     log-sum-exp is -inf), to the output, to the log-sum-exp kept for the backward, in the LSE-only pass and in the
-    gradients, as in the reference. Such a block used to be merged with weight 1 (outputs 16-30% off)."""
+    gradients, as in the reference. Merged with weight 1 instead, such a block puts the outputs 16-30% off."""
     B, Hkv, G, T, D, bs = 1, 2, 3, 45, 16, 8
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     nb, t = -(-T // bs), torch.arange(T)
@@ -222,8 +224,8 @@ def test_sparse_prefill_ignores_blocks_past_the_token():
     earlier = (torch.rand(B, Hkv, T) * (own + 1)).long()  # any visible block
     blocks = torch.stack([ahead, own, earlier], -1).int().contiguous()
     holes = torch.where(blocks > own.unsqueeze(-1), -1, blocks).contiguous()
-    want = ref.sparse_attention(q, kk, v, blocks, block_size=bs)
-    assert rel_err(want, ref.sparse_attention(q, kk, v, holes, block_size=bs)) < 1e-6
+    want = sparse_attention(q, kk, v, blocks, block_size=bs)
+    assert rel_err(want, sparse_attention(q, kk, v, holes, block_size=bs)) < 1e-6
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
     assert rel_err(got, want) < 1e-5
     scale = D**-0.5
@@ -234,7 +236,7 @@ def test_sparse_prefill_ignores_blocks_past_the_token():
     x = [t.clone().requires_grad_() for t in (q, kk, v)]
     grads = torch.autograd.grad(sa.sparse_attention(*x, blocks, block_size=bs, backend="triton").square().sum(), x)
     x_ref = [t.clone().requires_grad_() for t in (q, kk, v)]
-    want_grads = torch.autograd.grad(ref.sparse_attention(*x_ref, blocks, block_size=bs).square().sum(), x_ref)
+    want_grads = torch.autograd.grad(sparse_attention(*x_ref, blocks, block_size=bs).square().sum(), x_ref)
     for g, w in zip(grads, want_grads):
         assert rel_err(g, w) < 1e-4
 
@@ -243,7 +245,7 @@ def test_sparse_prefill_query_chunks_agree():
     """A tiny partial-buffer budget forces many query chunks; the result must not change."""
     B, Hkv, G, T, D, bs = 1, 2, 4, 70, 16, 8
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
     one = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
     many = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton", max_partial_bytes=1)
     assert rel_err(many, one) < 1e-6
@@ -255,7 +257,7 @@ def test_sparse_prefill_takes_longer_programs_for_long_query_chunks(monkeypatch)
     the KL) carries the chunk that was used."""
     B, Hkv, G, T, D, bs = 1, 2, 3, 70, 16, 8
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
     entries = B * Hkv * T * 3
     monkeypatch.setattr(sa, "FORWARD_CHUNK_ROWS", 32)
     monkeypatch.setattr(sa, "FORWARD_CHUNK_ROWS_LONG", 64)
@@ -267,7 +269,7 @@ def test_sparse_prefill_takes_longer_programs_for_long_query_chunks(monkeypatch)
     long = sa._forward_csr(q, kk, v, blocks, bs, D**-0.5, sa.PARTIAL_BYTES, None, "all", True)
     assert (short[2].chunk, long[2].chunk) == (8, 16)
     assert rel_err(long[0], short[0]) < 1e-6 and (long[1] - short[1]).abs().max().item() < 1e-5
-    assert rel_err(long[0].transpose(1, 2), ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+    assert rel_err(long[0].transpose(1, 2), sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
 def test_sparse_prefill_tma_and_masked_stores_agree(monkeypatch):
@@ -275,7 +277,7 @@ def test_sparse_prefill_tma_and_masked_stores_agree(monkeypatch):
     (fp32 under the interpreter, as on Hopper); with TMA off every tile takes the masked stores: the same output."""
     B, Hkv, G, T, D, bs = 1, 2, 4, 150, 16, 16  # 8-token tiles under the interpreter: whole ones and a last one
     q, kk, v = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=3)
     boxes = []
     descriptor = sa._descriptor
     monkeypatch.setattr(sa, "_descriptor", lambda *a: boxes.append(a) or descriptor(*a))
@@ -284,21 +286,21 @@ def test_sparse_prefill_tma_and_masked_stores_agree(monkeypatch):
     monkeypatch.setattr(sa, "_tma_store", lambda *a: False)
     masked = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
     assert torch.equal(tma, masked)
-    assert rel_err(tma, ref.sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
+    assert rel_err(tma, sparse_attention(q, kk, v, blocks, block_size=bs)) < 1e-5
 
 
 def test_sparse_prefill_half_precision():
     B, Hkv, G, T, D, bs = 1, 2, 4, 60, 32, 16
     q, kk, v = (torch.randn(B, h, T, D).half() for h in (Hkv * G, Hkv, Hkv))
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=2)
     got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
     assert got.dtype == torch.float16
-    assert rel_err(got, ref.sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)) < 2e-2
+    assert rel_err(got, sparse_attention(q.float(), kk.float(), v.float(), blocks, block_size=bs)) < 2e-2
 
 
 def test_csr_lists_every_valid_entry_once():
     B, Hkv, T, K, bs = 2, 3, 40, 4, 8
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K)
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K)
     n_blocks = -(-T // bs)
     payload, seg_off, tile_seg, tile_start, entry = sa.build_csr(blocks, n_blocks, 0, T, chunk=8)
     assert seg_off[-1].item() == (blocks >= 0).sum().item()
@@ -325,7 +327,7 @@ def test_csr_lists_every_valid_entry_once():
 def test_csr_kernels_build_the_torch_csr(B, Hkv, T, K, bs, chunk, t0, t1):
     """The CSR built by the Triton kernels (keys, one sort, segments, tiles) is the torch build's, tensor for
     tensor: one query range, a middle range, more slots than blocks (-1 slots), a chunk wider than any segment."""
-    blocks = ref.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=K).int()
     n_blocks = -(-T // bs)
     want = sa._build_csr_torch(blocks, n_blocks, t0, t1, chunk)
     got = sa._build_csr_triton(blocks, n_blocks, t0, t1, chunk)

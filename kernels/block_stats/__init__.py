@@ -1,5 +1,5 @@
 """The block-ranking loss's heavy part in one kernel: per key block, the teacher's log-sum-exp and the student's block
-max of sampled query rows (reference.block_stats), then the loss and its gradient in a few vectorised torch ops.
+max of sampled query rows (naive.block_stats), then the loss and its gradient in a few vectorised torch ops.
 
 For query rows `rows` [R] (positions, int64, ascending, distinct; row r at position t_r sees keys j <= t_r):
 
@@ -15,9 +15,9 @@ the rest with it, and writes one value per (row, head, block): no T x T tensor, 
 softmax across blocks (every block is its own output). Blocks after the tile's last row are written -inf.
 fp32 accumulation; inputs bf16/fp16/fp32 (fp32 matmuls with input_precision "ieee").
 
-`block_rank_kl` turns them into the loss of reference.block_rank_kl (reference.block_rank_terms: per-head block
+`block_rank_kl` turns them into the loss of naive.block_rank_kl (naive.block_rank_terms: per-head block
 mass exp(blse - logsumexp_n blse), group mean, candidate blocks, renormalised, KL against the softmax of the scores)
-and its backward (reference.block_rank_grads: Q - P to each block's argmax key by index_add), both over all rows at
+and its backward (naive.block_rank_grads: Q - P to each block's argmax key by index_add), both over all rows at
 once: [B, H, R, nb] tensors, and [B, H, R, nb, Di] in the backward (SmolLM2 at 8K: 2 x 3 x 1024 x 128 x 64). No
 value is read back to the host, so a CUDA graph captures it.
 
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.block_stats import naive
 from m3compile.kernels._common import detached, next_pow2, tune_bucket, use_triton
 
 __all__ = ["block_stats", "block_stats_reference", "block_rank_kl"]
@@ -54,9 +54,9 @@ def _check(q_idx, k_idx, q, k, rows, block_size):
 
 def block_stats_reference(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           rows: torch.Tensor, *, block_size: int, scale: float | None = None):
-    """Plain-torch `block_stats` (same layouts; arg int32): reference.block_stats on q_idx [B, Hi, T, Di]."""
+    """Plain-torch `block_stats` (same layouts; arg int32): naive.block_stats on q_idx [B, Hi, T, Di]."""
     _check(q_idx, k_idx, q, k, rows, block_size)
-    blse, scores, arg = ref.block_stats(q_idx.transpose(1, 2), k_idx, q, k, rows.to(q.device), block_size=block_size,
+    blse, scores, arg = naive.block_stats(q_idx.transpose(1, 2), k_idx, q, k, rows.to(q.device), block_size=block_size,
                                         scale=scale)
     return blse, scores, arg.to(torch.int32)
 
@@ -84,7 +84,7 @@ def block_stats(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: to
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not use_triton(q_idx, k_idx, q, k, backend=backend):
         return block_stats_reference(q_idx, k_idx, q, k, rows, block_size=block_size, scale=scale)
-    from m3compile.kernels._tl_block_stats import block_stats_kernel
+    from m3compile.kernels.block_stats._tl_block_stats import block_stats_kernel
 
     q, k = _same_dtype(q, k)
     q_idx, k_idx = _same_dtype(q_idx, k_idx)
@@ -113,14 +113,14 @@ def block_stats(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: to
 
 
 class _BlockRankKL(torch.autograd.Function):
-    """reference.block_rank_kl with every row in one piece and the block statistics from the kernel: the mean over
+    """naive.block_rank_kl with every row in one piece and the block statistics from the kernel: the mean over
     (batch, group, row) of KL(P || softmax S); backward (Q - P) to each block's argmax key."""
 
     @staticmethod
     def forward(ctx, q_idx, k_idx, q, k, rows, block_size, init_blocks, local_blocks, scale):
         blse, scores, arg = block_stats(q_idx, k_idx, q, k, rows, block_size=block_size, scale=scale,
                                         backend="triton")
-        kl, valid, d_scores = ref.block_rank_terms(blse, scores, rows, block_size=block_size,
+        kl, valid, d_scores = naive.block_rank_terms(blse, scores, rows, block_size=block_size,
                                                    init_blocks=init_blocks, local_blocks=local_blocks)
         n_valid = valid.sum().clamp(min=1)
         ctx.save_for_backward(q_idx, k_idx, rows, d_scores, arg, n_valid)
@@ -132,14 +132,14 @@ class _BlockRankKL(torch.autograd.Function):
         dq = torch.zeros(q_idx.shape, dtype=torch.float32, device=q_idx.device)  # [B, T, Hi, Di]
         dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
         coeff = g.float() * q_idx.shape[-1] ** -0.5 / n_valid
-        ref.block_rank_grads(d_scores * coeff, arg, rows, q_idx.transpose(1, 2), k_idx, dq.transpose(1, 2), dk)
+        naive.block_rank_grads(d_scores * coeff, arg, rows, q_idx.transpose(1, 2), k_idx, dq.transpose(1, 2), dk)
         return dq.to(q_idx.dtype), dk.to(k_idx.dtype), None, None, None, None, None, None, None
 
 
 def block_rank_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, block_size: int,
                   rows: torch.Tensor, init_blocks: int = 0, local_blocks: int = 1, scale: float | None = None,
                   backend: str = "auto") -> torch.Tensor:
-    """The block-ranking loss of reference.block_rank_kl (its docstring has the definition), on the query positions
+    """The block-ranking loss of naive.block_rank_kl (its docstring has the definition), on the query positions
     `rows`, with its block statistics from the kernel: a 0-d fp32 tensor; gradients reach q_idx and k_idx only.
 
     q_idx [B, T, Hi, Di], k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D] (bf16/fp16/fp32), rows [R] int64
@@ -149,7 +149,7 @@ def block_rank_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     fp64 = torch.float64 in (q_idx.dtype, k_idx.dtype, q.dtype, k.dtype)
     if fp64 or not use_triton(q_idx, k_idx, q, k, backend=backend):
-        return ref.block_rank_kl(q_idx.transpose(1, 2), k_idx, q, k, block_size=block_size, init_blocks=init_blocks,
+        return naive.block_rank_kl(q_idx.transpose(1, 2), k_idx, q, k, block_size=block_size, init_blocks=init_blocks,
                                  local_blocks=local_blocks, scale=scale, rows=rows)
     if rows.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=q.device)  # no choice anywhere: nothing to rank

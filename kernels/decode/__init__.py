@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from m3compile.kernels import reference as ref
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
-from m3compile.kernels.reference import quantize_index_keys
+from m3compile.kernels.decode.naive import (paged_attention_reference, paged_block_scores_reference,
+                                            paged_index_write_reference, paged_select_reference, quantize_pages)
 
 __all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages"]
@@ -36,65 +35,6 @@ def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
                          f"{tuple(seq_lens.shape)}")
     if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError("block_table and seq_lens must be integer tensors")
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of sequence b, contiguous: [length, ...]."""
-    bs = cache.shape[1]
-    pages = block_table[b, : -(-length // bs)].long()
-    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
-
-
-def paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale=None):
-    """Block scores [B, Hi, max_pages] (-inf past each sequence's last page) of the newest token of each sequence."""
-    B, H, D = q_idx.shape
-    bs = idx_cache.shape[1]
-    out = torch.full((B, H, block_table.shape[1]), float("-inf"), device=q_idx.device)
-    if idx_scale is not None:  # fp8 mode: the query is quantized too (its per-head scale cannot change the order)
-        q_idx = quantize_index_keys(q_idx)[0].float()
-    for b in range(B):
-        L = int(seq_lens[b])
-        keys = _gather(idx_cache, block_table, b, L).float()
-        if idx_scale is not None:
-            keys = keys * _gather(idx_scale, block_table, b, L).float()[:, None]
-        s = q_idx[b].float() @ keys.T / math.sqrt(D)  # [H, L]
-        n_blocks = -(-L // bs)
-        out[b, :, :n_blocks] = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
-    return out
-
-
-def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
-                           idx_scale=None):
-    """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k."""
-    scores = paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale)
-    out = torch.full((*q_idx.shape[:2], topk), -1, dtype=torch.int32, device=q_idx.device)
-    for b in range(q_idx.shape[0]):
-        n_blocks = -(-int(seq_lens[b]) // idx_cache.shape[1])
-        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=q_idx.device)
-        out[b] = ref._select_from_scores(scores[b, :, None, :n_blocks][None], t_pos, idx_cache.shape[1], topk,
-                                         init_blocks, local_blocks)[0, :, 0]
-    return out
-
-
-def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None):
-    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks."""
-    B, Hq, D = q.shape
-    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    for b in range(B):
-        L = int(seq_lens[b])
-        k = _gather(k_cache, block_table, b, L).float()  # [L, Hkv, D]
-        v = _gather(v_cache, block_table, b, L).float()
-        chosen = torch.zeros(Hkv, -(-L // bs) + 1, dtype=torch.bool, device=q.device)
-        blk = blocks[b].long()
-        chosen.scatter_(1, torch.where(blk >= 0, blk, chosen.shape[1] - 1), True)
-        visible = chosen[:, :-1].repeat_interleave(bs, dim=1)[:, :L]  # [Hkv, L]
-        s = torch.einsum("hgd,lhd->hgl", q[b].float().view(Hkv, G, D), k) * scale
-        p = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), -1)
-        out[b] = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D).to(q.dtype)
-    return out
 
 
 def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -111,7 +51,7 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     if not use_triton(q_idx, idx_cache, backend=backend):
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
-    from m3compile.kernels._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
+    from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
                                               topk_rows_kernel)
 
     B, H, D = q_idx.shape
@@ -162,7 +102,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k_cache, v_cache, backend=backend):
         return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale)
-    from m3compile.kernels._tl_decode import paged_attention_split_kernel, paged_merge_kernel
+    from m3compile.kernels.decode._tl_decode import paged_attention_split_kernel, paged_merge_kernel
 
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))
@@ -190,32 +130,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index-key pages [P, BS, Di] as an fp8 index cache holds them: e4m3 with one scale per page (a page is a key
-    block: kernels.reference.quantize_index_keys(k, block_size)), repeated over its tokens -> ([P, BS, Di] fp8,
-    [P, BS] fp32)."""
-    q8, scale = quantize_index_keys(pages, pages.shape[1])  # scale [P, 1]
-    return q8, scale.expand(-1, pages.shape[1]).contiguous()
-
-
-def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table) -> None:
-    """Plain-torch `paged_index_write` (in place)."""
-    bs = idx_cache.shape[1]
-    off = pos.long() % bs
-    tail[rows, off] = k_idx.to(tail.dtype)
-    keys = torch.where(torch.arange(bs, device=tail.device)[None, :, None] <= off[:, None, None], tail[rows].float(),
-                       0.0)
-    page = block_table[rows, pos.long() // bs].long()
-    idx_cache[page], idx_scale[page] = quantize_pages(keys)
-
-
 def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: torch.Tensor, k_idx: torch.Tensor,
                       rows: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor, *,
                       backend: str = "auto") -> None:
     """Append one index key per sequence to an fp8 index-key cache quantised with one scale per page, in place.
 
     A page is an MSA key block, and the prefill's fp8 scoring quantises keys with one scale per key block
-    (kernels.reference.quantize_index_keys(k, block_size)). So that a page holds those same fp8 values once it is
+    (naive_common.quantize_index_keys(k, block_size)). So that a page holds those same fp8 values once it is
     full, `tail` [B, BS, Di] (the model's dtype) keeps each sequence's keys of its newest page unquantised: the new
     key k_idx[n] [Di] goes to tail[rows[n], pos[n] % BS], and that page is quantised again from its tail rows up to
     the new one (rows after it: zeros, past the sequence's length, never read). Until it fills, a page is its newest
@@ -229,7 +150,7 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
     if not use_triton(idx_cache, tail, k_idx, backend=backend):
         paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table)
         return
-    from m3compile.kernels._tl_decode import index_write_kernel
+    from m3compile.kernels.decode._tl_decode import index_write_kernel
 
     bs, D = idx_cache.shape[1], idx_cache.shape[2]
     k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()

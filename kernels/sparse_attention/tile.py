@@ -1,8 +1,8 @@
-"""MSA sparse prefill attention, query-tile union design (an alternative to sparse_attention's gather-Q; issue 17).
+"""MSA sparse prefill attention, query-tile union design (an alternative to sparse_attention's gather-Q).
 
-The gather-Q kernel (kernels/sparse_attention.py) loads each selected K/V block once, but writes a partial output
+The gather-Q kernel (kernels/sparse_attention/) loads each selected K/V block once, but writes a partial output
 and log-sum-exp per (token, slot, head) and merges them in a second kernel: at Llama-3-8B shapes (G = 4) and 128K
-that is ~51 GB of traffic per layer, and it runs at 0.29 of the ideal (BENCHMARKS.md, session 9). This design keeps
+that is ~51 GB of traffic per layer, and it runs at 0.29 of the ideal (BENCHMARKS.md). This design keeps
 the partials on chip instead. One program takes TILE consecutive query tokens x the G heads of one KV group as the
 matmul rows (TILE * G >= 64 rows: `tile_tokens`) and loops over the union of the blocks those tokens selected
 (`tile_union`, built in torch: sorted, deduplicated, -1 slots dropped). For each union block it loads K and V once,
@@ -14,7 +14,7 @@ bench's "shared" regime), up to TILE when they share none ("independent", random
 own selections consecutive queries share most blocks (benchmarks/experiments/selection_locality.py: tiles of 16
 tokens of dense-llama-byte, block 64 / top-8, 8K: 1.24x; random selections: 6.8x).
 
-Measured (H200, 128K, BENCHMARKS.md session 11): even where the union is the top-k it only ties gather-Q (Llama-3-8B
+Measured (H200, 128K, BENCHMARKS.md): even where the union is the top-k it only ties gather-Q (Llama-3-8B
 shapes, tiles of 16 tokens: 25.9 against 24.7 ms; M3 shapes, tiles of 4: 44.4 against 41.4), running at 0.28 of
 the ideal as gather-Q does, so it stays opt-in; it was timed untuned (4 warps, 2 stages, the causal mask on every
 block).
@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.naive_common import check_attention_inputs
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention_tiled", "tile_union", "tile_tokens"]
@@ -62,10 +63,10 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                            block_size: int, scale: float | None = None, tile: int | None = None,
                            backend: str = "auto", return_lse: bool = False):
     """Exact causal attention of every query head over its group's selected key blocks (as
-    kernels.reference.sparse_attention), by the query-tile union design of the module doc. `tile`: query tokens per
+    sparse_attention.naive.sparse_attention), by the query-tile union design of the module doc. `tile`: query tokens per
     program [default: tile_tokens(G); rounded up to a power of two of at least 16 matmul rows]. Elsewhere than on
     CUDA / under the interpreter it runs the reference, which has no log-sum-exp: return_lse then raises."""
-    G = ref._check_attention_inputs(q, k, v)
+    G = check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, K = k.shape[1], blocks.shape[-1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
@@ -78,7 +79,7 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if not use_triton(q, k, v, blocks, backend=backend):
         if return_lse:
             raise ValueError("return_lse needs the Triton kernel (CUDA, or TRITON_INTERPRET=1 on CPU)")
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
+        return naive.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     n_blocks = -(-T // block_size)
@@ -86,7 +87,7 @@ def sparse_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     union, count = tile_union(blocks, n_blocks, tile)
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # token-major, as gather-Q's
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
-    from m3compile.kernels._tl_sparse_tile import tile_union_fwd_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse_tile import tile_union_fwd_kernel
 
     grid = (union.shape[2], B * Hkv)
     tile_union_fwd_kernel[grid](

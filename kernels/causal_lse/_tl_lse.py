@@ -1,4 +1,4 @@
-"""Triton kernel of kernels/causal_lse.py (imported only when a kernel is launched). See that module."""
+"""Triton kernel of kernels/causal_lse/__init__.py (imported only when a kernel is launched). See that module."""
 import triton
 import triton.language as tl
 

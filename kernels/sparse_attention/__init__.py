@@ -6,11 +6,11 @@ it), loads that key block's K and V once, and sweeps tiles of TOK gathered query
 matmul rows are TOK * G, not G as in the query-major design, so Hopper tensor cores get full tiles. Each tile writes
 a normalised partial output and its log-sum-exp (base 2) per (CSR entry, head): a tile's rows are one contiguous
 range of the partial buffer, stored whole by TMA on Hopper (H200, G = 4, 128K: the gather kernel 15.4 -> 13.4 ms
-against per-(token, slot, head) rows; BENCHMARKS.md, session 14). Each tile's gathered rows are loaded one tile
-ahead, and their payload (token * K + slot) two tiles ahead, so no tile waits on a load (13.4 -> 11.5 ms, session
-15). A second kernel merges a token's partials with a log-sum-exp combine, finding them through the CSR's inverse
-permutation (`BlockCSR.entry`) and skipping -1 slots. Slot order carries no meaning and block ids need not be
-sorted. The query axis is processed in chunks so that the partial buffers stay bounded at any length.
+against per-(token, slot, head) rows; BENCHMARKS.md). Each tile's gathered rows are loaded one tile ahead, and their
+payload (token * K + slot) two tiles ahead, so no tile waits on a load (13.4 -> 11.5 ms). A second kernel merges a
+token's partials with a log-sum-exp combine, finding them through the CSR's inverse permutation (`BlockCSR.entry`)
+and skipping -1 slots. Slot order carries no meaning and block ids need not be sorted. The query axis is processed
+in chunks so that the partial buffers stay bounded at any length.
 
 Shapes: q [B, Hq, T, D], k/v [B, Hkv, T, D] (any strides with unit last stride), blocks [B, Hkv, T, K]
 -> [B, Hq, T, D] (a head-major view of a token-major [B, T, Hq, D] buffer, so `transpose(1, 2).reshape` is free).
@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.naive_common import check_attention_inputs
+from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels._common import interpreting, next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "block_csr",
@@ -99,7 +100,7 @@ _CSR_BLOCK = 1024  # entries / segments per program of the CSR kernels
 
 
 def _build_csr_triton(blocks: torch.Tensor, n_blocks: int, t0: int, t1: int, chunk: int):
-    from m3compile.kernels._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import csr_keys_kernel, csr_segments_kernel, csr_tiles_kernel
 
     B, Hkv, T, K = blocks.shape
     C = t1 - t0
@@ -154,7 +155,7 @@ def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk,
 def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, csr=None):
     """_forward that also returns the CSR it walked when one query chunk held every query (else None); `csr`, a
     BlockCSR of `blocks` at this kernel's chunk, is used instead of building one."""
-    from m3compile.kernels._tl_sparse import combine_kernel, gather_q_fwd_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -216,7 +217,7 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
 
 def combine_warps(GP: int, DP: int) -> int:
     """Warps of one combine program (one token's GP x DP head rows): one where that is at most 512 values (G <= 4 at
-    head dim 128), else four. H200, 128K, random top-16 (BENCHMARKS.md, session 15): at G = 4 the combine takes
+    head dim 128), else four. H200, 128K, random top-16 (BENCHMARKS.md): at G = 4 the combine takes
     4.27 ms at one warp against 4.61 at four; at G = 16 one warp was slower in the model's pass (10.38 ms against
     8.53), though not alone (benchmarks/experiments/combine_config.py), so larger programs keep four."""
     return 1 if GP * DP <= 512 else 4
@@ -237,18 +238,18 @@ def _descriptor(part_o: torch.Tensor, GP: int, DP: int):
     """TMA descriptor of the partial outputs [rows, D]; its box is set per autotune config (_tl_sparse)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from m3compile.kernels._tl_sparse import tile_rows
+    from m3compile.kernels.sparse_attention._tl_sparse import tile_rows
 
     return TensorDescriptor.from_tensor(part_o, block_shape=[tile_rows(64, GP), DP])
 
 
 # gathered query rows (tokens x the group's heads) one forward program sweeps over its key block: each program loads
 # the block's K and V once, so more rows per program re-read them less often, at the cost of a longer tail per segment
-# and fewer programs. H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md, session 13): G = 4 512 / 1024 /
-# 2048 / 4096 rows -> 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms. Sessions 15-17
-# measured 4096 against 2048 again: 0.17-0.25 ms faster at 128K (G = 4, 7, 16), but 2% slower in SmolLM2's
-# distillation step at 2 x 8K (0.8M entries: too few programs to fill the GPU). So a query chunk with at least
-# LONG_ROWS gathered rows (entries x GP; 33M at 128K, G = 4 and 16) takes FORWARD_CHUNK_ROWS_LONG
+# and fewer programs. H200, 128K, random top-16 of blocks of 128 (BENCHMARKS.md): G = 4 512 / 1024 / 2048 / 4096 rows
+# -> 22.60 / 21.71 / 20.96 / 20.93 ms; G = 16 39.46 / 38.27 / 37.59 / 37.32 ms. 4096 against 2048, measured again:
+# 0.17-0.25 ms faster at 128K (G = 4, 7, 16), but 2% slower in SmolLM2's distillation step at 2 x 8K (0.8M entries:
+# too few programs to fill the GPU). So a query chunk with at least LONG_ROWS gathered rows (entries x GP; 33M at
+# 128K, G = 4 and 16) takes FORWARD_CHUNK_ROWS_LONG
 FORWARD_CHUNK_ROWS = 2048
 FORWARD_CHUNK_ROWS_LONG = 4096
 LONG_ROWS = 1 << 24
@@ -271,7 +272,7 @@ def _backward(q, k, v, blocks, block_size, scale, out, lse, d_out, max_partial_b
     one share per (token, slot): with `dq_parts` (default on a GPU) the shares are stored per (token, slot, head)
     in the input dtype, query chunk by chunk like the forward's partials, and summed in fp32 by a second kernel;
     otherwise they are added with fp32 atomics into one buffer."""
-    from m3compile.kernels._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
+    from m3compile.kernels.sparse_attention._tl_sparse import gather_q_bwd_kernel, sum_slots_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -362,7 +363,7 @@ def sparse_attention_lse(
     return_csr: bool = False,
 ):
     """`sparse_attention` that also returns each head's log-sum-exp over its selected keys: [B, T, Hq] fp32, base 2,
-    softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl.py). The combine
+    softmax scale included, no gradient (the fused KL's teacher normaliser, kernels/sparse_kl/). The combine
     kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter).
     With `return_csr`, also the BlockCSR the forward walked (None where it was not built whole: the reference, or
     several query chunks), which the fused KL over the same selection takes instead of building its own."""
@@ -387,14 +388,14 @@ def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tor
 
 
 def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):
-    ref._check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
         raise ValueError(f"blocks must be [B, Hkv, T, K] = [{B}, {Hkv}, {T}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k, v, blocks, backend=backend):
-        return ref.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None, None
+        return naive.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale), None, None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()

@@ -15,6 +15,7 @@ import math
 import torch
 
 from m3compile.kernels._common import interpreting, next_pow2, use_triton
+from m3compile.kernels.varlen_attention.naive import varlen_attention_reference
 
 __all__ = ["window_segments", "varlen_attention", "varlen_attention_reference"]
 
@@ -54,17 +55,6 @@ def _check(q, k, v, cu_seqlens):
         raise ValueError("cu_seqlens must be strictly increasing (no empty segment)")
 
 
-def varlen_attention_reference(q, k, v, cu_seqlens, scale: float | None = None) -> torch.Tensor:
-    """Plain torch, fp32: softmax(q k^T * scale) v inside each segment."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        s = torch.einsum("ihd,jhd->hij", q[a:b].float(), k[a:b].float()) * scale
-        out[a:b] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v[a:b].float()).to(q.dtype)
-    return out
-
-
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      scale: float | None = None, backend: str = "auto", block_m: int | None = None) -> torch.Tensor:
     """Block-diagonal (per-segment, bidirectional) attention of packed tokens. q/k/v [N, H, D] -> [N, H, D]."""
@@ -74,7 +64,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
-    from m3compile.kernels._tl_varlen import varlen_fwd_kernel
+    from m3compile.kernels.varlen_attention._tl_varlen import varlen_fwd_kernel
 
     N, H, D = q.shape
     bm = block_m or (32 if interpreting() else 128)

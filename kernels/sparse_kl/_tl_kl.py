@@ -1,4 +1,4 @@
-"""Triton kernels of kernels/sparse_kl.py (imported only when a kernel is launched). See that module."""
+"""Triton kernels of kernels/sparse_kl/__init__.py (imported only when a kernel is launched). See that module."""
 import triton
 import triton.language as tl
 
@@ -50,7 +50,7 @@ def _tile(q, qidx, tlse, b_k, b_ki, i_b, i_h, o_t, m_row, o_d, o_di, m_s,
 
 _FULL = [dict(TOK=t, num_warps=w, num_stages=s) for t in (16, 32, 64) for w in (4, 8) for s in (1, 2)]
 _INTERPRET = dict(TOK=16, num_warps=4, num_stages=1)
-# M3C_AUTOTUNE=0 defaults, the H200's tuned choices at SmolLM2 shapes (G 3, d 64, 8K; BENCHMARKS.md, session 9):
+# M3C_AUTOTUNE=0 defaults, the H200's tuned choices at SmolLM2 shapes (G 3, d 64, 8K; BENCHMARKS.md):
 # the forward takes 64-token tiles (its warm-up KL 67 -> 51 ms per step), the backward keeps 32
 _FWD_CONFIGS = dict(full=_FULL, interpret=_INTERPRET, default=dict(TOK=64, num_warps=4, num_stages=2))
 _BWD_CONFIGS = dict(full=_FULL, interpret=_INTERPRET, default=dict(TOK=32, num_warps=4, num_stages=2))

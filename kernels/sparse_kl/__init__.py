@@ -17,7 +17,7 @@ teacher is detached. Memory: O(T * K) partials, linear in T.
 
 Shapes: q_idx [B, T, Hi, Di] (the graph's layout), k_idx [B, T, Di], q [B, Hq, T, D], k [B, Hkv, T, D],
 blocks [B, Hi, T, K], teacher_lse [B, T, Hq] (base 2, scale included) -> kl [B, Hi, T] fp32. The torch reference
-is `reference.index_kl(..., sparse=True)`.
+is `naive.index_kl(..., sparse=True)` (kernels/sparse_kl/naive.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.sparse_kl import naive
 from m3compile.kernels._common import detached, next_pow2, tune_bucket, use_triton
 from m3compile.kernels.sparse_attention import BlockCSR, block_csr, selected_lse
 
@@ -51,7 +51,7 @@ def _strides(q_idx, k_idx, q, k, tlse):
 class _SparseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx, k_idx, q, k, blocks, teacher_lse, block_size, scale, csr, mean, want_mass):
-        from m3compile.kernels._tl_kl import sparse_kl_fwd_kernel, sparse_kl_merge_kernel
+        from m3compile.kernels.sparse_kl._tl_kl import sparse_kl_fwd_kernel, sparse_kl_merge_kernel
 
         B, T, Hi, Di = q_idx.shape
         meta = _meta(q_idx, q, k, blocks, block_size)
@@ -89,7 +89,7 @@ class _SparseKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl, _d_mass=None):
-        from m3compile.kernels._tl_kl import sparse_kl_bwd_kernel
+        from m3compile.kernels.sparse_kl._tl_kl import sparse_kl_bwd_kernel
 
         q_idx, k_idx, q, k, teacher_lse, lse_s, psum, payload, seg_off, tile_seg, tile_start = ctx.saved_tensors
         B, T, Hi, Di = q_idx.shape
@@ -129,12 +129,12 @@ def sparse_index_kl(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k
         raise ValueError(f"reduction must be 'none' or 'mean', got {reduction!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not use_triton(q_idx, k_idx, q, k, backend=backend):
-        kl = ref.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=True,
+        kl = naive.index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=True,
                           scale=scale)[0]
         kl = kl.mean() if reduction == "mean" else kl
         if not block_mass:
             return kl
-        return kl, ref.block_mass(q, k, blocks, block_size=block_size, scale=scale)
+        return kl, naive.block_mass(q, k, blocks, block_size=block_size, scale=scale)
     for name, t in (("q_idx", q_idx), ("k_idx", k_idx), ("q", q), ("k", k)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")

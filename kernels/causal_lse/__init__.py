@@ -10,7 +10,7 @@ one matmul, as in the gather kernels) and streams the keys up to its last row's 
 online max and sum: the FlashAttention forward without V. Warm-up distillation takes `causal_lse` over every
 query as its dense teacher's normaliser; sparse distillation measures recall on up to RECALL_ROWS sampled rows.
 Shapes: q [B, Hq, T, D], k [B, Hkv, T, D] (unit last stride), rows [R] int64, selected_lse [B, T, Hq] fp32.
-The torch reference is `reference.causal_lse`.
+The torch reference is `naive.causal_lse` (kernels/causal_lse/naive.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.causal_lse import naive
+from m3compile.kernels.naive_common import check_attention_inputs
 from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
 __all__ = ["causal_lse", "dense_recall", "all_rows"]
@@ -32,13 +33,13 @@ def all_rows(T: int, device: torch.device) -> torch.Tensor:
 
 
 def _check(q, k, rows):
-    ref._check_attention_inputs(q, k, k)
+    check_attention_inputs(q, k, k)
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
         raise ValueError(f"rows must be a 1-D int64 tensor of query positions, got {rows.dtype} {tuple(rows.shape)}")
 
 
 def _launch(q, k, rows, selected_lse, out, scale):
-    from m3compile.kernels._tl_lse import causal_lse_kernel
+    from m3compile.kernels.causal_lse._tl_lse import causal_lse_kernel
 
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -65,7 +66,7 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, 
     _check(q, k, rows)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not use_triton(q, k, backend=backend):
-        return ref.causal_lse(q, k, scale, rows=rows)
+        return naive.causal_lse(q, k, scale, rows=rows)
     rows = all_rows(q.shape[2], q.device) if rows is None else rows
     out = torch.empty(q.shape[0], rows.numel(), q.shape[1], dtype=torch.float32, device=q.device)
     return _launch(q, k, rows, None, out, scale)
@@ -86,7 +87,7 @@ def dense_recall(q: torch.Tensor, k: torch.Tensor, selected_lse: torch.Tensor, *
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not use_triton(q, k, backend=backend):
         rows = torch.arange(T, device=q.device) if rows is None else rows
-        lse_all = ref.causal_lse(q, k, scale, rows=rows)
+        lse_all = naive.causal_lse(q, k, scale, rows=rows)
         return torch.exp2(selected_lse[:, rows].float() - lse_all).unflatten(2, (Hkv, Hq // Hkv)).mean(-1)
     rows = all_rows(T, q.device) if rows is None else rows
     out = torch.empty(B, rows.numel(), Hkv, dtype=torch.float32, device=q.device)

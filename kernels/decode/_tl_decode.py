@@ -1,4 +1,4 @@
-"""Triton kernels of kernels/decode.py (imported only when a kernel is launched). See that module."""
+"""Triton kernels of kernels/decode/__init__.py (imported only when a kernel is launched). See that module."""
 import triton
 import triton.language as tl
 
@@ -28,7 +28,7 @@ def _paged_index_scores(
     m_d = o_d < D
     b_q = tl.load(q_idx + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=(o_h < H)[:, None] & m_d[None, :], other=0.0)
-    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as reference.quantize_index_keys does (its scale,
+    if HAS_SCALE:  # fp8 mode: the query row is quantized here, as naive_common.quantize_index_keys does (its scale,
         # one per (sequence, head), cannot change that head's ranking, so it is not applied)
         b_q = quantize_rows_e4m3(b_q, FP8_DOT)
     first = tl.program_id(1) * PPP * NPG
@@ -66,7 +66,7 @@ def _scores_tuner(default: dict):
 
 # one kernel, two tuned entry points: a bf16 and an fp8 index cache pick different tiles, and with M3C_AUTOTUNE=0 each
 # runs the one the H200 sweep chose for it (M3 shapes, 2026-11-29 decode run: bf16 NPG 1 / PPP 2 / 2 stages, fp8
-# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md session 17)
+# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md)
 paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_stages=2))
 paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
 

@@ -1,4 +1,5 @@
-"""Triton kernel of kernels/block_stats.py (imported only when a kernel is launched). See that module for the design."""
+"""Triton kernel of kernels/block_stats/__init__.py (imported only when a kernel is launched).
+See that module for the design."""
 import triton
 import triton.language as tl
 

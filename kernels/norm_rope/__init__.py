@@ -16,13 +16,13 @@ other channel) and the RMSNorm backward in fp32; the norm weights' gradients are
 over programs (no atomics: deterministic).
 
 Shapes: x [B, T, H, D], cos/sin [B | 1, T, R] (the main branch's tables; width <= R), y [B, T, (Hi + 1) * Di].
-References: `reference.rope`, `reference.index_norm_rope`, `reference.rms_norm`.
+References (kernels/norm_rope/naive.py): `naive.rope`, `naive.index_norm_rope`, `naive.rms_norm`.
 """
 from __future__ import annotations
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.norm_rope import naive
 from m3compile.kernels._common import next_pow2, use_triton
 
 __all__ = ["rope", "index_norm_rope", "rms_norm"]
@@ -43,7 +43,7 @@ def _tables(cos, sin, x, width):
 
 def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm):
     """Rows of D channels: x and out hold B * T * heads of them, (token, head) major."""
-    from m3compile.kernels._tl_norm_rope import norm_rope_fwd_kernel
+    from m3compile.kernels.norm_rope._tl_norm_rope import norm_rope_fwd_kernel
 
     B, T = x.shape[:2]
     cos, sin, cs = _tables(cos, sin, x, width)
@@ -57,7 +57,7 @@ def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm):
 
 def _launch_bwd(g, g_k, x, wq, wk, cos, sin, dx, D, heads, q_heads, width, eps, norm):
     """g [B, T, q_heads, D] (strided) for the first q_heads rows of a token, g_k [B, T, D] for the others."""
-    from m3compile.kernels._tl_norm_rope import norm_rope_bwd_kernel
+    from m3compile.kernels.norm_rope._tl_norm_rope import norm_rope_bwd_kernel
 
     B, T = x.shape[:2]
     cos, sin, cs = _tables(cos, sin, x, width)
@@ -98,7 +98,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, width: int | 
     if x.dim() != 4:
         raise ValueError(f"x must be [B, T, H, D], got {tuple(x.shape)}")
     if not use_triton(x, cos, sin, backend=backend) or cos.requires_grad or sin.requires_grad:
-        return ref.rope(x, cos, sin, width=width)
+        return naive.rope(x, cos, sin, width=width)
     if x.stride(-1) != 1 or x.stride(2) != x.shape[-1] or x.stride(1) != x.shape[-1] * x.shape[2]:
         x = x.contiguous()  # rows of D channels, (token, head) major
     return _Rope.apply(x, cos, sin, width)
@@ -140,7 +140,7 @@ def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
     heads = y.shape[-1] // D
     width = min(cos.shape[-1], D) if width is None else width
     if not use_triton(y, cos, sin, backend=backend):
-        return ref.index_norm_rope(y, q_weight, k_weight, cos, sin, eps=eps, width=width)
+        return naive.index_norm_rope(y, q_weight, k_weight, cos, sin, eps=eps, width=width)
     y = y if y.is_contiguous() else y.contiguous()
     return _IndexNormRope.apply(y, q_weight, k_weight, cos, sin, heads, width, eps)
 
@@ -154,8 +154,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = 
         raise ValueError(f"unknown norm style {style!r}")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if needs_grad or not use_triton(x, weight, backend=backend):
-        return ref.rms_norm(x, weight, eps, style)
-    from m3compile.kernels._tl_norm_rope import rms_norm_kernel
+        return naive.rms_norm(x, weight, eps, style)
+    from m3compile.kernels.norm_rope._tl_norm_rope import rms_norm_kernel
 
     D = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()

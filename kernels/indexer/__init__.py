@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer import naive
 from m3compile.kernels._common import launch_fp8, next_pow2, tune_bucket, use_triton
-from m3compile.kernels.reference import FP8_MAX, dequantize_index_keys, fp8_round, quantize_index_keys
+from m3compile.kernels.naive_common import FP8_MAX, dequantize_index_keys, fp8_round, quantize_index_keys
 
 __all__ = ["select_blocks", "select_blocks_reference", "quantize_index_keys", "dequantize_index_keys", "FP8_MAX"]
 
@@ -62,11 +62,11 @@ def select_blocks_reference(
     k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch `select_blocks` (same layouts, int32). fp8 keys: the query quantised per (token, head) and
-    dequantised (reference.fp8_round), the keys dequantised with k_scale, then fp32 scores, block max and top-k."""
+    dequantised (naive_common.fp8_round), the keys dequantised with k_scale, then fp32 scores, block max and top-k."""
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
     if fp8:
         q_idx, k_idx = fp8_round(q_idx), dequantize_index_keys(k_idx, k_scale, block_size)
-    return ref.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
+    return naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
                              local_blocks=local_blocks).to(torch.int32)
 
 
@@ -101,7 +101,7 @@ def select_blocks(
         return out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
-    from m3compile.kernels._tl_indexer import index_topk_kernel as kernel
+    from m3compile.kernels.indexer._tl_indexer import index_topk_kernel as kernel
 
     HP = next_pow2(H)
     grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731

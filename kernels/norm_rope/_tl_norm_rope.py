@@ -1,4 +1,4 @@
-"""Triton kernels of kernels/norm_rope.py (imported only when a kernel is launched). See that module."""
+"""Triton kernels of kernels/norm_rope/__init__.py (imported only when a kernel is launched). See that module."""
 import triton
 import triton.language as tl
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from m3compile.kernels import reference as ref
+from m3compile.kernels.indexer.naive import select_blocks
+from m3compile.kernels.sparse_kl import naive
 from tests.memory import PeakMemory
 
 
@@ -52,9 +53,9 @@ def test_kl_matches_direct_formula_and_gradient(T, block, G, H, topk, sparse):
     k = torch.randn(B, H, T, D)
     q_idx = torch.randn(B, H, T, Di, dtype=torch.float64, requires_grad=True)
     k_idx = torch.randn(B, T, Di, dtype=torch.float64, requires_grad=True)
-    blocks = ref.select_blocks(q_idx.detach(), k_idx.detach(), block_size=block, topk=topk)
+    blocks = select_blocks(q_idx.detach(), k_idx.detach(), block_size=block, topk=topk)
     assert (blocks == -1).any() or T > topk * block  # short prefixes leave -1 slots
-    kl, recall = ref.index_kl(q_idx, k_idx, q, k, blocks, block_size=block, sparse=sparse, scale=0.3, chunk=5)
+    kl, recall = naive.index_kl(q_idx, k_idx, q, k, blocks, block_size=block, sparse=sparse, scale=0.3, chunk=5)
     want_kl, want_recall = direct_kl(q_idx, k_idx, q, k, blocks, block, sparse, 0.3)
     torch.testing.assert_close(kl.double(), want_kl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(recall.double(), want_recall, rtol=1e-5, atol=1e-6)
@@ -71,7 +72,7 @@ def test_kl_is_zero_when_student_equals_a_one_head_teacher():
     q = torch.randn(1, 1, T, D)
     k = torch.randn(1, 1, T, D)
     # student logits q_idx . k_idx / sqrt(D) equal teacher logits q . k / sqrt(D) when q_idx = q, k_idx = k
-    kl, _ = ref.index_kl(q.clone(), k[:, 0].clone(), q, k, block_size=4)
+    kl, _ = naive.index_kl(q.clone(), k[:, 0].clone(), q, k, block_size=4)
     assert float(kl.abs().max()) < 1e-5
 
 
@@ -81,7 +82,7 @@ def test_backbone_gets_no_gradient():
     k = torch.randn(1, 2, 10, 8, requires_grad=True)
     q_idx = torch.randn(1, 2, 10, 8, requires_grad=True)
     k_idx = torch.randn(1, 10, 8, requires_grad=True)
-    kl, _ = ref.index_kl(q_idx, k_idx, q, k, block_size=4)
+    kl, _ = naive.index_kl(q_idx, k_idx, q, k, block_size=4)
     kl.sum().backward()
     assert q.grad is None and k.grad is None
     assert q_idx.grad.abs().sum() > 0 and k_idx.grad.abs().sum() > 0
@@ -91,7 +92,7 @@ def test_bad_shapes_are_named():
     q = torch.randn(1, 4, 10, 8)
     k = torch.randn(1, 2, 10, 8)
     with pytest.raises(ValueError, match="one index head per KV head"):
-        ref.index_kl(torch.randn(1, 3, 10, 8), torch.randn(1, 10, 8), q, k, block_size=4)
+        naive.index_kl(torch.randn(1, 3, 10, 8), torch.randn(1, 10, 8), q, k, block_size=4)
 
 
 def _peak_bytes(T, chunk):
@@ -100,9 +101,9 @@ def _peak_bytes(T, chunk):
     k = torch.randn(1, 2, T, 16)
     q_idx = torch.randn(1, 2, T, 16, requires_grad=True)
     k_idx = torch.randn(1, T, 16, requires_grad=True)
-    blocks = ref.select_blocks(q_idx.detach(), k_idx.detach(), block_size=32, topk=4)
+    blocks = select_blocks(q_idx.detach(), k_idx.detach(), block_size=32, topk=4)
     with PeakMemory() as mem:
-        kl, _ = ref.index_kl(q_idx, k_idx, q, k, blocks, block_size=32, chunk=chunk)
+        kl, _ = naive.index_kl(q_idx, k_idx, q, k, blocks, block_size=32, chunk=chunk)
         kl.mean().backward()
     return mem.peak
 

@@ -1,0 +1,93 @@
+"""Plain-PyTorch reference of the paged decode ops of kernels/decode/ (one sequence at a time, fp32), and the
+quantisation of index-key pages an fp8 index cache holds.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from m3compile.kernels.indexer.naive import select_from_scores
+from m3compile.kernels.naive_common import quantize_index_keys
+
+__all__ = ["paged_block_scores_reference", "paged_select_reference", "paged_attention_reference", "quantize_pages",
+           "paged_index_write_reference"]
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of sequence b, contiguous: [length, ...]."""
+    bs = cache.shape[1]
+    pages = block_table[b, : -(-length // bs)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale=None):
+    """Block scores [B, Hi, max_pages] (-inf past each sequence's last page) of the newest token of each sequence."""
+    B, H, D = q_idx.shape
+    bs = idx_cache.shape[1]
+    out = torch.full((B, H, block_table.shape[1]), float("-inf"), device=q_idx.device)
+    if idx_scale is not None:  # fp8 mode: the query is quantized too (its per-head scale cannot change the order)
+        q_idx = quantize_index_keys(q_idx)[0].float()
+    for b in range(B):
+        L = int(seq_lens[b])
+        keys = _gather(idx_cache, block_table, b, L).float()
+        if idx_scale is not None:
+            keys = keys * _gather(idx_scale, block_table, b, L).float()[:, None]
+        s = q_idx[b].float() @ keys.T / math.sqrt(D)  # [H, L]
+        n_blocks = -(-L // bs)
+        out[b, :, :n_blocks] = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
+    return out
+
+
+def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
+                           idx_scale=None):
+    """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k."""
+    scores = paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale)
+    out = torch.full((*q_idx.shape[:2], topk), -1, dtype=torch.int32, device=q_idx.device)
+    for b in range(q_idx.shape[0]):
+        n_blocks = -(-int(seq_lens[b]) // idx_cache.shape[1])
+        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=q_idx.device)
+        out[b] = select_from_scores(scores[b, :, None, :n_blocks][None], t_pos, idx_cache.shape[1], topk,
+                                    init_blocks, local_blocks)[0, :, 0]
+    return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None):
+    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks."""
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        k = _gather(k_cache, block_table, b, L).float()  # [L, Hkv, D]
+        v = _gather(v_cache, block_table, b, L).float()
+        chosen = torch.zeros(Hkv, -(-L // bs) + 1, dtype=torch.bool, device=q.device)
+        blk = blocks[b].long()
+        chosen.scatter_(1, torch.where(blk >= 0, blk, chosen.shape[1] - 1), True)
+        visible = chosen[:, :-1].repeat_interleave(bs, dim=1)[:, :L]  # [Hkv, L]
+        s = torch.einsum("hgd,lhd->hgl", q[b].float().view(Hkv, G, D), k) * scale
+        p = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), -1)
+        out[b] = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D).to(q.dtype)
+    return out
+
+
+def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index-key pages [P, BS, Di] as an fp8 index cache holds them: e4m3 with one scale per page (a page is a key
+    block: quantize_index_keys(k, block_size)), repeated over its tokens -> ([P, BS, Di] fp8,
+    [P, BS] fp32)."""
+    q8, scale = quantize_index_keys(pages, pages.shape[1])  # scale [P, 1]
+    return q8, scale.expand(-1, pages.shape[1]).contiguous()
+
+
+def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table) -> None:
+    """Plain-torch `paged_index_write` (in place)."""
+    bs = idx_cache.shape[1]
+    off = pos.long() % bs
+    tail[rows, off] = k_idx.to(tail.dtype)
+    keys = torch.where(torch.arange(bs, device=tail.device)[None, :, None] <= off[:, None, None], tail[rows].float(),
+                       0.0)
+    page = block_table[rows, pos.long() // bs].long()
+    idx_cache[page], idx_scale[page] = quantize_pages(keys)

@@ -1,0 +1,100 @@
+"""Plain-PyTorch reference of the index branch's selection (MSA_SPEC section 2): causal block-max index scores,
+then per (index head, query) the top-k key blocks with the forced ones kept. Shapes and conventions:
+kernels/naive_common.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from m3compile.kernels.naive_common import check_index_inputs, fp8_round, query_chunk
+
+__all__ = ["block_scores", "block_masks", "select_from_scores", "select_blocks"]
+
+def block_scores(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """Causal block-max index scores for queries `start:end`.
+
+    Token score s[g, t, j] = q_idx[g, t] . k_idx[j] / sqrt(Di) in fp32, keys j > t set to -inf before pooling;
+    block score S[g, t, b] = max over the keys j of block b. Returns [B, Hi, end - start, ceil(end / block_size)]
+    (blocks wholly in the future of every query of the chunk are not returned; those inside are -inf).
+    """
+    k_idx = check_index_inputs(q_idx, k_idx)
+    T = q_idx.shape[2]
+    end = T if end is None else end
+    n_blocks = -(-end // block_size)
+    q = q_idx[:, :, start:end].float()
+    k = k_idx[:, :end].float()
+    s = torch.einsum("bhtd,bjd->bhtj", q, k) / math.sqrt(q_idx.shape[-1])
+    t_pos = torch.arange(start, end, device=q.device)
+    j_pos = torch.arange(end, device=q.device)
+    s = s.masked_fill(j_pos[None, :] > t_pos[:, None], float("-inf"))
+    s = F.pad(s, (0, n_blocks * block_size - end), value=float("-inf"))
+    return s.view(*s.shape[:3], n_blocks, block_size).amax(-1)
+
+
+def block_masks(t_pos: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int):
+    """[C, n_blocks] bool masks of the queries at `t_pos`: the visible blocks, and among them the forced ones: the
+    `local_blocks` most recent (the query's own included) and the first `init_blocks`."""
+    b_pos = torch.arange(n_blocks, device=t_pos.device)[None, :]
+    q_block = (t_pos // block_size)[:, None]  # [C, 1]
+    visible = b_pos <= q_block
+    return visible, visible & (b_pos > q_block - local_blocks), visible & (b_pos < init_blocks)
+
+
+def select_from_scores(
+    scores: torch.Tensor, t_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int, local_blocks: int
+) -> torch.Tensor:
+    """Top-k over block scores [B, Hi, C, NB] for queries at positions `t_pos` [C]; forced blocks win; -1 pads."""
+    n_blocks = scores.shape[-1]
+    visible, local, init = block_masks(t_pos, n_blocks, block_size, init_blocks, local_blocks)
+    # forced blocks win; when they outnumber the slots, local blocks win over init blocks
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(init, torch.finfo(torch.float32).max)
+    scores = scores.masked_fill(local, float("inf"))
+    k = min(topk, n_blocks)
+    top_scores, top_idx = scores.topk(k, dim=-1)
+    top_idx = top_idx.masked_fill(top_scores == float("-inf"), -1)
+    if k < topk:
+        top_idx = F.pad(top_idx, (0, topk - k), value=-1)
+    return top_idx
+
+
+def select_blocks(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    chunk: int | None = None,
+    fp8: bool = False,
+) -> torch.Tensor:
+    """Per (index head, query) selection of `topk` key blocks (MSA_SPEC section 2).
+
+    The `local_blocks` most recent blocks (the query's own block first) and the first `init_blocks` blocks are
+    always kept when visible; the remaining slots take the best-scoring earlier blocks; slots that cannot be filled
+    hold -1. Index heads are never reduced together: each KV group selects its own blocks.
+    fp8: score as the fp8 prefill kernel does: every query row (token, head) quantised to e4m3 with one scale per
+    row, the keys with one scale per key block (quantize_index_keys), dequantised, then scored in fp32
+    (`fp8_round`).
+
+    q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64.
+    """
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    k_idx = check_index_inputs(q_idx, k_idx)
+    if fp8:
+        q_idx, k_idx = fp8_round(q_idx), fp8_round(k_idx, block_size)
+    B, Hi, T, _ = q_idx.shape
+    out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
+    chunk = chunk or query_chunk(B * Hi, T)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        scores = block_scores(q_idx, k_idx, block_size, start, end)
+        t_pos = torch.arange(start, end, device=q_idx.device)
+        out[:, :, start:end] = select_from_scores(scores, t_pos, block_size, topk, init_blocks, local_blocks)
+    return out
