@@ -911,7 +911,7 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
               help="The converted model's index scoring (fp8: e4m3 scores in prefill and an fp8 decode index cache).")
 @click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
               help="The MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
-                   "(kernels/sparse_tile.py; opt-in: on the H200 it ties gather-Q at best, BENCHMARKS.md; "
+                   "(kernels/sparse_attention/tile.py; opt-in: on the H200 it ties gather-Q at best, BENCHMARKS.md; "
                    "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
 @click.option("--steps", default=5, show_default=True, help="Timed prefill runs per figure, at most.")
 @click.option("--decode-steps", default=32, show_default=True, help="Decode steps per timing.")

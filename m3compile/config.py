@@ -12,7 +12,7 @@ from m3compile.errors import M3CompileError
 __all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
-# scale per key token and per query (token, head), fp32 accumulation (kernels/indexer.py)
+# scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
 INDEX_DTYPES = ("auto", "fp8")
 # The index branch's RoPE table (ops.apply_index_rope): "m3" the main table cut to the index width (transformers' M3
 # rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary pairs turn at the

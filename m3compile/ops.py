@@ -328,8 +328,8 @@ def _recall_rows(T: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, T - 1, n, device=device).round().long()
 
 
-# The sparse prefill kernel where no gradient is needed (msa_attention_triton): "gather" (kernels/sparse_attention.py,
-# gather-Q, the default) or "tile" (kernels/sparse_tile.py, the query-tile union design: it ties gather-Q at best
+# The sparse prefill kernel where no gradient is needed (msa_attention_triton): "gather" (kernels/sparse_attention/,
+# gather-Q, the default) or "tile" (kernels/sparse_attention/tile.py, the query-tile union design: it ties gather-Q at best
 # on the GPU, BENCHMARKS.md, so opt-in: M3C_SPARSE_KERNEL=tile, or using_sparse_kernel("tile"))
 SPARSE_KERNELS = ("gather", "tile")
 _sparse_kernel: list[str] = []
@@ -427,11 +427,11 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
                         csr=None):
     """Mean KL and mean block recall of one MSA layer, as msa_index_kl; Triton on CUDA for both supports.
 
-    Sparse support: the KL is the fused kernel (kernels/sparse_kl.py) fed with the sparse attention's per-head
+    Sparse support: the KL is the fused kernel (kernels/sparse_kl/) fed with the sparse attention's per-head
     log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only pass when
     not given) and its BlockCSR (`csr`; built here when not given); recall = mean over the group's heads of
     exp2(lse_selected - lse_all) (the dense teacher's mass inside the selected blocks) by one fused kernel
-    (kernels/causal_lse.py), no T x T tensor and no gradient. lse_all, over every visible key, is O(T) per query,
+    (kernels/causal_lse/), no T x T tensor and no gradient. lse_all, over every visible key, is O(T) per query,
     so recall is measured on `recall_rows`.
     Dense support (warm-up): the same fused KL over every visible block (`dense_support`, built once per shape),
     its teacher log-sum-exp from the fused causal log-sum-exp, streamed like FlashAttention; the KL kernel also
@@ -473,7 +473,7 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
 def msa_block_loss_triton(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
                           local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
     """msa_block_loss with the per-block statistics of its rows (teacher log-sum-exp per head, the index branch's
-    block max and its key) from one Triton kernel (kernels/block_stats.py), then the loss and its backward over all
+    block max and its key) from one Triton kernel (kernels/block_stats/), then the loss and its backward over all
     rows at once in vectorised torch: no chunk loop, no host read (a CUDA graph captures it). fp32 (the kernel
     takes the bf16 inputs as they come), autocast off. CPU tensors keep the chunked torch reference.
 

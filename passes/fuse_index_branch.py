@@ -9,7 +9,7 @@ Matched from each msa_select's q_idx / k_idx along use-def links (the projection
 Gemma RMSNorms with one eps, both RoPEs on the same tables, both projections on the same input); a layer that does
 not fit keeps its nodes. The parameters stay where they are (the node reads them by get_attr), so the state dict,
 training and checkpoints are unchanged. On CUDA the fused op is one matmul over both projections' weights and one
-norm + RoPE kernel (forward and backward; kernels/norm_rope.py) instead of ~60 ops and their backwards per layer;
+norm + RoPE kernel (forward and backward; kernels/norm_rope/) instead of ~60 ops and their backwards per layer;
 elsewhere it runs the layer's own ops (kernels.norm_rope.naive). Runs after lower_triton.
 """
 from __future__ import annotations

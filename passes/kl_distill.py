@@ -9,7 +9,7 @@ Mode "warmup": the support of teacher and student is every visible key and the m
 (the warm-up of a dense checkpoint); mode "sparse": the support is the selected blocks and the main branch is
 sparse. With `block_loss`, each layer also gets the block-ranking loss (teacher block mass vs the index branch's
 block-max scores, kernels/block_stats/naive.py: block_rank_kl; the same in both modes; lowering swaps in
-msa_block_loss_triton, kernels/block_stats.py), returned as a fourth output; the distillation weighs it
+msa_block_loss_triton, kernels/block_stats/), returned as a fourth output; the distillation weighs it
 (DistillConfig.block_loss). Running the pass again with the other mode switches the mode
 (also on a lowered training graph); the `strip_kl_distill` pass undoes it exactly: the graph's code is again the
 inference graph's.

@@ -1,6 +1,6 @@
 """The gather-Q forward's combine at each launch width (G = 4 sparse attention).
 
-combine_kernel (kernels/_tl_sparse.py) merges each (token, KV group)'s top-k partial outputs, found through the CSR's
+combine_kernel (kernels/sparse_attention/_tl_sparse.py) merges each (token, KV group)'s top-k partial outputs, found through the CSR's
 inverse permutation, in one program of G head rows x D. At Llama-3-8B shapes that is 512 bf16 values per partial,
 4 per thread at the default 4 warps. This times it at 1, 2, 4 and 8 warps on one sequence (random partials; the
 CSR of the fused indexer's selection on random index inputs, so the partials are read in the real scattered

@@ -1,6 +1,6 @@
 """Where the prefill indexer's time goes: scoring vs the running top-k, per tile config, bf16 vs fp8.
 
-index_topk_kernel (kernels/_tl_indexer.py) computes, per key block, the [rows, block] token scores (one matmul),
+index_topk_kernel (kernels/indexer/_tl_indexer.py) computes, per key block, the [rows, block] token scores (one matmul),
 their causal block max, and inserts that block score into a per-row top-k kept in registers (a min + argmin + two
 selects over the k slots). This script times, on one GPU, at Llama-3-8B index shapes (8 index heads x 128 dims, one
 shared key head, block 128, top-16), variants of the same loop that differ only in what follows the block max:
@@ -170,7 +170,7 @@ def main() -> None:
     a = ap.parse_args()
     H, D, block, topk = a.heads, a.dim, a.block, a.topk
     cfgs = list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
-    default = (128, 4, 2)  # the production default (kernels/_tl_indexer.py)
+    default = (128, 4, 2)  # the production default (kernels/indexer/_tl_indexer.py)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "shape": dict(heads=H, dim=D, block=block, topk=topk), "rows": []}
     for T in [int(x) for x in a.lengths.split(",")]:

@@ -5,7 +5,7 @@ the selection from the fused indexer on random index queries and keys. Times `sp
 events), its gather pass alone (stage "gather": CSR build + gather kernel), and profiles one call: device time per
 kernel name. The ideal is the dense-causal FLOPs on the keys the selection makes visible at ~600 TFLOP/s (the
 rate dense SDPA reaches on this GPU, ../shared/PEERS.md). Run it with M3C_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 to
-see the tuned configs. Also times the query-tile union kernel (kernels/sparse_tile.py) on the same selection and
+see the tuned configs. Also times the query-tile union kernel (kernels/sparse_attention/tile.py) on the same selection and
 on the "shared" one (the tile's tokens share their blocks; a real model's consecutive queries come close:
 benchmarks/experiments/selection_locality.py), with the union's size over top-k. Prints one JSON object.
 
@@ -66,7 +66,7 @@ def main() -> None:
         top = sorted(((n, round(sum(v), 3), len(v)) for n, v in names.items()), key=lambda r: -r[1])[:8]
         row = dict(T=T, heads=H, kv_heads=Hkv, dim=D, ms=round(all_ms, 3), gather_stage_ms=round(gather_ms, 3),
                    ideal_ms=round(ideal_ms, 3), share_of_ideal=round(ideal_ms / all_ms, 3), kernels=top)
-        # the query-tile union kernel (kernels/sparse_tile.py) on this selection and on the "shared" one (every token
+        # the query-tile union kernel (kernels/sparse_attention/tile.py) on this selection and on the "shared" one (every token
         # of a 128-token query block takes its last token's selection: union = top-k), with the union's size / top-k
         last = ((torch.arange(T, device="cuda") // bs + 1) * bs - 1).clamp(max=T - 1)
         if a.tiles == "none":

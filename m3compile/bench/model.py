@@ -33,7 +33,7 @@ unattributed linearly in T, host time constant.
 `ceiling` = dense time / dense time outside attention: the speedup if attention cost nothing.
 
 Decode, tokens/s: the decode step of m3compile.generate (paged KV cache, for MSA the paged index-key cache and
-kernels/decode.py's selection) for B sequences at context T, eager and replayed as a CUDA graph
+kernels/decode/'s selection) for B sequences at context T, eager and replayed as a CUDA graph
 (m3compile.runtime DecodeStep), after a check that the replay's logits equal the eager step's from the same state.
 The caches hold random keys, values and index keys: a step's work does not depend on them (dense reads every page;
 MSA scores every index key and reads its top-k pages). B is lowered to what fits in free device memory and the row

@@ -72,7 +72,7 @@ def _setting(config, name, default=None):
 
 
 class Settings:
-    """What the layers need, read from the config as m3compile's loader reads config.json (io/checkpoint.py)."""
+    """What the layers need, read from the config as m3compile's loader reads config.json (io/hf_config.py)."""
 
     def __init__(self, config):
         source = _setting(config, "source_model_type")
