@@ -1,0 +1,37 @@
+"""BENCHMARKS.md and benchmarks/ back each other: every results path the page cites exists, every results folder
+and every script in benchmarks/ is cited by the page (or, for the GPU check scripts, by README.md)."""
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = (ROOT / "BENCHMARKS.md").read_text()
+RESULTS_PATH = re.compile(r"`(\d{4}-\d\d-\d\d-[a-z0-9.-]+(?:/[^`\s]*)?)`")  # `2026-12-02-h200-m3-shapes/prefill.json`
+
+
+def tracked(under: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", under], cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_every_results_path_the_page_cites_exists():
+    cited = RESULTS_PATH.findall(PAGE)
+    assert len(cited) > 20, cited
+    missing = [c for c in cited if not (RESULTS / c).exists()]
+    assert not missing, missing
+
+
+def test_every_results_folder_is_cited_by_the_page():
+    folders = {Path(f).relative_to("benchmarks/results").parts[0] for f in tracked("benchmarks/results")}
+    assert folders
+    uncited = sorted(f for f in folders if f not in PAGE)
+    assert not uncited, uncited
+
+
+def test_every_script_is_cited():
+    readme = (ROOT / "README.md").read_text()
+    scripts = [f for f in tracked("benchmarks") if f.endswith((".py", ".sh")) and not f.startswith("benchmarks/results/")]
+    assert scripts
+    uncited = [s for s in scripts if Path(s).name not in PAGE and s not in readme]
+    assert not uncited, uncited
