@@ -362,6 +362,16 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     console.print(table)
 
 
+def _stacked(*decorators):
+    """One decorator applying `decorators` as if stacked in this order above a command (the first comes first in
+    --help)."""
+    def apply(command):
+        for decorator in reversed(decorators):  # the first listed is applied last
+            command = decorator(command)
+        return command
+    return apply
+
+
 def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: str, after_lr=(), before_json=()):
     """The arguments and options distill and train share, in their help's order: each command gives its own help
     texts where they differ, and its own options to go after --lr and before --json."""
@@ -393,12 +403,7 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                           "from the checkpoint (no process holds the model) [default: under torchrun, when a replica "
                           "would not fit the device]."),
     ]
-
-    def apply(command):
-        for option in reversed(options):  # the first listed is applied last: it comes first in --help
-            command = option(command)
-        return command
-    return apply
+    return _stacked(*options)
 
 
 @main.command()
@@ -787,11 +792,9 @@ _bench_dtype = click.option("--dtype", default="bfloat16", show_default=True, he
 _bench_model_argument = click.argument("model", metavar="MODEL_DIR|PRESET")
 
 
-def _bench_attention_shapes(f):
-    """--heads --kv-heads --head-dim --index-dim --block --topk: the attention shapes the kernel benches time."""
-    for option in (_bench_topk, _bench_block, _bench_index_dim, _bench_head_dim, _bench_kv_heads, _bench_heads):
-        f = option(f)  # innermost first, as stacked decorators apply
-    return f
+# --heads --kv-heads --head-dim --index-dim --block --topk: the attention shapes the kernel benches time
+_bench_attention_shapes = _stacked(_bench_heads, _bench_kv_heads, _bench_head_dim, _bench_index_dim, _bench_block,
+                                   _bench_topk)
 
 
 def _bench_out(writes: str):
