@@ -23,7 +23,8 @@ from m3compile import (
 )
 from m3compile.config import INDEX_DTYPES
 from m3compile.errors import M3CompileError
-from m3compile.export.onnx import export_onnx as run_export
+from m3compile.export.onnx import EXTERNAL_DATA, export_onnx as run_export
+from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, PROVIDERS as ONNX_PROVIDERS
 from m3compile.graph.pass_manager import PASSES
 from m3compile.io.data import load_tokens
 from m3compile.io.output_dir import COMMITTED
@@ -702,14 +703,25 @@ def _print_inspect(report) -> None:
 @main.command(name="export-onnx")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(ONNX_DTYPES), default="float32", show_default=True,
+              help="dtype of the exported weights and of the graph's compute (the MSA function computes in fp32).")
+@click.option("--external-data", type=click.Choice(EXTERNAL_DATA), default="auto", show_default=True,
+              help="Weights in OUT_DIR/model.onnx.data beside model.onnx: auto once they pass 1.75 GiB (one protobuf "
+                   "file holds less than 2 GiB), always, or never (refused for a larger model).")
+@click.option("--provider", type=click.Choice(ONNX_PROVIDERS), default="cpu", show_default=True,
+              help="onnxruntime execution provider the file is for; a dtype it cannot run is refused before the "
+                   "work (cpu: float32, float16; cuda: float32, float16, bfloat16).")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
-def export_onnx(model_dir, out_dir, force):
-    """Export the converted model in MODEL_DIR to OUT_DIR/model.onnx (input_ids -> logits, fp32).
+def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):
+    """Export the converted model in MODEL_DIR to OUT_DIR/model.onnx (input_ids -> logits).
 
     Batch and sequence length are dynamic. Each MSA layer is one node of the custom domain m3compile (op MSA,
     version 1) whose ONNX function body uses only standard operators, so onnxruntime runs the file as is and a
     runtime with a native MSA kernel can replace the node; a model without MSA layers uses no custom domain.
     The file passes onnx.checker's full check before it is written. Needs onnx, onnxscript and onnxruntime.
+
+    Weights past protobuf's 2 GiB limit go to OUT_DIR/model.onnx.data (ONNX external data; keep the two files
+    together). The destination needs room for the weights (checked first); nothing is written on failure.
 
     A multimodal (minimax_m3_vl) checkpoint also gets OUT_DIR/vision.onnx: pixel_values [N, C*2*14*14],
     positions [N, 3] and segment_ids [N] (models.vision.onnx_vision_inputs builds both from grid_thw) -> visual
@@ -722,9 +734,15 @@ def export_onnx(model_dir, out_dir, force):
     except ImportError:
         _fail("export-onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime")
 
-    path = _run(run_export, model_dir, out_dir, force=force)
-    vision = path.parent / "vision.onnx"
-    _console().print(f"wrote {path}" + (f" and {vision}" if vision.is_file() else ""))
+    columns = (TextColumn("[bold]export-onnx"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=_console(), transient=True) as bar:
+        task = bar.add_task(str(model_dir), total=None)
+        path = _run(run_export, model_dir, out_dir, force=force, dtype=dtype, external_data=external_data,
+                    provider=provider,
+                    progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
+    written = sorted(p.name for p in path.parent.iterdir())
+    _console().print(f"wrote {path.parent}: {', '.join(written)}")
 
 
 def _parse_lengths(text: str) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ if not onnx.defs.has("MSA", MSA_DOMAIN):
     onnx.defs.register_schema(OpSchema(
         "MSA", MSA_DOMAIN, 1,
         inputs=[OpSchema.FormalParameter(n, T) for n in ("q", "k", "v", "q_idx", "k_idx")],
-        outputs=[OpSchema.FormalParameter("out", T)], type_constraints=[(T, ["tensor(float)"], "")],
+        outputs=[OpSchema.FormalParameter("out", T)],
+        type_constraints=[(T, ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in
                     ("block_size", "topk", "init_blocks", "local_blocks")]
         + [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "")],
@@ -25,8 +26,15 @@ m3 = onnxscript.values.Opset(MSA_DOMAIN, 1)
 
 
 @onnxscript.script(m3, default_opset=op)
-def MSA(q: FLOAT, k: FLOAT, v: FLOAT, q_idx: FLOAT, k_idx: FLOAT, block_size: int, topk: int, init_blocks: int,
-        local_blocks: int, scale: float) -> FLOAT:
+def MSA(q_in: FLOAT, k_in: FLOAT, v_in: FLOAT, q_idx_in: FLOAT, k_idx_in: FLOAT, block_size: int, topk: int,
+        init_blocks: int, local_blocks: int, scale: float) -> FLOAT:
+    # computed in fp32 whatever the model's dtype, as the reference kernels do (kernels/indexer/naive.py,
+    # kernels/sparse_attention/naive.py); the output comes back in the input's dtype
+    q = op.Cast(q_in, to=1)
+    k = op.Cast(k_in, to=1)
+    v = op.Cast(v_in, to=1)
+    q_idx = op.Cast(q_idx_in, to=1)
+    k_idx = op.Cast(k_idx_in, to=1)
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     bs = op.Constant(value_int=block_size)
@@ -78,7 +86,7 @@ def MSA(q: FLOAT, k: FLOAT, v: FLOAT, q_idx: FLOAT, k_idx: FLOAT, block_size: in
     a = op.Mul(op.MatMul(qg, kt), op.CastLike(op.Constant(value_float=scale), q))
     a = op.Where(op.Unsqueeze(support, op.Constant(value_ints=[2])), a, neg)
     o = op.MatMul(op.Softmax(a, axis=-1), op.Unsqueeze(v, op.Constant(value_ints=[2])))
-    return op.Reshape(o, op.Shape(q))
+    return op.CastLike(op.Reshape(o, op.Shape(q)), q_in)
 
 
 def translate(q, k, v, q_idx, k_idx, block_size: int, topk: int, init_blocks: int, local_blocks: int,
