@@ -25,6 +25,7 @@ input_ids -> logits; the visual tokens replace the placeholder embeddings outsid
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import os
@@ -82,21 +83,14 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
     _check_before_work(model_dir, out_dir, dtype, external_data)
     report = progress or (lambda done, total, what: None)
     graphs = _export(model_dir, dtype, report)  # file name -> onnx_ir.Model; the torch model is gone
-    for name, graph in graphs.items():
-        missing = missing_kernels(graph, dtype, provider)
-        if missing:
-            raise M3CompileError(f"{name}: onnxruntime's {provider.upper()} provider has no kernel for "
-                                 f"{', '.join(missing)}; export float16 or float32")
-        size = _initializer_bytes(graph)
-        if external_data == "never" and size > SINGLE_FILE_MAX:
-            raise M3CompileError(f"{name}: {_gb(size)} of weights do not fit one protobuf file (2 GiB at most): "
-                                 f"use --external-data auto")
+    _check_graphs(graphs, dtype, provider, external_data)
     with atomic_output_dir(out_dir, force, inputs=(model_dir,)) as tmp:
         for name in list(graphs):
             try:
                 _write(graphs, name, tmp / name, external_data, report)
             except OSError as e:  # a full disk, a quota: one line, and the temporary directory goes
                 raise M3CompileError(f"cannot write {out_dir / name}: {e.strerror or e}") from None
+            _release_freed_memory()
             if check:
                 report(0, None, f"checking {name}")
                 onnx.checker.check_model(str(tmp / name), full_check=True)
@@ -136,6 +130,21 @@ def _check_before_work(model_dir: Path, out_dir: Path, dtype: str, external_data
                              f"{_gb(text + vision + DISK_MARGIN)} ({dtype} weights), {_gb(free)} are free")
 
 
+def _check_graphs(graphs: dict, dtype: str, provider: str, external_data: str) -> None:
+    """The exported graphs against the provider's kernels and, for `never`, the protobuf limit (exact sizes now).
+    (A function of its own: a loop variable left in export_onnx would keep the last graph's weights alive while
+    the others are written.)"""
+    for name, graph in graphs.items():
+        missing = missing_kernels(graph, dtype, provider)
+        if missing:
+            raise M3CompileError(f"{name}: onnxruntime's {provider.upper()} provider has no kernel for "
+                                 f"{', '.join(missing)}; export float16 or float32")
+        size = _initializer_bytes(graph)
+        if external_data == "never" and size > SINGLE_FILE_MAX:
+            raise M3CompileError(f"{name}: {_gb(size)} of weights do not fit one protobuf file (2 GiB at most): "
+                                 f"use --external-data auto")
+
+
 def _export(model_dir: Path, dtype: str, report) -> dict:
     """The ONNX graphs of the converted checkpoint as onnx_ir Models; everything torch-side is freed on return, so
     their initializers are the one copy of the weights left."""
@@ -161,20 +170,35 @@ def _export(model_dir: Path, dtype: str, report) -> dict:
     try:
         program = torch.onnx.export(
             gm, (example,), dynamo=True, opset_version=OPSET, input_names=["input_ids"], output_names=["logits"],
-            dynamic_shapes=({0: batch, 1: seq},),
-            custom_translation_table={msa_fused: translate}, verbose=False,
+            dynamic_shapes=({0: batch, 1: seq},), custom_translation_table={msa_fused: translate}, verbose=False,
+            optimize=False,  # run below, to release the weights it replaces
         )
     except Exception as e:
         raise M3CompileError(f"ONNX export failed: {str(e).splitlines()[0]}") from None
-    graph = program.model
-    del program, gm
+    del gm
+    graph = _optimized(program)
     if n_msa:
         body = ir.serde.deserialize_function(function.to_function_proto())
         graph.functions[body.identifier()] = body
         graph.opset_imports.setdefault(MSA_DOMAIN, 1)
-    graphs = {"model.onnx": graph, **graphs}
-    gc.collect()  # the torch weights the optimizer replaced (transposed copies) are referenced by nothing now
-    return graphs
+    return {"model.onnx": graph, **graphs}
+
+
+def _optimized(program):
+    """program.model after torch.onnx's optimizer (what torch.onnx.export(optimize=True) returns), with the torch
+    weights it replaced released: it folds each Linear weight's Transpose into a new transposed initializer, and the
+    graph keeps referencing the values it dropped (in its inputs' use counts), which would hold a second copy of
+    the weights until the end of the export."""
+    before = list(program.model.graph.initializers.values())
+    program.optimize()
+    graph = program.model
+    del program  # its ExportedProgram holds the torch weights too
+    kept = graph.graph.initializers
+    for value in before:
+        if kept.get(value.name) is not value:
+            value.const_value = None
+    gc.collect()
+    return graph
 
 
 def _vision_graph(model):
@@ -192,16 +216,16 @@ def _vision_graph(model):
             VisionExport(model).eval(), (pixels, positions, segments), dynamo=True, opset_version=OPSET,
             input_names=["pixel_values", "positions", "segment_ids"], output_names=["visual_tokens"],
             dynamic_shapes=({0: merged * m * m}, {0: merged * m * m}, {0: merged * m * m}), verbose=False,
+            optimize=False,
         )
     except Exception as e:
         raise M3CompileError(f"ONNX export of the vision tower failed: {str(e).splitlines()[0]}") from None
-    return program.model
+    return _optimized(program)
 
 
 def _write(graphs: dict, name: str, path: Path, external_data: str, report) -> None:
-    """Write graphs[name] to `path` and drop it from `graphs`: its weights streamed tensor by tensor to
-    `<path>.data` (external), or one protobuf file serialised after the in-memory model is freed."""
-    import onnx
+    """Write graphs[name] to `path` and drop it from `graphs`, holding one tensor's bytes at a time beyond the
+    graph's own: its weights go to `<path>.data` (external data), or one protobuf file is written piece by piece."""
     import onnx_ir as ir
 
     graph = graphs.pop(name)
@@ -214,14 +238,38 @@ def _write(graphs: dict, name: str, path: Path, external_data: str, report) -> N
             done[0] += tensor.nbytes
 
         ir.save(graph, path, external_data=f"{name}.data", size_threshold_bytes=_INLINE_BYTES, callback=written)
+        for value in graph.graph.initializers.values():
+            value.const_value = None  # whoever still holds the graph (onnxscript's rewrite rules do) holds no weight
         report(total, total, f"writing {name}.data")
         return
-    report(0, total, f"writing {name}")
-    proto = ir.serde.serialize_model(graph)
-    del graph  # the last reference to the weights' tensors: the proto holds their bytes now
-    gc.collect()
-    onnx.save_model(proto, str(path))
+    # One protobuf file without serialising the whole model in memory (that takes the proto, the encoder's buffer
+    # and the bytes: three more copies of the weights): the model without its initializers, then one
+    # ModelProto(graph=GraphProto(initializer=[t])) per tensor. Protobuf parses concatenated messages as one
+    # message merged field by field (a repeated field's elements appended), so the file reads back as the whole.
+    import onnx
+
+    values = [graph.graph.initializers.pop(key) for key in list(graph.graph.initializers)]
+    done = 0
+    with open(path, "wb") as f:
+        f.write(ir.serde.serialize_model(graph).SerializeToString())
+        for value in values:
+            report(done, total, f"writing {name}")
+            tensor = ir.serde.serialize_tensor(value.const_value)
+            tensor.name = value.name
+            done += value.const_value.nbytes
+            value.const_value = None  # the last reference to this weight
+            f.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[tensor])).SerializeToString())
     report(total, total, f"writing {name}")
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps the freed weight buffers of the written graph in
+    its heap, where the checker's copy of the file does not fit); nothing elsewhere."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _initializer_bytes(graph) -> int:

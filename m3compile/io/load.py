@@ -40,8 +40,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
     """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder."""
     check_device(device)
     ck = read_checkpoint(path, attn_impl)
+    target = parse_dtype(dtype) or ck.dtype
     with torch.device("meta"):
-        model = Decoder(ck.args)
+        model = Decoder(ck.args).to(target)  # allocated in the dtype asked for: no fp32 copy of a bf16 model
     model = model.to_empty(device=device)
     load_state_dict(model, ck.state_dict, ck.path)
     if ck.args.tie_embeddings:
@@ -65,7 +66,7 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
             apply_window(mm, int(window))
         mm.source_config, mm.source_dtype = ck.config, ck.dtype
         model = mm
-    return model.to(parse_dtype(dtype) or ck.dtype).eval()
+    return model.to(target).eval()
 
 
 def load_meta(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
