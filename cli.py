@@ -704,12 +704,12 @@ def _print_inspect(report) -> None:
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(ONNX_DTYPES), default="float32", show_default=True,
-              help="dtype of the exported weights and of the graph's compute (the MSA function computes in fp32).")
+              help="The exported weights' and the graph's dtype (the MSA function computes in fp32).")
 @click.option("--external-data", type=click.Choice(EXTERNAL_DATA), default="auto", show_default=True,
               help="Weights in OUT_DIR/model.onnx.data beside model.onnx: auto once they pass 1.75 GiB (one protobuf "
                    "file holds less than 2 GiB), always, or never (refused for a larger model).")
 @click.option("--provider", type=click.Choice(ONNX_PROVIDERS), default="cpu", show_default=True,
-              help="onnxruntime execution provider the file is for; a dtype it cannot run is refused before the "
+              help="The onnxruntime execution provider the file is for; a dtype it cannot run is refused before the "
                    "work (cpu: float32, float16; cuda: float32, float16, bfloat16).")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):

@@ -8,7 +8,9 @@ resident memory and wall time, and the largest logit difference against m3compil
 A synthetic shape (m3compile.tools.synthetic.SHAPES: random bf16 weights) is written to WORK_DIR/synthetic-SHAPE and
 converted (`m3c convert --block-size 64 --topk 4`) once; the export (`m3c export-onnx`) runs in a child process whose
 peak RSS is read from wait4. onnxruntime (CPU provider) then runs one sequence of --tokens random ids, several
-blocks long, and its session is freed before m3compile.load computes the reference.
+blocks long, and its session is freed before m3compile.load computes the reference (fp32). For an fp16 export the
+same model loaded in fp16 gives PyTorch's own fp16 error; --fp64 also compares both with the fp32 model run in fp64,
+which tells rounding noise from a real difference.
 """
 import argparse
 import gc
@@ -65,6 +67,7 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--external-data", default="auto", choices=["auto", "always", "never"])
     ap.add_argument("--tokens", type=int, default=400, help="length of the compared sequence")
+    ap.add_argument("--fp64", action="store_true", help="also compare with the model run in fp64 (2x its fp32 memory)")
     ap.add_argument("--json-out", type=Path, help="also write the result here")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -81,10 +84,19 @@ def main():
     ort_s = time.perf_counter() - t
     del session
     gc.collect()
-    model = load(conv, dtype="float32")
+    got = got.astype(np.float32)
+    extra = {}
     with torch.no_grad():
+        same = load(conv, dtype=a.dtype)(ids).float().numpy() if a.dtype != "float32" else None
+        model = load(conv, dtype="float32")
         want = model(ids).numpy()
-    diff = np.abs(got.astype(np.float32) - want)
+        if same is not None:  # PyTorch's own error in that dtype, for scale
+            extra["torch_same_dtype_max_abs_diff_vs_fp32"] = float(np.abs(same - want).max())
+        if a.fp64:
+            want64 = model.double()(ids).numpy()
+            extra["max_abs_diff_vs_fp64"] = float(np.abs(got - want64).max())
+            extra["torch_fp32_max_abs_diff_vs_fp64"] = float(np.abs(want - want64).max())
+    diff = np.abs(got - want)
     msa = model.args.msa
     result = {
         "model": a.model.name if a.model else f"synthetic {a.shape}", "params": params, "dtype": a.dtype,
@@ -93,7 +105,7 @@ def main():
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir())},
         "fp32_weight_bytes": 4 * params, "peak_rss_bytes": peak, "peak_rss_over_fp32_weights": round(peak / (4 * params), 2),
         "export_s": round(wall, 1), "onnxruntime_load_and_run_s": round(ort_s, 1), "tokens": a.tokens,
-        "max_abs_diff_vs_m3compile_load_fp32": float(diff.max()), "max_abs_logit": float(np.abs(want).max()),
+        "max_abs_diff_vs_m3compile_load_fp32": float(diff.max()), "max_abs_logit": float(np.abs(want).max()), **extra,
         "torch": torch.__version__, "onnxruntime": ort.__version__,
     }
     text = json.dumps(result, indent=2)

@@ -25,7 +25,6 @@ input_ids -> logits; the visual tokens replace the placeholder embeddings outsid
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import math
 import os
@@ -90,7 +89,6 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, for
                 _write(graphs, name, tmp / name, external_data, report)
             except OSError as e:  # a full disk, a quota: one line, and the temporary directory goes
                 raise M3CompileError(f"cannot write {out_dir / name}: {e.strerror or e}") from None
-            _release_freed_memory()
             if check:
                 report(0, None, f"checking {name}")
                 onnx.checker.check_model(str(tmp / name), full_check=True)
@@ -260,16 +258,6 @@ def _write(graphs: dict, name: str, path: Path, external_data: str, report) -> N
             value.const_value = None  # the last reference to this weight
             f.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[tensor])).SerializeToString())
     report(total, total, f"writing {name}")
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps the freed weight buffers of the written graph in
-    its heap, where the checker's copy of the file does not fit); nothing elsewhere."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _initializer_bytes(graph) -> int:
