@@ -4,13 +4,14 @@ resident memory and wall time, and the largest logit difference against m3compil
     python3 benchmarks/onnx_large_export.py WORK_DIR --shape 600m                     # synthetic, built and converted
     python3 benchmarks/onnx_large_export.py WORK_DIR --shape qwen2-1.5b --dtype float16
     python3 benchmarks/onnx_large_export.py WORK_DIR --model CONVERTED_DIR --tokens 600   # an already converted model
+    python3 benchmarks/onnx_large_export.py WORK_DIR --shape 600m --dtype bfloat16 --provider cuda   # onnxruntime-gpu
 
 A synthetic shape (m3compile.tools.synthetic.SHAPES: random bf16 weights) is written to WORK_DIR/synthetic-SHAPE and
 converted (`m3c convert --block-size 64 --topk 4`) once; the export (`m3c export-onnx`) runs in a child process whose
-peak RSS is read from wait4. onnxruntime (CPU provider) then runs one sequence of --tokens random ids, several
-blocks long, and its session is freed before m3compile.load computes the reference (fp32). For an fp16 export the
-same model loaded in fp16 gives PyTorch's own fp16 error; --fp64 also compares both with the fp32 model run in fp64,
-which tells rounding noise from a real difference.
+peak RSS is read from wait4. onnxruntime (the --provider's execution provider) then runs one sequence of --tokens
+random ids, several blocks long, and its session is freed before m3compile.load computes the reference (fp32, on the
+CPU). For an fp16 or bf16 export the same model loaded in that dtype gives PyTorch's own error; --fp64 also compares
+both with the fp32 model run in fp64, which tells rounding noise from a real difference.
 """
 import argparse
 import gc
@@ -44,12 +45,12 @@ def converted(work: Path, shape: str, block: int, topk: int) -> Path:
     return conv
 
 
-def export(conv: Path, out: Path, dtype: str, external: str) -> tuple[float, int]:
+def export(conv: Path, out: Path, dtype: str, external: str, provider: str) -> tuple[float, int]:
     """Wall seconds and peak RSS bytes of `m3c export-onnx` in a child process of its own."""
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    child = subprocess.Popen([*M3C, "export-onnx", str(conv), str(out), "--dtype", dtype, "--external-data", external],
-                             stdout=subprocess.DEVNULL)
+    child = subprocess.Popen([*M3C, "export-onnx", str(conv), str(out), "--dtype", dtype, "--external-data", external,
+                              "--provider", provider], stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
@@ -64,7 +65,8 @@ def main():
     ap.add_argument("--model", type=Path, help="an already converted checkpoint instead of a synthetic shape")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"], help="onnxruntime's execution provider")
     ap.add_argument("--external-data", default="auto", choices=["auto", "always", "never"])
     ap.add_argument("--tokens", type=int, default=400, help="length of the compared sequence")
     ap.add_argument("--fp64", action="store_true", help="also compare with the model run in fp64 (2x its fp32 memory)")
@@ -74,16 +76,21 @@ def main():
     conv = a.model or converted(a.work, a.shape, a.block_size, a.topk)
     out = a.work / f"{conv.name}-onnx-{a.dtype}"
     params = sum(math.prod(shape) for shape, _ in SourceTensors(conv).headers.values())
-    wall, peak = export(conv, out, a.dtype, a.external_data)
+    provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[a.provider]
+    if provider not in ort.get_available_providers():
+        sys.exit(f"onnxruntime {ort.__version__} here has no {provider} (pip install onnxruntime-gpu)")
+    wall, peak = export(conv, out, a.dtype, a.external_data, a.provider)
 
     cfg = json.loads((conv / "config.json").read_text())
     ids = torch.randint(0, cfg["vocab_size"], (1, a.tokens), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
-    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=[provider])
     (got,) = session.run(None, {"input_ids": ids.numpy()})
     ort_s = time.perf_counter() - t
     del session
     gc.collect()
+    if got.dtype == np.uint16:  # bfloat16 logits, as numpy has no bf16
+        got = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()
     got = got.astype(np.float32)
     extra = {}
     with torch.no_grad():
@@ -100,6 +107,7 @@ def main():
     msa = model.args.msa
     result = {
         "model": a.model.name if a.model else f"synthetic {a.shape}", "params": params, "dtype": a.dtype,
+        "provider": provider,
         "block_size": msa.block_size if msa else None, "topk": msa.topk if msa else None,
         "external_data": (out / "model.onnx.data").exists(), "external_data_mode": a.external_data,
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir())},

@@ -6,7 +6,7 @@
     load_module                 io/module_io.py     the generated graph/module.py of a converted checkpoint
     evaluate / attention_map    tools/              dense vs sparse loss and recall; what the index branch selects
     distill / train             train/distill.py    the index branch's KL distillation; continued training
-    export_onnx                 export/onnx.py      model.onnx (+ vision.onnx)
+    export_onnx                 export/onnx.py      model.onnx (+ model.onnx.data, vision.onnx)
     generate                    tools/generate.py   batched decoding over runtime/'s paged KV and index-K caches
 """
 from m3compile.config import MSAConfig, parse_dtype
