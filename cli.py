@@ -108,6 +108,16 @@ class _Group(click.Group):
                     signal.signal(sig, handler)
         sys.exit(rv if isinstance(rv, int) else 0)
 
+    def invoke(self, ctx):
+        """A Ctrl-C or SIGTERM between the API calls (which `_run` handles) also ends as one line, exit 130, rather
+        than as click's Abort, which first prints an empty line."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            if isinstance(e, DistillInterrupted):
+                raise
+            _fail(_interrupted(), EXIT_INTERRUPTED)
+
 
 def _console():
     return Console(stderr=False)

@@ -359,6 +359,13 @@ def _shards_beside_single(index: bool):
     return case
 
 
+def _without_positions(d: Path) -> Path:
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["max_position_embeddings"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
 def _nan_state(run: Path) -> None:
     path = run / "distill_state" / "index.safetensors"
     save_file({k: _nan_first(v.clone()) for k, v in load_file(path).items()}, str(path))
@@ -495,6 +502,7 @@ CASES.update({
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
     "context-map": (lambda b, t: (["attention-map", b / "msa", "--data", _ids(t, "long.npy", 1000), "--layer", 1, "--seq-len", 600, "--out", t / "m.png"], t / "m.png"), "past the model's 512 positions"),
+    "context-generate-no-positions": (lambda b, t: (["generate", _without_positions(_model(b, t)), "--prompt", "def x", "--max-new-tokens", 10**9], None), "GB free on cpu"),
     "context-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x ( ) :", "--max-new-tokens", 510], None), "past the model's 512 positions"),
     # what used to escape the command line's handler as a traceback
     "generation-config-garbage": (_generation_config(b"{bad"), "generation_config.json: not valid JSON"),
@@ -753,6 +761,16 @@ def test_a_signal_while_m3c_starts_is_one_line(sig):
     _, stderr = proc.communicate(timeout=60)
     assert "libtorch" not in maps  # the handlers were in place before torch was loaded
     assert proc.returncode == 130 and stderr == "error: interrupted; no output was written\n", stderr
+
+
+def test_an_interrupt_between_api_calls_is_one_line(monkeypatch):
+    """Ctrl-C or SIGTERM outside the API calls (here: as the table is drawn) ends as every interrupt: one line."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_console", interrupted)
+    code, output, stderr, _ = _invoke("passes")
+    assert code == 130 and stderr == "error: interrupted; no output was written\n", (output, stderr)
 
 
 def test_a_tiny_temperature_samples_the_top_token():

@@ -121,11 +121,12 @@ def _check_lock(out: Path) -> None:
         pass
 
 
-def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False) -> None:
+def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False, lock: bool = True) -> None:
     """The one check before any command writes the directory `out` (one-line errors, nothing written):
     `out` may not equal, contain or lie inside any of `inputs` (with or without force), may not be a file or a
     dangling symlink, must exist only with `force`, its name must leave room for the temporary and lock names beside
-    it, its lock must be free, and its nearest existing parent must be a writable directory."""
+    it, its lock must be free (`lock`: checked; False where another process of the same run holds it), and its
+    nearest existing parent must be a writable directory."""
     out = Path(out)
     extra = max(_PARTIAL_EXTRA, _LOCK_EXTRA, len("..partial-old-") + len(str(os.getpid())))
     _check_output(out, inputs, extra, directory=True)
@@ -135,7 +136,8 @@ def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False) -> 
         raise M3CompileError(f"output {out} is a file, not a directory")
     if out.exists() and not force:
         raise M3CompileError(f"{out} already exists (use --force to replace it)")
-    _check_lock(out)
+    if lock:
+        _check_lock(out)
 
 
 def check_output_file(out: str | os.PathLike, inputs=()) -> None:

@@ -285,9 +285,10 @@ _DIGEST_CHUNK = 64 * 2**20  # bytes hashed per task: a large tensor is hashed in
 
 
 def checkpoint_digest(path: str | os.PathLike) -> str:
-    """A content digest of a checkpoint directory's weights: SHA-256 over every tensor of its safetensors shards in
-    name order (name, dtype, shape and the SHA-256 of its bytes), whatever the shard layout. The files are read
-    through memory maps and hashed in 64 MiB pieces on a thread pool (hashlib releases the GIL)."""
+    """A content digest of a checkpoint directory's weights, whatever the shard layout: SHA-256 over every tensor of
+    its safetensors shards in name order, each as its name, dtype, shape and the SHA-256 of each 64 MiB piece of its
+    bytes. The files are read through memory maps and the pieces hashed on a thread pool (hashlib releases the GIL):
+    about 1 s per GB on 2 busy cores, the files in the page cache (as they are right after a load)."""
     path = Path(path)
     pieces: list[tuple[str, str, list[int], list]] = []
     maps = []

@@ -414,7 +414,8 @@ class _Run:
 
     def run(self, resume: bool, force: bool, shard: bool | None, progress) -> DistillReport:
         out = self.out_dir
-        check_output_dir(out, (self.model_dir, self.data), force=True)  # overlap, file, symlink, parent
+        # overlap, file, symlink, parent, name; the lock on rank 0 only (the run's writer, which holds it throughout)
+        check_output_dir(out, (self.model_dir, self.data), force=True, lock=self.rank == 0)
         if not resume and out.exists() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
         if self.rank == 0:  # one writer of the output for the whole run
