@@ -26,7 +26,7 @@ from m3compile.errors import M3CompileError
 from m3compile.export.onnx import export_onnx as run_export
 from m3compile.graph.pass_manager import PASSES
 from m3compile.io.data import load_tokens
-from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file
+from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file, resolved
 from m3compile.pipelines import PIPELINES
 from m3compile.tools.attention_map import attention_map as compute_attention_map, check_map_output, draw_attention_map
 from m3compile.bench.kernels import (
@@ -966,9 +966,10 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
     if decode_lengths is not None:
         lengths["decode_lengths"] = _parse_lengths(decode_lengths)
-    if Path(model).is_dir() and (out_dir.resolve() == Path(model).resolve()
-                                 or Path(model).resolve() in out_dir.resolve().parents):
-        _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
+    if Path(model).is_dir():
+        where, model_dir = _run(resolved, out_dir), _run(resolved, model)  # (a symlink loop: one line)
+        if where == model_dir or model_dir in where.parents:
+            _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
