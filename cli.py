@@ -21,15 +21,15 @@ from m3compile import (
     DistillConfig, DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, distill as run_distill, evaluate,
     load, train as run_train,
 )
-from m3compile.config import INDEX_DTYPES
+from m3compile.config import INDEX_DTYPES, EvalConfig
 from m3compile.errors import M3CompileError
 from m3compile.export.onnx import EXTERNAL_DATA, export_onnx as run_export
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, PROVIDERS as ONNX_PROVIDERS
 from m3compile.graph.pass_manager import PASSES
 from m3compile.io.data import load_tokens
-from m3compile.io.output_dir import COMMITTED
+from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file, resolved
 from m3compile.pipelines import PIPELINES
-from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
+from m3compile.tools.attention_map import attention_map as compute_attention_map, check_map_output, draw_attention_map
 from m3compile.bench.kernels import (
     BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
 )
@@ -109,6 +109,16 @@ class _Group(click.Group):
                     signal.signal(sig, handler)
         sys.exit(rv if isinstance(rv, int) else 0)
 
+    def invoke(self, ctx):
+        """A Ctrl-C or SIGTERM between the API calls (which `_run` handles) also ends as one line, exit 130, rather
+        than as click's Abort, which first prints an empty line."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            if isinstance(e, DistillInterrupted):
+                raise
+            _fail(_interrupted(), EXIT_INTERRUPTED)
+
 
 def _console():
     return Console(stderr=False)
@@ -126,16 +136,22 @@ def _parse_layers(text: str | None) -> tuple[int, ...]:
 def _parse_size(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
+    size = None
     for unit in sorted(units, key=len, reverse=True):
         if t.endswith(unit):
             try:
-                return int(float(t[: -len(unit)]) * units[unit])
-            except ValueError:
-                break
-    try:
-        return int(t)
-    except ValueError:
-        raise click.BadParameter(f"expected a size such as 5GB or 500MB, got {text!r}") from None
+                size = int(float(t[: -len(unit)]) * units[unit])
+            except (ValueError, OverflowError):  # nan, inf
+                pass
+            break
+    if size is None:
+        try:
+            size = int(t)
+        except ValueError:
+            pass
+    if size is None or size < 1:
+        raise click.BadParameter(f"expected a positive size such as 5GB or 500MB, got {text!r}")
+    return size
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -185,7 +201,8 @@ def main():
               help="Calibration data (.bin bytes, .npy ids, .txt/.jsonl via SRC's tokenizer): fits the index branch to "
                    "the hidden states it sees [default: the weight-only init].")
 @click.option("--calib-tokens", default=8192, show_default=True, help="Calibration tokens read from the start of --calib.")
-@click.option("--calib-seq-len", default=2048, show_default=True, help="Tokens per calibration window.")
+@click.option("--calib-seq-len", type=int, default=None,
+              help="Tokens per calibration window [default: 2048, or the model's positions if fewer].")
 @click.option("--calib-device", default="cpu", show_default=True, help="Where the calibration forward runs (cpu, cuda, cuda:N).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
@@ -218,6 +235,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
              if click.get_current_context().get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
     if calib is None and given:
         raise click.UsageError(f"{given[0]} applies only with --calib")
+    if out is not None and out_opt is not None and os.path.abspath(out) != os.path.abspath(out_opt):
+        raise click.UsageError(f"OUT given twice, as {out} and as --out {out_opt}: give one")
     out = out or out_opt or (Path(f"{preset or 'm3-tiny'}-msa") if src is None else None)
     if out is None:
         raise click.UsageError("missing OUT directory")
@@ -294,6 +313,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
         raise click.BadParameter("--batch must be >= 1")
     if task not in ("loss", "retrieval"):
         _fail(f"unknown --task {task!r} (use loss or retrieval)")
+    _run(EvalConfig, seq_len=seq_len, max_windows=max_windows, batch=batch, probes=probes)
     if task == "retrieval":
         try:
             dists = tuple(int(d) for d in distances.split(","))
@@ -301,7 +321,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
             _fail(f"--distances: expected comma-separated token counts, got {distances!r}")
         model = _run(load, model_dir, dtype=dtype, device=device)
         if index_dtype:
-            model.set_index_dtype(index_dtype)
+            _run(model.set_index_dtype, index_dtype)
         tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
         encode = _run(text_encoder, model_dir, model.args.vocab_size)
         with Progress(transient=True, disable=as_json) as bar:
@@ -327,7 +347,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
 
     model = _run(load, model_dir, dtype=dtype, device=device)
     if index_dtype:
-        model.set_index_dtype(index_dtype)
+        _run(model.set_index_dtype, index_dtype)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
     with Progress(transient=True, disable=as_json) as bar:
         task_id = bar.add_task("evaluating", total=None)
@@ -523,10 +543,11 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     what MSA drops. The right panel is the block recall of every MSA layer on the same window.
     """
 
+    _run(check_map_output, out, (model_dir, data))
     model = _run(load, model_dir, dtype=dtype, device=device)
     tokens = _run(load_tokens, data, model.args.vocab_size, model_dir)
     amap = _run(compute_attention_map, model, tokens, layer, group, seq_len, offset)
-    _run(draw_attention_map, amap, out)
+    _run(draw_attention_map, amap, out, (model_dir, data))
     if as_json:
         click.echo(json.dumps(amap.to_dict() | {"out": str(out)}, indent=2))
         return
@@ -569,6 +590,10 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             _fail(f"{prompt_file}: cannot read the prompt ({e.strerror})")
         except UnicodeDecodeError as e:
             _fail(f"{prompt_file}: not UTF-8 text (invalid byte at offset {e.start})")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+        _fail(f"--prompt is not UTF-8 text (invalid byte at offset {len(prompt[:e.start].encode('utf-8', 'replace'))})")
     if max_new_tokens < 1:
         raise click.BadParameter("--max-new-tokens must be >= 1")
     model = _run(load, model_dir, dtype=dtype, device=device)
@@ -584,7 +609,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             click.echo(text, nl=False)
             sys.stdout.flush()
 
-    _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
+    _run(run_generate, model, [ids], max_new_tokens, eos_token_id=_run(eos_token_id, model.source_config, model_dir),
          temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None)
     click.echo()
 
@@ -612,6 +637,10 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
 
     if src is not None and preset is not None:
         raise click.UsageError("give SRC or --preset, not both")
+    if out is not None and fmt == "rich":
+        raise click.UsageError("--out writes --format json, dot, svg or mermaid; the rich tables go to the terminal")
+    if out is not None:
+        _run(check_output_file, out, (src,))
     config = None
     if dense_layers is not None or block_size != 128 or topk != 16:
         default_dense = "0,1,2" if src is None and (preset or "m3") == "m3" else "0"
@@ -636,9 +665,7 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
         if out is None:
             click.echo(text, nl=False)
         else:
-            tmp = out.with_name(f".{out.name}.partial")
-            tmp.write_text(text)
-            tmp.replace(out)
+            _run(atomic_write_text, out, text, (src,))
         return
     _print_inspect(report)
 
@@ -957,9 +984,10 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         lengths["prefill_lengths"] = _parse_lengths(prefill_lengths)
     if decode_lengths is not None:
         lengths["decode_lengths"] = _parse_lengths(decode_lengths)
-    if Path(model).is_dir() and (out_dir.resolve() == Path(model).resolve()
-                                 or Path(model).resolve() in out_dir.resolve().parents):
-        _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
+    if Path(model).is_dir():
+        where, model_dir = _run(resolved, out_dir), _run(resolved, model)  # (a symlink loop: one line)
+        if where == model_dir or model_dir in where.parents:
+            _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,

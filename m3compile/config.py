@@ -9,7 +9,8 @@ import torch
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "parse_dtype", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES"]
+__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES",
+           "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -22,6 +23,13 @@ INDEX_DTYPES = ("auto", "fp8")
 # sparse_index_rope "tile"; the init fits a dense pair's groups with as many shared-key ranks as it has index pairs)
 INDEX_ROPES = ("m3", "low", "tile")
 
+# The largest MSA settings accepted (M3: block 128, top-16, 4 index heads of 128): far past any model, well short of
+# what would exhaust memory or overflow the kernels' offsets
+MAX_BLOCK_SIZE = 1 << 16
+MAX_TOPK = 1 << 16
+MAX_INDEX_DIM = 1024
+MAX_INDEX_HEADS = 1024
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -33,6 +41,37 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name not in DTYPES:
         raise M3CompileError(f"unknown dtype {name!r} (use one of {', '.join(DTYPES)})")
     return DTYPES[name]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_msa_ranges(*, block_size, topk, init_blocks, local_blocks, index_dim=None, index_heads=None,
+                     names: dict[str, str] | None = None, min_local: int = 1) -> None:
+    """The one range check of MSA settings, for MSAConfig and for the settings a converted config.json holds: whole
+    numbers within [minimum, MAX_*], init_blocks + local_blocks within topk. `names` labels each setting in the
+    error (config.json keys); by default `MSAConfig.<name>`."""
+    names = names or {}
+    bounds = {"block_size": (1, MAX_BLOCK_SIZE), "topk": (1, MAX_TOPK), "init_blocks": (0, MAX_TOPK),
+              "local_blocks": (min_local, MAX_TOPK), "index_dim": (1, MAX_INDEX_DIM),
+              "index_heads": (1, MAX_INDEX_HEADS)}
+    values = dict(block_size=block_size, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                  index_dim=index_dim, index_heads=index_heads)
+    for name, value in values.items():
+        if value is None and name in ("index_dim", "index_heads"):
+            continue
+        label, (low, high) = names.get(name, f"MSAConfig.{name}"), bounds[name]
+        if not _is_int(value):
+            raise M3CompileError(f"{label} must be an integer, got {value!r}")
+        if value < low:
+            raise M3CompileError(f"{label} must be >= {low}, got {value}")
+        if value > high:
+            raise M3CompileError(f"{label} {value:,} is past any sensible setting (at most {high:,})")
+    if init_blocks + local_blocks > topk:
+        label = lambda n: names.get(n, n)  # noqa: E731
+        raise M3CompileError(f"{label('init_blocks')} ({init_blocks}) + {label('local_blocks')} ({local_blocks}) "
+                             f"exceed {label('topk')} ({topk})")
 
 
 @dataclass(frozen=True)
@@ -63,19 +102,10 @@ class MSAConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
-        for name in ("block_size", "topk", "local_blocks", "vision_window"):
-            if getattr(self, name) < 1:
-                raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.init_blocks < 0:
-            raise M3CompileError(f"MSAConfig.init_blocks must be >= 0, got {self.init_blocks}")
-        if self.init_blocks + self.local_blocks > self.topk:
-            raise M3CompileError(
-                f"init_blocks ({self.init_blocks}) + local_blocks ({self.local_blocks}) exceed topk ({self.topk})"
-            )
-        for name in ("index_heads", "index_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise M3CompileError(f"MSAConfig.{name} must be >= 1, got {value}")
+        if self.vision_window < 1:
+            raise M3CompileError(f"MSAConfig.vision_window must be >= 1, got {self.vision_window}")
+        check_msa_ranges(block_size=self.block_size, topk=self.topk, init_blocks=self.init_blocks,
+                         local_blocks=self.local_blocks, index_dim=self.index_dim, index_heads=self.index_heads)
         if self.index_dtype not in INDEX_DTYPES:
             raise M3CompileError(f"MSAConfig.index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
         if any(i < 0 for i in self.dense_layers):
@@ -122,3 +152,30 @@ class MSAConfig:
         if index_rope != "m3":
             out["sparse_index_rope"] = index_rope
         return out
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The numeric options of `m3c eval` (and evaluate / retrieval), each checked for its range and meaning.
+
+    seq_len      tokens per evaluated window (retrieval: the longest probe)
+    max_windows  evaluate at most this many windows; None = all (0 is not "all": it would evaluate nothing)
+    batch        windows per forward
+    probes       retrieval: probes per distance
+    """
+
+    seq_len: int = 4096
+    max_windows: int | None = None
+    batch: int = 1
+    probes: int = 16
+
+    def __post_init__(self):
+        for name in ("seq_len", "max_windows", "batch", "probes"):
+            value = getattr(self, name)
+            if name == "max_windows" and value is None:
+                continue
+            if not _is_int(value):
+                raise M3CompileError(f"{name} must be an integer, got {value!r}")
+            if value < 1:
+                extra = " (leave it out to evaluate every window)" if name == "max_windows" else ""
+                raise M3CompileError(f"{name} must be >= 1, got {value}{extra}")

@@ -29,7 +29,8 @@ from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
 from m3compile.passes import (
     FuseIndexBranch, FuseMSA, GQAToMSA, KLDistill, LowerNorms, LowerTriton, StripKLDistill, ViT3DWindow,
 )
-from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration, CalibrationInfo
+from m3compile.io.hf_config import max_positions
+from m3compile.passes.calibration import Calibration, CalibrationInfo
 
 __all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]
 
@@ -91,13 +92,14 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *, calib: torch.Tensor | None = None,
-            calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, calib_device: str | torch.device | None = None,
+            calib_seq_len: int | None = None, calib_device: str | torch.device | None = None,
             ) -> tuple[torch.fx.GraphModule, ConversionReport]:
     """Trace `model`, rewrite its causal GQA attention into MSA; returns (GraphModule, report).
 
     The model's own weights are shared with the GraphModule, not copied; the index-branch weights are new.
     calib: 1-D token ids of calibration data; the index branch is then fitted to the data's hidden states
     (passes/calibration.py, passes/index_init.py) instead of the weights alone. Needs a Decoder (`m3compile.load`).
+    calib_seq_len: tokens per calibration window [default: 2048, at most the model's positions].
     calib_device: where the calibration forward runs [default: the model's device].
     """
     config = config or MSAConfig()
@@ -107,12 +109,16 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
         bad = [i for i in config.dense_layers if i >= args.n_layers]
         if bad:
             raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
+        if config.index_dtype != "auto" and args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
+            raise M3CompileError(f"index_dtype {config.index_dtype!r} applies to MSA layers, and every layer is kept "
+                                 f"dense (dense_layers): nothing would score with it")
     moments, info = None, CalibrationInfo("weight-only")
     if calib is not None:
         if not isinstance(model, Decoder):
             raise M3CompileError(f"calibration needs an m3compile Decoder (m3compile.load), got {type(model).__name__}")
         device = calib_device or next(model.parameters()).device
-        calibration = Calibration(args, calib, calib_seq_len, device)
+        calibration = Calibration(args, calib, calib_seq_len, device,
+                                  max_positions=max_positions(getattr(model, "source_config", None)))
         todo = [i for i in range(args.n_layers) if i not in config.dense_layers and not args.is_sparse(i)]
         moments, info = calibration.model_moments(model.model, todo), calibration.info
     params_before = _count(model)

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
+from m3compile.errors import M3CompileError
 from m3compile.kernels._common import use_triton
 from m3compile.kernels.causal_lse.naive import oracle_blocks
 from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
@@ -474,10 +475,14 @@ class Decoder(nn.Module):
 
     def set_index_dtype(self, index_dtype: str) -> None:
         """How MSA layers score their index branch from now on: "auto" (the compute dtype) or "fp8" (e4m3 x e4m3,
-        per-token key scale). Changes `args.msa` too, so what is saved or traced afterwards scores the same way."""
+        per-token key scale). Changes `args.msa` too, so what is saved or traced afterwards scores the same way.
+        fp8 on a model without MSA layers is refused: there is no index branch to score with it."""
         if index_dtype not in INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
         if self.args.msa is None:
+            if index_dtype != "auto":
+                raise M3CompileError(f"--index-dtype {index_dtype} applies to MSA layers, and the model has none "
+                                     f"(it was never converted): nothing would score with it")
             return
         self.args = self.args.replace(msa=dataclasses.replace(self.args.msa, index_dtype=index_dtype))
         for module in self.modules():

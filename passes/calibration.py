@@ -46,17 +46,25 @@ class Calibration:
     """Layer-by-layer dense forward over calibration windows; `moment(i, layer)` returns C_i and advances.
 
     tokens: 1-D token ids, cut into windows of `seq_len` (one shorter window when there are fewer tokens).
+    max_positions: the model's positions (max_position_embeddings): a window past them is refused (the hidden states
+    there are of positions the model never saw); the default `seq_len` (None: DEFAULT_CALIB_SEQ_LEN) is cut to them.
     Call `embed(weight)` once, then `moment(i, layer)` for i = 0, 1, ... in order (every layer, converted or not:
     `advance(i, layer)` runs a layer whose moment is not needed)."""
 
-    def __init__(self, args: ModelArgs, tokens: torch.Tensor, seq_len: int = DEFAULT_CALIB_SEQ_LEN,
-                 device: str | torch.device = "cpu", source: str | None = None):
+    def __init__(self, args: ModelArgs, tokens: torch.Tensor, seq_len: int | None = None,
+                 device: str | torch.device = "cpu", source: str | None = None, max_positions: int | None = None):
         tokens = tokens.reshape(-1)
+        if seq_len is None:
+            seq_len = min(DEFAULT_CALIB_SEQ_LEN, max_positions or DEFAULT_CALIB_SEQ_LEN)
         if seq_len < 1:
             raise M3CompileError(f"calibration sequence length must be positive, got {seq_len}")
         if tokens.numel() < 2:
             raise M3CompileError(f"calibration needs at least 2 tokens, got {tokens.numel()}")
         seq_len = min(seq_len, tokens.numel())
+        if max_positions is not None and seq_len > max_positions:
+            raise M3CompileError(f"--calib-seq-len: calibration windows of {seq_len:,} tokens are past the model's "
+                                 f"{max_positions:,} positions (max_position_embeddings in config.json); use at most "
+                                 f"{max_positions:,}")
         n = tokens.numel() // seq_len
         self.windows = tokens[: n * seq_len].view(n, seq_len).to(device)
         self.args, self.device = args, torch.device(device)

@@ -16,7 +16,7 @@ from m3compile.io.load import check_device, from_preset
 from m3compile.io.output_dir import check_output_dir
 from m3compile.io.save import save
 from m3compile.io.streaming import convert_streaming
-from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS
+from m3compile.passes.calibration import DEFAULT_CALIB_TOKENS
 from m3compile.pipelines import ConversionReport, convert
 
 __all__ = ["convert_checkpoint"]
@@ -27,19 +27,23 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
                        max_shard_size: int = 5 * 10**9,
                        progress: Callable[[int, int, str], None] | None = None,
                        calib: str | os.PathLike | None = None, calib_tokens: int = DEFAULT_CALIB_TOKENS,
-                       calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, calib_device: str = "cpu") -> ConversionReport:
+                       calib_seq_len: int | None = None, calib_device: str = "cpu") -> ConversionReport:
     """Checkpoint directory (or preset) -> converted checkpoint directory. Fails before writing anything.
 
     A checkpoint directory is converted streaming (m3compile.io.streaming): memory holds one layer, not the model.
     calib: a data file (.bin, .npy, .txt/.jsonl through SRC's tokenizer) whose first `calib_tokens` tokens calibrate
-    the index init (passes/calibration.py); without it the init uses the weights alone.
+    the index init (passes/calibration.py) in windows of `calib_seq_len` tokens [default: 2048, at most the model's
+    positions]; without it the init uses the weights alone. Every input (SRC, calib) is checked against the output
+    before anything is read.
     """
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, () if src is None else (src,), force)
+    check_output_dir(out_dir, (src, calib), force)
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise M3CompileError(f"max shard size must be a positive number of bytes, got {max_shard_size!r}")
     model = None if src is not None else from_preset(preset or "m3-tiny")
     ids = None
     if calib is not None:
-        if calib_tokens < 2 or calib_seq_len < 2:
+        if calib_tokens < 2 or (calib_seq_len is not None and calib_seq_len < 2):
             raise M3CompileError(f"--calib-tokens and --calib-seq-len must be at least 2, got {calib_tokens} and "
                                  f"{calib_seq_len}")
         check_device(calib_device)

@@ -60,9 +60,13 @@ def _tokenize(path: Path, tokenizer_dir) -> torch.Tensor:
         for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    texts.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
+                    value = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError, IndexError):
                     raise M3CompileError(f"{path}:{i}: expected a JSON object with a 'text' field") from None
+                if not isinstance(value, str):
+                    raise M3CompileError(f"{path}:{i}: the 'text' field must be a string, got "
+                                         f"{type(value).__name__} {json.dumps(value)[:40]}")
+                texts.append(value)
     else:
         texts = [text]
     return torch.tensor([i for enc in tok.encode_batch(texts) for i in enc.ids], dtype=torch.long)
@@ -70,9 +74,11 @@ def _tokenize(path: Path, tokenizer_dir) -> torch.Tensor:
 
 def windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
     """Non-overlapping [N, seq_len + 1] windows (inputs plus the next-token targets)."""
+    if max_windows is not None and max_windows < 1:
+        raise M3CompileError(f"max_windows must be >= 1, got {max_windows} (None for every window)")
     n = (ids.numel() - 1) // seq_len
     if n < 1:
         raise M3CompileError(f"the data has {ids.numel()} tokens, fewer than one sequence of {seq_len} + 1")
-    if max_windows:
+    if max_windows is not None:
         n = min(n, max_windows)
     return torch.stack([ids[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])

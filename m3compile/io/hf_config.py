@@ -12,13 +12,14 @@ import math
 import os
 from pathlib import Path
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES, check_msa_ranges
 from m3compile.errors import M3CompileError
 from m3compile.io.remote_code import REMOTE_MODEL_TYPE, source_config
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "read_config", "check_config_types", "args_from_config", "vision_args_from_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "read_config", "check_config_types", "args_from_config", "vision_args_from_config",
+           "max_positions", "check_positions", "ROPE_SCALINGS"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl", REMOTE_MODEL_TYPE)
 _M3_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
@@ -106,6 +107,59 @@ def check_config_types(cfg: dict, where: str = "") -> None:
         value = sparse.get(key) if key == "sparse_attention_freq" else cfg.get(key)
         if value is not None and not isinstance(value, list):
             raise M3CompileError(f"config.json {where}{key} must be a list, got {json.dumps(value)}")
+        if key.endswith("_freq") and value is not None:  # one 0 or 1 per layer
+            bad = [v for v in value if not isinstance(v, (int, float)) or v not in (0, 1)]
+            if bad:
+                bad = bad[0]
+                raise M3CompileError(f"config.json {where}{'sparse_attention_config.' if key.startswith('sparse') else ''}"
+                                     f"{key} entries must be 0 or 1 (one per layer), got {json.dumps(bad)}")
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise M3CompileError(f"config.json {where}num_attention_heads ({heads}) must be a multiple of "
+                             f"num_key_value_heads ({kv}): each KV head serves a whole group of query heads")
+
+
+# RoPE frequency scalings the models implement (models/decoder.py _scale_frequencies) and the keys each needs
+ROPE_SCALINGS = {"default": (), "linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(scaling: dict | None, where: str) -> None:
+    """A RoPE scaling the model implements, with every number it needs finite and positive."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALINGS:
+        raise M3CompileError(f"config.json {where}: RoPE scaling {json.dumps(kind)} is not supported (supported: "
+                             f"{', '.join(ROPE_SCALINGS)})")
+    for key in ROPE_SCALINGS[kind]:
+        if key not in scaling:
+            raise M3CompileError(f"config.json {where}: {kind} RoPE scaling needs {key}")
+        _check_value(f"{where}.", key, scaling[key], float, 0)
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise M3CompileError(f"config.json {where}: high_freq_factor ({scaling['high_freq_factor']}) must exceed "
+                             f"low_freq_factor ({scaling['low_freq_factor']})")
+
+
+def max_positions(cfg: dict | None) -> int | None:
+    """The positions a model was trained for (config.json's max_position_embeddings; a minimax_m3_vl model's text
+    model's), or None when the config does not say."""
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("model_type") == "minimax_m3_vl" and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    value = cfg.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_positions(length: int, cfg: dict | None, what: str) -> None:
+    """`length` tokens in one sequence must fit the model's positions (max_position_embeddings): past them the model
+    runs on positions it was never trained on, and whatever is measured there means nothing. `what` names the
+    length in the error ("--seq-len 4096")."""
+    limit = max_positions(cfg)
+    if limit is not None and length > limit:
+        raise M3CompileError(f"{what} is past the model's {limit:,} positions (max_position_embeddings in "
+                             f"config.json); use at most {limit:,} tokens")
 
 
 def _rope(cfg: dict) -> tuple[float, float, dict | None]:
@@ -115,8 +169,10 @@ def _rope(cfg: dict) -> tuple[float, float, dict | None]:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kind = params.get("rope_type", "default")
+    _check_rope_scaling(scaling, "rope_scaling")
     if kind != "default":
         scaling = params
+        _check_rope_scaling(scaling, "rope_parameters")
     return float(theta), float(factor), scaling
 
 
@@ -141,6 +197,8 @@ def args_from_config(cfg: dict, attn_impl: str = "sdpa_gqa") -> tuple[ModelArgs,
         return _args_from_config(cfg, attn_impl)
     except KeyError as e:
         raise M3CompileError(f"config.json lacks {e.args[0]!r}, needed for model_type {model_type}") from None
+    except ValueError as e:  # the model's own consistency checks (ModelArgs, MSALayerArgs)
+        raise M3CompileError(f"config.json: {' '.join(str(e).split())}") from None
 
 
 def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]:
@@ -198,6 +256,11 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
             init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
             index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
         )
+        if any(sparse):
+            _check_msa(msa, dict(block_size="index_block_size", topk="index_topk_blocks",
+                                 init_blocks="sparse_attention_config.sparse_init_block",
+                                 local_blocks="index_local_blocks", index_dim="index_head_dim",
+                                 index_heads="index_n_heads"))
         return args.replace(sparse_layers=sparse, msa=msa if any(sparse) else None), flavour
     msa = _msa_from_release(sparse_cfg, args)
     return (args.replace(**msa) if msa else args), flavour
@@ -221,7 +284,21 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
         init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
         index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
     )
+    _check_msa(msa, {name: f"sparse_attention_config.{key}" for name, key in (
+        ("block_size", "sparse_block_size"), ("topk", "sparse_topk_blocks"), ("init_blocks", "sparse_init_block"),
+        ("local_blocks", "sparse_local_block"), ("index_dim", "sparse_index_dim"),
+        ("index_heads", "sparse_num_index_heads"))})
     return {"sparse_layers": tuple(bool(f) for f in freq), "msa": msa}
+
+
+def _check_msa(msa: MSALayerArgs, keys: dict[str, str]) -> None:
+    """A config's MSA settings within the ranges a conversion accepts (config.check_msa_ranges), named by its keys."""
+    try:
+        check_msa_ranges(block_size=msa.block_size, topk=msa.topk, init_blocks=msa.init_blocks,
+                         local_blocks=msa.local_blocks, index_dim=msa.index_dim, index_heads=msa.index_heads,
+                         names=keys, min_local=0)
+    except M3CompileError as e:
+        raise M3CompileError(f"config.json {e}") from None
 
 
 def vision_args_from_config(cfg: dict):

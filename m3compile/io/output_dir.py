@@ -1,8 +1,12 @@
-"""Atomic output directories: a command's output appears whole or not at all, one writer at a time.
+"""Atomic outputs: a command's output (a directory, or one file) appears whole or not at all, one writer at a time.
 
-check_output_dir is the one check before anything is written; atomic_output_dir writes into a temporary sibling
-directory, under an exclusive lock, and moves it into place with SIGINT / SIGTERM held, recording each output put in
-place in COMMITTED (m3c says so when a signal comes after it).
+The output guard, one for every command that writes: check_output_dir (a directory) and check_output_file (one
+file) run before any work and refuse, as one-line errors with nothing written, an output that is or overlaps an
+input (equal to it, inside it or holding it, whatever --force says), a name too long for the temporary and lock
+names beside it, a lock that cannot be taken, a symlink loop, a parent that is not a writable directory.
+atomic_output_dir / atomic_output_file then write into a temporary sibling, under an exclusive lock, and move it
+into place with SIGINT / SIGTERM held, recording each output put in place in COMMITTED (m3c says so when a signal
+comes after it).
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import contextlib
 import fcntl
 import glob
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -18,37 +23,131 @@ from pathlib import Path
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["check_output_dir", "output_lock", "COMMITTED", "signals_recorded", "atomic_output_dir"]
+__all__ = ["check_output_dir", "check_output_file", "output_lock", "COMMITTED", "signals_recorded",
+           "atomic_output_dir", "atomic_output_file", "atomic_write_text", "resolved"]
 
-def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False) -> None:
-    """The one check before any command writes the directory `out` (one-line errors, nothing written):
-    `out` may not equal, contain or lie inside any of `inputs` (with or without force), may not be a file or a
-    dangling symlink, must exist only with `force`, and its nearest existing parent must be a writable directory."""
-    out = Path(out)
-    target = Path(os.path.abspath(out)).resolve()
+# What the sibling names add to an output's name: `.NAME.partial-XXXXXXXX` (the temporary output), `.NAME.lock`, and
+# for a directory replaced with --force `.NAME.partial-old-PID` (the previous output while the new one moves in)
+_PARTIAL_EXTRA = len("..partial-") + 8
+_LOCK_EXTRA = len("..lock")
+_INNER_RESERVE = 64  # bytes of path kept for the files a directory output holds (distill_state/optimizer.safetensors)
+
+
+def resolved(path: str | os.PathLike) -> Path:
+    """`path` absolute with its symlinks followed; a symlink loop is a one-line error, not a traceback."""
+    try:
+        return Path(os.path.abspath(path)).resolve()
+    except (RuntimeError, OSError) as e:  # RuntimeError: Python < 3.13's "Symlink loop"; OSError: ELOOP
+        raise M3CompileError(f"{path}: cannot follow its symlinks ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _existing_parent(target: Path) -> Path:
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
+
+
+def _hard_link(target: Path, inp: Path) -> Path | None:
+    """The file of the input `inp` (itself, or one in it for a directory) that the existing file `target` is by
+    another name (a hard link), or None. Only a file with more than one link can be one."""
+    try:
+        st = target.stat()
+    except OSError:
+        return None
+    if not target.is_file() or st.st_nlink < 2:
+        return None
+    places = [inp] if inp.is_file() else [Path(d) / f for d, _, files in os.walk(inp) for f in files]
+    for p in places:
+        with contextlib.suppress(OSError):
+            other = p.stat()
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return p
+    return None
+
+
+def _check_output(out: Path, inputs, extra: int, directory: bool) -> Path:
+    """The checks outputs of both kinds share: overlap with the inputs, name and path length, symlink loops, the
+    nearest existing parent a writable directory. Returns the output, resolved."""
+    target = resolved(out)
     for given in inputs:
         if given is None:
             continue
-        inp = Path(os.path.abspath(given)).resolve()
+        inp = resolved(given)
         if target == inp:
-            raise M3CompileError(f"output {out} is the input {given}; write to another directory")
+            raise M3CompileError(f"output {out} is the input {given}; write to another "
+                                 f"{'directory' if directory else 'file'}")
         if target in inp.parents:
             raise M3CompileError(f"output {out} contains the input {given}; write to another directory")
         if inp in target.parents:
-            raise M3CompileError(f"output {out} is inside the input {given}; write to another directory")
+            raise M3CompileError(f"output {out} is inside the input {given}; write to another "
+                                 f"{'directory' if directory else 'file'}")
+        link = _hard_link(target, inp)
+        if link is not None:
+            raise M3CompileError(f"output {out} is {link} of the input {given} by another name (a hard link); write "
+                                 f"to another file")
+    name = Path(os.path.abspath(out)).name
+    parent = _existing_parent(target)
+    size, name_max = len(os.fsencode(name)), _limit(parent, "PC_NAME_MAX", 255)
+    if size + extra > name_max:
+        raise M3CompileError(f"output {out}: a name of {size} bytes is too long here: the temporary and lock files "
+                             f"beside it add {extra} bytes to it, past the file system's {name_max}; use a name of at "
+                             f"most {name_max - extra} bytes")
+    path_max = _limit(parent, "PC_PATH_MAX", 4096)
+    if len(os.fsencode(str(target))) + extra + (_INNER_RESERVE if directory else 0) >= path_max:
+        raise M3CompileError(f"output {out}: the path is too long for this file system ({path_max} bytes at most, "
+                             f"with the names written inside and beside it)")
+    if not parent.is_dir():
+        raise M3CompileError(f"output {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise M3CompileError(f"output {out}: cannot write in {parent} (permission denied)")
+    return target
+
+
+def _check_lock(out: Path) -> None:
+    """Take and release the output's lock now, before any work: a lock another process holds, or one that cannot be
+    created, is refused here rather than after a long conversion. Nothing is left behind."""
+    out = Path(os.path.abspath(out))
+    if not out.parent.is_dir() or str(out.parent / f".{out.name}.lock") in _HELD_LOCKS:
+        return  # a missing parent is created with the output (and its lock) later; a lock this process holds is ours
+    with output_lock(out):
+        pass
+
+
+def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False, lock: bool = True) -> None:
+    """The one check before any command writes the directory `out` (one-line errors, nothing written):
+    `out` may not equal, contain or lie inside any of `inputs` (with or without force), may not be a file or a
+    dangling symlink, must exist only with `force`, its name must leave room for the temporary and lock names beside
+    it, its lock must be free (`lock`: checked; False where another process of the same run holds it), and its
+    nearest existing parent must be a writable directory."""
+    out = Path(out)
+    extra = max(_PARTIAL_EXTRA, _LOCK_EXTRA, len("..partial-old-") + len(str(os.getpid())))
+    _check_output(out, inputs, extra, directory=True)
     if out.is_symlink() and not out.exists():
         raise M3CompileError(f"output {out} is a dangling symlink")
     if out.exists() and not out.is_dir():
         raise M3CompileError(f"output {out} is a file, not a directory")
     if out.exists() and not force:
         raise M3CompileError(f"{out} already exists (use --force to replace it)")
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise M3CompileError(f"output {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise M3CompileError(f"output {out}: cannot write in {parent} (permission denied)")
+    if lock:
+        _check_lock(out)
+
+
+def check_output_file(out: str | os.PathLike, inputs=()) -> None:
+    """check_output_dir for an output that is one file (inspect --out, attention-map --out): an existing file is
+    replaced (as these commands always did), a directory is refused; a missing parent directory is created."""
+    out = Path(out)
+    _check_output(out, inputs, max(_PARTIAL_EXTRA, _LOCK_EXTRA), directory=False)
+    if out.is_dir():
+        raise M3CompileError(f"output {out} is a directory; name a file to write")
+    _check_lock(out)
 
 
 _HELD_LOCKS: dict[str, list] = {}  # lock file -> [fd, depth]: a process may nest writes of one output
@@ -69,7 +168,10 @@ def output_lock(out: str | os.PathLike):
             _HELD_LOCKS[key][1] -= 1
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise M3CompileError(f"{out}: cannot create the lock file {lock} ({e.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if os.fstat(fd).st_ino != os.stat(lock).st_ino:  # the holder removed it as we opened it: still contended
@@ -160,3 +262,33 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
             raise
         finally:  # the previous output, once the new one is in place (also when a held signal fires after it)
             shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_output_file(out: str | os.PathLike, inputs=()):
+    """Yield a temporary sibling path (not yet created) that becomes the file `out` only if the block completes.
+
+    check_output_file runs first; the output is locked against a second writer; stale `.NAME.partial-*` files of a
+    killed earlier run are removed."""
+    out = Path(out)
+    check_output_file(out, inputs)
+    with output_lock(out):
+        for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        tmp = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+        try:
+            yield tmp
+            with _signals_held():
+                os.replace(tmp, out)
+                COMMITTED.append(out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def atomic_write_text(out: str | os.PathLike, text: str, inputs=()) -> Path:
+    """Write `text` to the file `out` through atomic_output_file (the guard first; whole or not at all)."""
+    with atomic_output_file(out, inputs) as tmp:
+        tmp.write_text(text)
+    return Path(out)

@@ -26,18 +26,19 @@ from safetensors import safe_open
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
+from m3compile.io.hf_config import args_from_config, max_positions, read_config, vision_args_from_config
 from m3compile.io.output_dir import atomic_output_dir, check_output_dir
 from m3compile.io.save import output_config, write_extras
 from m3compile.io.tensor_names import (
     VISION_TENSOR, internal_names, strip_prefix, to_release_names, vision_names, vision_release_names,
 )
 from m3compile.io.weights import (
-    check_state, check_weight_map, copy_tokenizer_files, plan_shards, read_weight_map, shard_files, write_shard_index,
+    check_finite, check_state, check_weight_map, copy_tokenizer_files, plan_shards, read_weight_map, shard_files,
+    write_shard_index,
 )
 from m3compile.models.decoder import Decoder, DecoderLayer, ModelArgs, MSALayerArgs
 from m3compile.models.vision import Projector, VisionTower
-from m3compile.passes.calibration import DEFAULT_CALIB_SEQ_LEN, Calibration
+from m3compile.passes.calibration import Calibration
 from m3compile.passes.index_init import index_branch_weights
 from m3compile.pipelines import ConversionReport, convert, run_pipeline
 
@@ -208,21 +209,6 @@ class SourceTensors:
             yield state
 
 
-def check_finite(name: str, t: torch.Tensor, where, dtype: torch.dtype | None = None) -> None:
-    """A source tensor must hold finite values, and fit `dtype` (the output dtype) when one is asked for."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return
-    finite = torch.isfinite(t)
-    if not bool(finite.all()):
-        bad = t[~finite].flatten()[0].item()
-        raise M3CompileError(f"{where}: tensor {name} holds non-finite values ({bad}); refusing to convert it")
-    if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
-        peak = float(t.abs().max())
-        if peak > torch.finfo(dtype).max:
-            raise M3CompileError(f"{where}: tensor {name} holds values up to {peak:.4g}, beyond {dtype}'s range "
-                                 f"(max {torch.finfo(dtype).max:.4g}); keep its dtype (no --dtype) or use bfloat16")
-
-
 def _group_of(name: str) -> tuple[int, str]:
     """Read-and-write unit of a source tensor: a whole layer, or one tensor outside the layers (embeddings first,
     then the layers in order, then the final norm and the head). Sorting the keys gives the output order."""
@@ -317,7 +303,7 @@ def convert_streaming(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: Callable[[int, int, str], None] | None = None,
     calib: torch.Tensor | None = None,
-    calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN,
+    calib_seq_len: int | None = None,
     calib_device: str = "cpu",
     calib_source: str | None = None,
 ) -> ConversionReport:
@@ -330,7 +316,7 @@ def convert_streaming(
     """
     start = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
-    check_output_dir(out_dir, (src,), force)
+    check_output_dir(out_dir, (src, calib_source), force)
     if max_shard_size < 1:
         raise M3CompileError(f"max shard size must be positive, got {max_shard_size}")
     cfg = read_config(src)
@@ -350,7 +336,7 @@ def convert_streaming(
     out_cfg = output_config(cfg, out_args, report.config)  # before any tensor is read: its refusals come first
     conv = _Converter(src, args, settings, parse_dtype(dtype))
     if calib is not None and settings:
-        conv.calibration = Calibration(args, calib, calib_seq_len, calib_device, calib_source)
+        conv.calibration = Calibration(args, calib, calib_seq_len, calib_device, calib_source, max_positions(cfg))
         report.index_init = conv.calibration.info
     has_vision = any(VISION_TENSOR.match(n) for n in conv.source.where)
     vision = vision_args_from_config(cfg) if has_vision else None
@@ -368,7 +354,7 @@ def convert_streaming(
     total = sum(nbytes(p.shape, p.dtype) for p in plan)
 
     written = 0
-    with atomic_output_dir(out_dir, force, inputs=(src,)) as tmp:
+    with atomic_output_dir(out_dir, force, inputs=(src, calib_source)) as tmp:
         writer = CheckpointWriter(tmp, [(p.name, p.shape, p.dtype) for p in plan], max_shard_size)
         fnames = {n: fname for fname, names in writer.shards for n in names}
         current, tensors = None, {}

@@ -11,9 +11,11 @@ import torch
 from m3compile.kernels.causal_lse.naive import block_recall
 from m3compile.kernels.sparse_kl.naive import selected_blocks_mask
 from m3compile.errors import M3CompileError
+from m3compile.io.hf_config import check_positions
+from m3compile.io.output_dir import atomic_output_file, check_output_file
 from m3compile.models.decoder import Decoder
 
-__all__ = ["AttentionMap", "attention_map", "draw_attention_map", "MAX_MAP_TOKENS"]
+__all__ = ["AttentionMap", "attention_map", "draw_attention_map", "check_map_output", "MAX_MAP_TOKENS"]
 
 MAX_MAP_TOKENS = 8192  # the map is a [T, T] image
 
@@ -55,6 +57,7 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
         raise M3CompileError(f"group {group} does not exist (the model has {args.n_kv_heads} KV groups)")
     if not 1 <= seq_len <= MAX_MAP_TOKENS:
         raise M3CompileError(f"--seq-len must be in [1, {MAX_MAP_TOKENS}] for a map, got {seq_len}")
+    check_positions(seq_len, getattr(model, "source_config", None), f"--seq-len {seq_len}")
     if offset < 0 or offset + seq_len > tokens.numel():
         raise M3CompileError(f"the data has {tokens.numel()} tokens; offset {offset} + seq-len {seq_len} runs past it")
     x = tokens[None, offset:offset + seq_len].to(next(model.parameters()).device)
@@ -84,17 +87,25 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
     return AttentionMap(layer, group, offset, bs, attention, selected, sums)
 
 
-def draw_attention_map(amap: AttentionMap, out: str | os.PathLike) -> Path:
-    """Write a PNG: the attention (log colour scale) with selected blocks outlined, and recall per MSA layer."""
+def check_map_output(out: str | os.PathLike, inputs=()) -> None:
+    """The map's output file, before any work: a *.png name, and the output guard (not an input, nor inside one; not
+    a directory; its name and lock free)."""
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise M3CompileError(f"{out}: the map is written as PNG; name the file *.png")
+    check_output_file(out, inputs)
+
+
+def draw_attention_map(amap: AttentionMap, out: str | os.PathLike, inputs=()) -> Path:
+    """Write a PNG: the attention (log colour scale) with selected blocks outlined, and recall per MSA layer.
+    `inputs`: the paths the map was made from, which the output may not overwrite (check_map_output)."""
+    out = Path(out)
+    check_map_output(out, inputs)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
-
-    out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise M3CompileError(f"{out}: the map is written as PNG; name the file *.png")
     T = amap.attention.shape[0]
     fig, (ax, bar) = plt.subplots(1, 2, figsize=(13, 6.5), gridspec_kw={"width_ratios": [3, 1]})
     image = amap.attention.clamp(min=1e-6).numpy()
@@ -124,12 +135,9 @@ def draw_attention_map(amap: AttentionMap, out: str | os.PathLike) -> Path:
         bar.text(min(amap.recall[layer], 0.98), i, f"{amap.recall[layer]:.3f}", va="center", ha="right", color="white",
                  fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial")
     try:
-        fig.savefig(tmp, dpi=130, format="png")
-        tmp.replace(out)
+        with atomic_output_file(out, inputs) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return out

@@ -11,8 +11,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from m3compile.config import EvalConfig
 from m3compile.errors import M3CompileError
 from m3compile.io.data import windows
+from m3compile.io.hf_config import check_positions
 from m3compile.kernels import causal_lse
 from m3compile.kernels.causal_lse import naive as reference
 from m3compile.models.decoder import Attention, Decoder
@@ -198,8 +200,8 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
     causal_lse.dense_recall); default (None) on CUDA. The losses and
     counts stay on the device until the end (no host synchronisation per window)."""
-    if batch < 1:
-        raise M3CompileError(f"batch must be >= 1, got {batch}")
+    EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)  # each in its range (one-line errors)
+    check_positions(seq_len, getattr(model, "source_config", None), f"--seq-len {seq_len}")
     start = time.perf_counter()
     device = next(model.parameters()).device
     data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from m3compile.errors import M3CompileError
+from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
 
@@ -38,7 +39,13 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
     softmax(logits / temperature) (drawn on the CPU, so a seed gives the same tokens on any device)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    scaled = logits.float().cpu() / temperature
+    if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows the logits: shift them to <= 0 first
+        if not bool(torch.isfinite(logits).all()):
+            raise M3CompileError("the model's logits are not finite (NaN or infinity): nothing to sample from")
+        shifted = logits.float().cpu()
+        scaled = (shifted - shifted.amax(-1, keepdim=True)) / temperature  # -inf below the top: its probability 0
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the most likely token always stays
@@ -70,6 +77,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         raise M3CompileError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise M3CompileError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise M3CompileError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if not isinstance(model, Decoder):
         raise M3CompileError("generate needs a Decoder (m3compile.load or m3compile.from_preset)")
@@ -95,6 +104,11 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
     index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
     B = len(prompts)
+    longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
+    check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
+                    f"{longest:,} prompt tokens + {max_new_tokens:,} new tokens ({longest + max_new_tokens - 1:,} "
+                    f"positions)")
+    _check_cache_fits(a, B, longest + max_new_tokens, page, device, dtype, index_dtype)
     cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
     kernels = kernels_default(device, backend) if kernels is None else kernels
     with model.using_kernels(kernels):  # prefill and decode on the fused backbone kernels (CUDA by default)
@@ -134,6 +148,27 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             next_tok = _pick(logits, temperature, top_p, generator)
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     return GenerationResult(out, prefill_logits, steps)
+
+
+def _check_cache_fits(a, batch: int, length: int, page: int, device: torch.device, dtype: torch.dtype,
+                      index_dtype: torch.dtype) -> None:
+    """Refuse caches (PagedCache: K, V and index keys for `length` tokens of every sequence, allocated up front) that
+    need more memory than the device has free, before allocating them."""
+    pages = batch * -(-length // page)
+    per_token = sum(2 * a.n_kv_heads * a.head_dim * dtype.itemsize
+                    + (a.msa.index_dim * index_dtype.itemsize + 4 if a.is_sparse(i) else 0) for i in range(a.n_layers))
+    need = pages * page * per_token
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:  # Linux: what can be allocated without swapping
+            free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return
+    if need > free:
+        raise M3CompileError(f"the caches for {batch} x {length:,} tokens need {need / 1e9:,.1f} GB, more than the "
+                             f"{free / 1e9:,.1f} GB free on {device}; ask for fewer --max-new-tokens")
 
 
 class TextCodec:

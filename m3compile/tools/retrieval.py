@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from m3compile.errors import M3CompileError
+from m3compile.io.hf_config import max_positions
 from m3compile.models.decoder import Decoder
 
 __all__ = ["retrieval", "RetrievalReport", "DistanceResult", "text_encoder", "DEFAULT_DISTANCES"]
@@ -40,8 +41,19 @@ def text_encoder(model_dir: str | os.PathLike | None, vocab_size: int) -> Callab
     if model_dir is not None and tok_file.is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(tok_file))
-        return lambda text: tok.encode(text, add_special_tokens=False).ids
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises its own exception type for malformed files
+            raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+
+        def encode(text: str) -> list[int]:
+            ids = tok.encode(text, add_special_tokens=False).ids
+            bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+            if bad is not None:
+                raise M3CompileError(f"{tok_file}: gives token id {bad} for {text.strip()!r}, outside the model's "
+                                     f"vocabulary [0, {vocab_size}): the tokenizer is not this model's")
+            return ids
+        return encode
     if vocab_size < 256:
         raise M3CompileError(f"retrieval needs the checkpoint's tokenizer.json or a byte-level model (vocab >= 256); "
                              f"none in {model_dir} and the vocab has {vocab_size}")
@@ -170,6 +182,13 @@ def retrieval(model: Decoder, tokens: torch.Tensor, encode: Callable[[str], list
     if not planned:
         raise M3CompileError(f"no distance in {sorted(set(distances))} fits --seq-len {seq_len} "
                              f"(a probe needs about distance + {_PREFIX + 20} tokens)")
+    limit = max_positions(getattr(model, "source_config", None))
+    for d, made in planned.items():
+        longest = max(len(p.ids) for p in made)
+        if limit is not None and longest > limit:
+            raise M3CompileError(f"distance {d} needs probes of up to {longest:,} tokens, past the model's {limit:,} "
+                                 f"positions (max_position_embeddings in config.json); use shorter --distances or "
+                                 f"--seq-len {limit} or less")
     report = RetrievalReport(seq_len, probes, seed, skipped=skipped)
     try:
         for i, (d, made) in enumerate(planned.items()):

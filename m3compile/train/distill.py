@@ -34,12 +34,13 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.data import load_tokens, windows
+from m3compile.io.hf_config import check_positions, read_config
 from m3compile.io.load import load, load_meta, weights_by_layer
 from m3compile.io.output_dir import atomic_output_dir, check_output_dir, output_lock, signals_recorded
 from m3compile.io.remote_code import remote_config, write_modeling_file
 from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
 from m3compile.io.tensor_names import to_release_names
-from m3compile.io.weights import copy_tokenizer_files
+from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import scope
 from m3compile.pipelines import run_pipeline
@@ -52,6 +53,10 @@ __all__ = ["DistillConfig", "TrainConfig", "DistillReport", "DistillInterrupted"
 
 STATE_DIR = "distill_state"
 TRAIN_STATE_DIR = "train_state"
+# The data-order seed: the permutation of epoch e is seeded with seed * 100003 + e, which torch takes up to 2**63
+SEED_LIMIT = 2**46
+# Fingerprint keys a state saved before they existed lacks: such a state resumes without their check
+_ADDED_KEYS = ("weights", "tokens")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class DistillConfig:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not -SEED_LIMIT < self.seed < SEED_LIMIT:
+            raise M3CompileError(f"seed must be in (-2**46, 2**46), got {self.seed}")
         if not self.lr > 0:
             raise M3CompileError(f"lr must be > 0, got {self.lr}")
         if self.block_loss < 0:
@@ -175,10 +182,16 @@ def index_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _model_fingerprint(model_dir: Path) -> str:
+    """config.json and the shards' names and sizes (the "weights" key holds the digest of their content)."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:16]
+
+
+def _tokens_digest(tokens: torch.Tensor) -> str:
+    """SHA-256 of the token ids a run reads (another file, or the same text through another tokenizer, differs)."""
+    return hashlib.sha256(memoryview(tokens.to(torch.int64).contiguous().numpy())).hexdigest()[:32]
 
 
 def _batch_ids(step: int, rank: int, batch: int, world: int, n_windows: int, seed: int) -> list[int]:
@@ -401,7 +414,8 @@ class _Run:
 
     def run(self, resume: bool, force: bool, shard: bool | None, progress) -> DistillReport:
         out = self.out_dir
-        check_output_dir(out, (self.model_dir, self.data), force=True)  # overlap, file, symlink, parent
+        # overlap, file, symlink, parent, name; the lock on rank 0 only (the run's writer, which holds it throughout)
+        check_output_dir(out, (self.model_dir, self.data), force=True, lock=self.rank == 0)
         if not resume and out.exists() and not force:
             raise M3CompileError(f"{out} already exists (use --force to replace it or --resume to continue it)")
         if self.rank == 0:  # one writer of the output for the whole run
@@ -433,12 +447,15 @@ class _Run:
     def _run(self, resume: bool, shard: bool | None, progress) -> DistillReport:
         cfg, out = self.config, self.out_dir
         state = self._read_state() if resume else None
+        check_positions(cfg.seq_len, read_config(self.model_dir), f"--seq-len {cfg.seq_len}")
         model, sharded = self._load(shard)
         if model.args.msa is None:
             raise M3CompileError(f"{self.model_dir} has no MSA layers: it was never converted (run m3c convert first)")
         tokens = load_tokens(self.data, model.args.vocab_size, self.model_dir)
         wins = windows(tokens, cfg.seq_len)
-        fingerprint = {"model": _model_fingerprint(self.model_dir), "data": f"{self.data.name}:{tokens.numel()}",
+        # the weights by content: a checkpoint of the same shapes but other values is another model
+        fingerprint = {"model": _model_fingerprint(self.model_dir), "weights": checkpoint_digest(self.model_dir),
+                       "data": f"{self.data.name}:{tokens.numel()}", "tokens": _tokens_digest(tokens),
                        **cfg.fingerprint(self.world)}
         start = 0
         history: list[dict] = []
@@ -536,6 +553,14 @@ class _Run:
         saved = state.get("fingerprint", {})
         for key in [*fingerprint, *(k for k in saved if k not in fingerprint)]:  # a setting either run has
             value = fingerprint.get(key)
+            if key in _ADDED_KEYS and key not in saved:
+                continue  # a state from before this key: it cannot say (the rest still must match)
+            if key == "weights" and saved[key] != value:
+                raise M3CompileError(f"--resume: {self.out_dir} continues a run on other weights than those of "
+                                     f"{self.model_dir} (content digest {saved[key]}, this model {value})")
+            if key == "tokens" and saved[key] != value:
+                raise M3CompileError(f"--resume: {self.out_dir} continues a run on other tokens than those of "
+                                     f"{self.data} (content digest {saved[key]}, these {value})")
             if saved.get(key) != value:
                 raise M3CompileError(
                     f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, this run has {value!r}"
@@ -544,8 +569,14 @@ class _Run:
         if step >= self.config.steps:
             raise M3CompileError(f"--resume: {self.out_dir} already holds {step} steps; ask for more than {step} with --steps")
         report = self.out_dir / self.report_file
-        history = json.loads(report.read_text())["history"] if report.is_file() else []
-        return step, [h for h in history if h["step"] <= step]
+        history = []
+        if report.is_file():
+            try:
+                history = json.loads(report.read_bytes().decode("utf-8"))["history"]
+                return step, [h for h in history if h["step"] <= step]
+            except (ValueError, KeyError, TypeError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise M3CompileError(f"{report}: not a valid run report (corrupt resume state)") from None
+        return step, history
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (every rank gets the same answer, so all stop at the same step)."""
@@ -571,6 +602,10 @@ class _Run:
                 raise M3CompileError(f"--resume: {folder} holds other tensors than this model trains")
             for name, p in params.items():
                 copy_rows(p, h.get_slice(name))
+        bad = first_non_finite((name, p.detach()) for name, p in params.items())
+        if bad is not None:
+            raise M3CompileError(f"--resume: {folder / self.weights_file}: tensor {bad[0]} holds non-finite values "
+                                 f"({bad[1]}); refusing to continue from it")
         meta = json.loads((folder / "state.json").read_text())
         order = list(params)
         sd = {"state": {}, "param_groups": meta["param_groups"]}
