@@ -1,6 +1,7 @@
 """m3c: the command line. A thin click + rich layer over the public API: parse, call, render."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -17,26 +18,53 @@ from rich.progress import (
 from rich.table import Table
 from rich.tree import Tree
 
-from m3compile import (
-    DistillConfig, DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, distill as run_distill, evaluate,
-    load, train as run_train,
-)
 from m3compile.config import INDEX_DTYPES
-from m3compile.errors import M3CompileError
-from m3compile.export.onnx import export_onnx as run_export
-from m3compile.graph.pass_manager import PASSES
-from m3compile.io.data import load_tokens
+from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.io.output_dir import COMMITTED
-from m3compile.pipelines import PIPELINES
-from m3compile.tools.attention_map import attention_map as compute_attention_map, draw_attention_map
-from m3compile.bench.kernels import (
-    BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
-)
-from m3compile.bench.distill import DistillBenchConfig, run_distill_bench
-from m3compile.bench.model import ModelBenchConfig, run_model_bench, write_model_outputs
-from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
-from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
-from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
+
+
+def _lazy(module: str, name: str):
+    """`module.name`, imported when first called: nothing above imports torch, so `m3c --help` and a usage error
+    answer in a fraction of a second, and each command imports only the layers it runs (generate: no tracing,
+    passes, ONNX or plotting)."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+DistillConfig = _lazy("m3compile.train.distill", "DistillConfig")
+MSAConfig = _lazy("m3compile.config", "MSAConfig")
+TrainConfig = _lazy("m3compile.train.distill", "TrainConfig")
+convert_checkpoint = _lazy("m3compile.io.convert", "convert_checkpoint")
+run_distill = _lazy("m3compile.train.distill", "distill")
+evaluate = _lazy("m3compile.tools.evaluate", "evaluate")
+load = _lazy("m3compile.io.load", "load")
+run_train = _lazy("m3compile.train.distill", "train")
+run_export = _lazy("m3compile.export.onnx", "export_onnx")
+load_tokens = _lazy("m3compile.io.data", "load_tokens")
+compute_attention_map = _lazy("m3compile.tools.attention_map", "attention_map")
+draw_attention_map = _lazy("m3compile.tools.attention_map", "draw_attention_map")
+BenchConfig = _lazy("m3compile.bench.kernels", "BenchConfig")
+VisionBenchConfig = _lazy("m3compile.bench.kernels", "VisionBenchConfig")
+run_backward_bench = _lazy("m3compile.bench.kernels", "run_backward_bench")
+run_bench = _lazy("m3compile.bench.kernels", "run_bench")
+run_vision_bench = _lazy("m3compile.bench.kernels", "run_vision_bench")
+speedups = _lazy("m3compile.bench.kernels", "speedups")
+write_outputs = _lazy("m3compile.bench.kernels", "write_outputs")
+DistillBenchConfig = _lazy("m3compile.bench.distill", "DistillBenchConfig")
+run_distill_bench = _lazy("m3compile.bench.distill", "run_distill_bench")
+ModelBenchConfig = _lazy("m3compile.bench.model", "ModelBenchConfig")
+run_model_bench = _lazy("m3compile.bench.model", "run_model_bench")
+write_model_outputs = _lazy("m3compile.bench.model", "write_model_outputs")
+TextCodec = _lazy("m3compile.tools.generate", "TextCodec")
+eos_token_id = _lazy("m3compile.tools.generate", "eos_token_id")
+run_generate = _lazy("m3compile.tools.generate", "generate")
+run_inspect = _lazy("m3compile.tools.inspect", "inspect")
+to_dot = _lazy("m3compile.tools.inspect", "to_dot")
+to_mermaid = _lazy("m3compile.tools.inspect", "to_mermaid")
+run_retrieval = _lazy("m3compile.tools.retrieval", "retrieval")
+text_encoder = _lazy("m3compile.tools.retrieval", "text_encoder")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -1187,18 +1215,19 @@ def bench_vision(steps, grid, window, heads, head_dim, rep_ms, device, out_dir):
 @main.command()
 def passes():
     """List the graph passes with their stage and what each does, and the pipelines that run them."""
+    pipelines_ = importlib.import_module("m3compile.pipelines")  # imports (so registers) every pass
     table = Table(title="m3compile passes")
     table.add_column("name")
     table.add_column("stage")
     table.add_column("what it does")
-    for name, cls in PASSES.items():
+    for name, cls in importlib.import_module("m3compile.graph.pass_manager").PASSES.items():
         table.add_row(name, cls.stage, cls.summary())
     console = _console()
     console.print(table)
     pipelines = Table(title="pipelines (m3compile.pipelines)")
     pipelines.add_column("pipeline")
     pipelines.add_column("passes, in order")
-    for name, make in PIPELINES.items():
+    for name, make in pipelines_.PIPELINES.items():
         passes_ = make(lowered=True) if name == "distill" else make()  # distill: as on CUDA
         pipelines.add_row(name, " -> ".join(p.name for p in passes_))
     console.print(pipelines)

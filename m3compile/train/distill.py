@@ -31,7 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from m3compile.config import parse_dtype
-from m3compile.errors import M3CompileError
+from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.load import load, load_meta, weights_by_layer
@@ -159,14 +159,6 @@ class DistillReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
-
-
-class DistillInterrupted(KeyboardInterrupt):
-    """Ctrl-C during distillation: the state after the last finished step was saved."""
-
-    def __init__(self, step: int, out_dir: Path):
-        super().__init__(f"interrupted after step {step}; state saved in {out_dir} (continue with --resume)")
-        self.step, self.out_dir = step, out_dir
 
 
 def index_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
