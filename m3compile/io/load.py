@@ -42,8 +42,9 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
     ck = read_checkpoint(path, attn_impl)
     with torch.device("meta"):
         model = Decoder(ck.args)
-    model = model.to_empty(device=device)
-    load_state_dict(model, ck.state_dict, ck.path)
+    # the checkpoint's tensors become the parameters (assign): no empty model to allocate, fill and copy into; each
+    # is converted once, by the .to(dtype) at the end
+    load_state_dict(model, {n: t.to(device) for n, t in ck.state_dict.items()}, ck.path, assign=True)
     if ck.args.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint
