@@ -1,14 +1,18 @@
 """m3c: the command line. A thin click + rich layer over the public API: parse, call, render."""
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import time
+
+_STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
+
+import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import click
 from rich.console import Console
@@ -580,7 +584,12 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--eager", is_flag=True,
               help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager):
+@click.option("--timings", is_flag=True,
+              help="After the text, print one JSON object of seconds on stderr: import (from the command's start), "
+                   "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
+                   "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants); CUDA "
+                   "is synchronised between phases.")
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager, timings):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
@@ -598,12 +607,21 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             _fail(f"{prompt_file}: not UTF-8 text (invalid byte at offset {e.start})")
     if max_new_tokens < 1:
         raise click.BadParameter("--max-new-tokens must be >= 1")
+    clock = importlib.import_module("m3compile.runtime.timings").Timings(device) if timings else None
+    if timings:
+        importlib.import_module("m3compile.tools.generate")  # what generation runs, so that "import" counts it
+        clock.add("import", round(time.perf_counter() - _STARTED, 4))
+        clock.mark("load")
     model = _run(load, model_dir, dtype=dtype, device=device)
+    if timings:
+        clock.mark("tokenize")
     codec = _run(TextCodec, model_dir, model.args.vocab_size)
     ids = codec.encode(prompt)
     if not ids:
         _fail("the prompt is empty (no tokens)")
     stream = codec.stream()
+    if timings:
+        clock.stop()
 
     def show(b, token):
         text = stream(token)
@@ -611,9 +629,14 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             click.echo(text, nl=False)
             sys.stdout.flush()
 
-    _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
-         temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None)
+    result = _run(run_generate, model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
+                  temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None,
+                  timings=timings)
     click.echo()
+    if timings:
+        total = {"total": round(time.perf_counter() - _STARTED, 4)}
+        click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
+                              | total), err=True)
 
 
 @main.command()
