@@ -595,6 +595,10 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
     without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec.
     Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json.
+
+    On a GPU the Triton kernels run the tiles recorded from the H200's tuning (M3C_AUTOTUNE=0 unless set: a
+    search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
+    (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
@@ -607,6 +611,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             _fail(f"{prompt_file}: not UTF-8 text (invalid byte at offset {e.start})")
     if max_new_tokens < 1:
         raise click.BadParameter("--max-new-tokens must be >= 1")
+    os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, below
     clock = importlib.import_module("m3compile.runtime.timings").Timings(device) if timings else None
     if timings:
         importlib.import_module("m3compile.tools.generate")  # what generation runs, so that "import" counts it
