@@ -69,6 +69,7 @@ to_dot = _lazy("m3compile.tools.inspect", "to_dot")
 to_mermaid = _lazy("m3compile.tools.inspect", "to_mermaid")
 run_retrieval = _lazy("m3compile.tools.retrieval", "retrieval")
 text_encoder = _lazy("m3compile.tools.retrieval", "text_encoder")
+holdout_summary = _lazy("m3compile.train.holdout", "summary")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -423,6 +424,12 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                      help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU)."),
         click.option("--dtype", default="float32", show_default=True, help=dtype),
         click.option("--seed", default=0, show_default=True, help="Seed of the data order."),
+        click.option("--holdout-tokens", type=int, default=None,
+                     help="Tokens held out from the end of --data (whole sequences of --seq-len): the model's loss on "
+                          "them with sparse attention, against dense, is measured at the start and at every "
+                          "checkpoint, and --out holds the best state seen, the start included (the resume state "
+                          "stays the last step's) [default: 4 sequences, at most a tenth of the data; 0: none, --out "
+                          "holds the last state]."),
         click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit."),
         click.option("--force", is_flag=True, help="Replace --out if it exists."),
         click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
@@ -456,7 +463,7 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                           "+2.25% with 1)."),
     ])
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, autocast, cuda_graph, block_loss, as_json, shard):
+            holdout_tokens, resume, force, autocast, cuda_graph, block_loss, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -469,7 +476,7 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph,
-                  block_loss=block_loss)
+                  block_loss=block_loss, holdout_tokens=holdout_tokens)
     block = lambda m: f"  block {m['block']:.4f}" if "block" in m else ""  # noqa: E731
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}{block(m)}  recall {m['recall']:.3f}",
@@ -506,6 +513,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
                   f"({report.tokens_per_s:,.0f} tok/s); parameters per process "
                   f"{max(report.param_bytes_per_rank) / 2**20:,.1f} MiB")
     console.print(f"{summary(first, last)}   (step {first['step']} -> {last['step']})")
+    console.print(holdout_summary(report.holdout))
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
 
@@ -517,7 +525,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
     after_lr=[click.option("--loss-coeff", default=1.0, show_default=True,
                            help="Weight of the index KL added to the LM loss.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
-          resume, force, autocast, as_json, shard):
+          holdout_tokens, resume, force, autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -528,7 +536,8 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
     """
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast,
+                  holdout_tokens=holdout_tokens)
     _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "

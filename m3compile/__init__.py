@@ -10,6 +10,8 @@ torch (about 2 s of imports).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 from m3compile.errors import M3CompileError
@@ -46,3 +48,17 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module: a public name stays the API's when a subpackage of that name is imported later
+    (`m3compile.train` is the verb; importing m3compile.train.distill would otherwise rebind it to the subpackage,
+    which stays importable by its full name)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in __all__ and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
