@@ -11,7 +11,7 @@
 # cache, not a cold file-system cache. The 32K code model of ../shared/fixtures/qwen25_coder.py with a 25K-token
 # prompt (about 2.5 minutes on an H200):
 #   python3 ../shared/fixtures/qwen25_coder.py qwen && m3c convert qwen qwen-msa --index-dim 128
-#   head -c 92000 ../shared/data/long_code_eval.txt > prompt.txt
+#   python3 -c "open('prompt.txt', 'w').write(open('../shared/data/long_code_eval.txt').read()[:92000])"
 #   benchmarks/generate_e2e.sh qwen qwen-msa prompt.txt > e2e.json
 set -euo pipefail
 DENSE=$1; MSA=$2; PROMPT=$3; shift 3
