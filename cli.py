@@ -1,13 +1,18 @@
 """m3c: the command line. A thin click + rich layer over the public API: parse, call, render."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import time
+
+_STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
+
+import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import click
 from rich.console import Console
@@ -17,27 +22,57 @@ from rich.progress import (
 from rich.table import Table
 from rich.tree import Tree
 
-from m3compile import (
-    DistillConfig, DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, distill as run_distill, evaluate,
-    load, train as run_train,
-)
-from m3compile.config import INDEX_DTYPES, EvalConfig
-from m3compile.errors import M3CompileError
-from m3compile.export.onnx import EXTERNAL_DATA, export_onnx as run_export
-from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, PROVIDERS as ONNX_PROVIDERS
-from m3compile.graph.pass_manager import PASSES
-from m3compile.io.data import load_tokens
+from m3compile.config import INDEX_DTYPES
+from m3compile.errors import DistillInterrupted, M3CompileError
+from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
 from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file, resolved
-from m3compile.pipelines import PIPELINES
-from m3compile.tools.attention_map import attention_map as compute_attention_map, check_map_output, draw_attention_map
-from m3compile.bench.kernels import (
-    BenchConfig, VisionBenchConfig, run_backward_bench, run_bench, run_vision_bench, speedups, write_outputs,
-)
-from m3compile.bench.distill import DistillBenchConfig, run_distill_bench
-from m3compile.bench.model import ModelBenchConfig, run_model_bench, write_model_outputs
-from m3compile.tools.generate import TextCodec, eos_token_id, generate as run_generate
-from m3compile.tools.inspect import inspect as run_inspect, to_dot, to_mermaid
-from m3compile.tools.retrieval import retrieval as run_retrieval, text_encoder
+
+
+def _lazy(module: str, name: str):
+    """`module.name`, imported when first called: nothing above imports torch, so `m3c --help` and a usage error
+    answer in a fraction of a second, and each command imports only the layers it runs (generate: no tracing,
+    passes, ONNX or plotting)."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+DistillConfig = _lazy("m3compile.train.distill", "DistillConfig")
+MSAConfig = _lazy("m3compile.config", "MSAConfig")
+TrainConfig = _lazy("m3compile.train.distill", "TrainConfig")
+convert_checkpoint = _lazy("m3compile.io.convert", "convert_checkpoint")
+run_distill = _lazy("m3compile.train.distill", "distill")
+evaluate = _lazy("m3compile.tools.evaluate", "evaluate")
+load = _lazy("m3compile.io.load", "load")
+run_train = _lazy("m3compile.train.distill", "train")
+run_export = _lazy("m3compile.export.onnx", "export_onnx")
+load_tokens = _lazy("m3compile.io.data", "load_tokens")
+compute_attention_map = _lazy("m3compile.tools.attention_map", "attention_map")
+draw_attention_map = _lazy("m3compile.tools.attention_map", "draw_attention_map")
+BenchConfig = _lazy("m3compile.bench.kernels", "BenchConfig")
+VisionBenchConfig = _lazy("m3compile.bench.kernels", "VisionBenchConfig")
+run_backward_bench = _lazy("m3compile.bench.kernels", "run_backward_bench")
+run_bench = _lazy("m3compile.bench.kernels", "run_bench")
+run_vision_bench = _lazy("m3compile.bench.kernels", "run_vision_bench")
+speedups = _lazy("m3compile.bench.kernels", "speedups")
+write_outputs = _lazy("m3compile.bench.kernels", "write_outputs")
+DistillBenchConfig = _lazy("m3compile.bench.distill", "DistillBenchConfig")
+run_distill_bench = _lazy("m3compile.bench.distill", "run_distill_bench")
+ModelBenchConfig = _lazy("m3compile.bench.model", "ModelBenchConfig")
+run_model_bench = _lazy("m3compile.bench.model", "run_model_bench")
+write_model_outputs = _lazy("m3compile.bench.model", "write_model_outputs")
+TextCodec = _lazy("m3compile.tools.generate", "TextCodec")
+eos_token_id = _lazy("m3compile.tools.generate", "eos_token_id")
+run_generate = _lazy("m3compile.tools.generate", "generate")
+run_inspect = _lazy("m3compile.tools.inspect", "inspect")
+to_dot = _lazy("m3compile.tools.inspect", "to_dot")
+to_mermaid = _lazy("m3compile.tools.inspect", "to_mermaid")
+run_retrieval = _lazy("m3compile.tools.retrieval", "retrieval")
+text_encoder = _lazy("m3compile.tools.retrieval", "text_encoder")
+holdout_summary = _lazy("m3compile.train.holdout", "summary")
+EvalConfig = _lazy("m3compile.config", "EvalConfig")
+check_map_output = _lazy("m3compile.tools.attention_map", "check_map_output")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -412,6 +447,12 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                      help="cpu, cuda or cuda:N (under torchrun: each rank's local GPU)."),
         click.option("--dtype", default="float32", show_default=True, help=dtype),
         click.option("--seed", default=0, show_default=True, help="Seed of the data order."),
+        click.option("--holdout-tokens", type=int, default=None,
+                     help="Tokens held out from the end of --data (whole sequences of --seq-len): the model's loss on "
+                          "them with sparse attention, against dense, is measured at the start and at every "
+                          "checkpoint, and --out holds the best state seen, the start included (the resume state "
+                          "stays the last step's) [default: 4 sequences, at most a tenth of the data; 0: none, --out "
+                          "holds the last state]."),
         click.option("--resume", is_flag=True, help="Continue the run saved in --out, bit for bit."),
         click.option("--force", is_flag=True, help="Replace --out if it exists."),
         click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
@@ -445,7 +486,7 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                           "+2.25% with 1)."),
     ])
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            resume, force, autocast, cuda_graph, block_loss, as_json, shard):
+            holdout_tokens, resume, force, autocast, cuda_graph, block_loss, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -458,7 +499,7 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph,
-                  block_loss=block_loss)
+                  block_loss=block_loss, holdout_tokens=holdout_tokens)
     block = lambda m: f"  block {m['block']:.4f}" if "block" in m else ""  # noqa: E731
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}{block(m)}  recall {m['recall']:.3f}",
@@ -495,6 +536,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
                   f"({report.tokens_per_s:,.0f} tok/s); parameters per process "
                   f"{max(report.param_bytes_per_rank) / 2**20:,.1f} MiB")
     console.print(f"{summary(first, last)}   (step {first['step']} -> {last['step']})")
+    console.print(holdout_summary(report.holdout))
     console.print(f"wrote {out_dir} (evaluate with: m3c eval {out_dir} --data FILE)")
 
 
@@ -506,7 +548,7 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
     after_lr=[click.option("--loss-coeff", default=1.0, show_default=True,
                            help="Weight of the index KL added to the LM loss.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
-          resume, force, autocast, as_json, shard):
+          holdout_tokens, resume, force, autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -517,7 +559,8 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
     """
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
-                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast)
+                  checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast,
+                  holdout_tokens=holdout_tokens)
     _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
@@ -574,12 +617,21 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--eager", is_flag=True,
               help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager):
+@click.option("--timings", is_flag=True,
+              help="After the text, print one JSON object of seconds on stderr: import (from the command's start), "
+                   "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
+                   "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants); CUDA "
+                   "is synchronised between phases.")
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager, timings):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
     without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec.
     Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json.
+
+    On a GPU the Triton kernels run the tiles recorded from the H200's tuning (M3C_AUTOTUNE=0 unless set: a
+    search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
+    (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
@@ -596,12 +648,22 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
         _fail(f"--prompt is not UTF-8 text (invalid byte at offset {len(prompt[:e.start].encode('utf-8', 'replace'))})")
     if max_new_tokens < 1:
         raise click.BadParameter("--max-new-tokens must be >= 1")
+    os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, below
+    clock = importlib.import_module("m3compile.runtime.timings").Timings(device) if timings else None
+    if timings:
+        importlib.import_module("m3compile.tools.generate")  # what generation runs, so that "import" counts it
+        clock.add("import", round(time.perf_counter() - _STARTED, 4))
+        clock.mark("load")
     model = _run(load, model_dir, dtype=dtype, device=device)
+    if timings:
+        clock.mark("tokenize")
     codec = _run(TextCodec, model_dir, model.args.vocab_size)
     ids = codec.encode(prompt)
     if not ids:
         _fail("the prompt is empty (no tokens)")
     stream = codec.stream()
+    if timings:
+        clock.stop()
 
     def show(b, token):
         text = stream(token)
@@ -609,9 +671,14 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             click.echo(text, nl=False)
             sys.stdout.flush()
 
-    _run(run_generate, model, [ids], max_new_tokens, eos_token_id=_run(eos_token_id, model.source_config, model_dir),
-         temperature=temperature, top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None)
+    result = _run(run_generate, model, [ids], max_new_tokens,
+                  eos_token_id=_run(eos_token_id, model.source_config, model_dir), temperature=temperature,
+                  top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None, timings=timings)
     click.echo()
+    if timings:
+        total = {"total": round(time.perf_counter() - _STARTED, 4)}
+        click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
+                              | total), err=True)
 
 
 @main.command()
@@ -1233,18 +1300,19 @@ def bench_vision(steps, grid, window, heads, head_dim, rep_ms, device, out_dir):
 @main.command()
 def passes():
     """List the graph passes with their stage and what each does, and the pipelines that run them."""
+    pipelines_ = importlib.import_module("m3compile.pipelines")  # imports (so registers) every pass
     table = Table(title="m3compile passes")
     table.add_column("name")
     table.add_column("stage")
     table.add_column("what it does")
-    for name, cls in PASSES.items():
+    for name, cls in importlib.import_module("m3compile.graph.pass_manager").PASSES.items():
         table.add_row(name, cls.stage, cls.summary())
     console = _console()
     console.print(table)
     pipelines = Table(title="pipelines (m3compile.pipelines)")
     pipelines.add_column("pipeline")
     pipelines.add_column("passes, in order")
-    for name, make in PIPELINES.items():
+    for name, make in pipelines_.PIPELINES.items():
         passes_ = make(lowered=True) if name == "distill" else make()  # distill: as on CUDA
         pipelines.add_row(name, " -> ".join(p.name for p in passes_))
     console.print(pipelines)

@@ -74,7 +74,7 @@ def lse_merge(m_acc, l_acc, acc, lse, o):
 
 
 @triton.jit
-def csr_segment(seg, pid, tile_start, seg_off, HKV: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr):
+def csr_segment(seg, pid, tile_start, seg_off, HKV: tl.constexpr, NB, CHUNK: tl.constexpr):
     """A program's CSR entries [start, end) (at most CHUNK) of segment `seg` = (batch, head, key block j) of the
     KV-outer layout (sparse_attention.build_csr), and that segment's batch, head and block."""
     start = tl.load(tile_start + pid)

@@ -10,6 +10,8 @@ torch (about 2 s of imports).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 from m3compile.errors import M3CompileError
@@ -32,11 +34,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """A public name (from m3compile.api) or a subpackage, imported when first asked for (PEP 562)."""
     if name in __all__:
-        api = importlib.import_module("m3compile.api")
-        # every public name at once: importing the api imports the subpackage m3compile.train, which the import
-        # system binds here as `train`; the function of that name must replace it, as the eager import used to
-        globals().update({n: getattr(api, n) for n in __all__ if hasattr(api, n)})
-        return globals()[name]
+        value = getattr(importlib.import_module("m3compile.api"), name)
     else:
         try:
             value = importlib.import_module(f"{__name__}.{name}")
@@ -50,3 +48,17 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module: a public name stays the API's when a subpackage of that name is imported later
+    (`m3compile.train` is the verb; importing m3compile.train.distill would otherwise rebind it to the subpackage,
+    which stays importable by its full name)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in __all__ and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,11 +1,12 @@
-"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype names."""
+"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype names.
+
+Importing this imports no torch (the command line reads INDEX_DTYPES at startup); parse_dtype imports it when called.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
-
-import torch
 
 from m3compile.errors import M3CompileError
 
@@ -30,17 +31,20 @@ MAX_TOPK = 1 << 16
 MAX_INDEX_DIM = 1024
 MAX_INDEX_HEADS = 1024
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# dtype names users give -> the torch dtype's attribute name
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """A dtype from its name ("bf16", "float32", ...); None and torch dtypes pass through."""
+    import torch  # here, not at the top: importing this module stays free of torch
+
     if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
         raise M3CompileError(f"unknown dtype {name!r} (use one of {', '.join(DTYPES)})")
-    return DTYPES[name]
+    return getattr(torch, DTYPES[name])
 
 
 def _is_int(value) -> bool:

@@ -164,3 +164,16 @@ def test_bare_names_do_not_import(tmp_path, name):
     out = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, env=env, capture_output=True,
                          text=True)
     assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr
+
+
+def test_the_command_line_starts_without_torch():
+    """`import m3compile`, `m3c --help`, a command's help and a usage error import no torch, Triton, numpy,
+    networkx or matplotlib: the package's public names and each command's modules load when first used."""
+    code = ("import sys\nfrom m3compile.cli import main\n"
+            "for args in (['--help'], ['generate', '--help'], ['bench', 'model', '--help'], ['convert', '--bogus']):\n"
+            "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
+            "heavy = ('torch', 'triton', 'numpy', 'networkx', 'matplotlib', 'onnx', 'tokenizers')\n"
+            "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr

@@ -1,6 +1,7 @@
 """Index-branch distillation on the shared checkpoint: it learns, only the index branch changes, resume is exact,
 data parallelism matches a doubled batch, and bad input leaves the output untouched."""
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -61,7 +62,8 @@ def test_distillation_lowers_kl_raises_recall_and_keeps_the_backbone(converted, 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     out = tmp_path / "distilled"
     kl_before, recall_before = measure(converted)
-    report = distill(converted, CALIB_DATA, out, DistillConfig(steps=24, seq_len=256, batch=4, lr=1e-2, warmup_steps=8))
+    report = distill(converted, CALIB_DATA, out, DistillConfig(steps=24, seq_len=256, batch=4, lr=1e-2, warmup_steps=8,
+                                                               holdout_tokens=0))
     kl_after, recall_after = measure(out)
     assert kl_after < 0.7 * kl_before, (kl_before, kl_after)
     assert recall_after > recall_before, (recall_before, recall_after)
@@ -78,7 +80,8 @@ def test_distillation_lowers_kl_raises_recall_and_keeps_the_backbone(converted, 
 
 
 def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
-    config = DistillConfig(steps=6, seq_len=128, batch=2, lr=1e-2, warmup_steps=2)
+    """(With a held-out window: the resumed run takes its evaluations from the state and writes the same output.)"""
+    config = DistillConfig(steps=6, seq_len=128, batch=2, lr=1e-2, warmup_steps=2, holdout_tokens=128)
     distill(converted, CALIB_DATA, tmp_path / "straight", config)
 
     def interrupt_at_3(step, total, metrics):
@@ -97,11 +100,48 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
 
 
+def test_a_run_that_makes_the_model_worse_keeps_its_start(converted, tmp_path):
+    """A learning rate far too high: the held-out sparse loss rises, so --out holds the start's index branch, bit
+    for bit, and says so, while the resume state is the last step's; interrupted and resumed, the same output."""
+    args = ["--steps", 2, "--seq-len", 128, "--lr", 10, "--holdout-tokens", 256, "--block-loss", 0]
+    code, output = run("distill", converted, "--data", CALIB_DATA, "--out", tmp_path / "worse", *args)
+    assert code == 0 and "the output keeps the start" in output, output
+    held = json.loads((tmp_path / "worse" / "distill_report.json").read_text())["holdout"]
+    assert held["windows"] == 2 and [h["step"] for h in held["evaluations"]] == [0, 2]
+    assert held["kept"] == held["start"] and held["final"]["loss"] > held["start"]["loss"]
+    assert held["start"]["gap"] == held["start"]["loss"] / held["start"]["dense_loss"] - 1 > 0
+    start, out = tensors(converted), tensors(tmp_path / "worse")
+    state = load_file(str(tmp_path / "worse" / "distill_state" / "index.safetensors"))
+    for name in (n for n in start if ".index_" in n):
+        assert torch.equal(start[name], out[name]) and not torch.equal(start[name].float(), state[name]), name
+
+    def interrupt(step, total, metrics):
+        raise KeyboardInterrupt
+
+    config = DistillConfig(steps=2, seq_len=128, lr=10.0, holdout_tokens=256, block_loss=0)
+    with pytest.raises(DistillInterrupted, match="after step 1"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt)
+    report = distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
+    assert report.holdout == {**held, "seconds": report.holdout["seconds"]}
+    for name in ("model.safetensors", "distill_state/index.safetensors"):  # the kept start, then the last state
+        assert digest(tmp_path / "resumed")[name] == digest(tmp_path / "worse")[name], name
+
+
+def test_a_run_that_improves_keeps_the_improvement(converted, tmp_path):
+    report = distill(converted, CALIB_DATA, tmp_path / "better",
+                     DistillConfig(steps=2, seq_len=128, lr=1e-2, holdout_tokens=256, block_loss=0))
+    held = report.holdout
+    assert held["kept"] == held["final"] and held["kept"]["step"] == 2
+    assert held["final"]["gap"] < held["start"]["gap"], held
+    start, out = tensors(converted), tensors(tmp_path / "better")
+    assert all(not torch.equal(start[n], out[n]) for n in start if ".index_" in n)
+
+
 def test_sigterm_twice_mid_run_stops_after_the_step_and_saves(converted, tmp_path):
     """SIGTERM as `timeout` sends it (to the process and again to its group) while a step runs: the step finishes,
     the loop stops there and saves (the second signal changes nothing), the handlers are restored, and the resumed
     run equals an uninterrupted one."""
-    config = DistillConfig(steps=3, seq_len=64, batch=1, lr=1e-2, warmup_steps=1)
+    config = DistillConfig(steps=3, seq_len=64, batch=1, lr=1e-2, warmup_steps=1, holdout_tokens=0)
     distill(converted, CALIB_DATA, tmp_path / "straight", config)
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -134,7 +174,7 @@ def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(convert
     assert plain.gm.code == hooked.code and not any(n.target is msa_block_loss for n in plain.gm.graph.nodes)
     assert "block_loss" not in DistillConfig(steps=1, block_loss=0).fingerprint(1)
     assert DistillConfig(steps=1).block_loss == 1.0 and TrainConfig(steps=1).block_loss == 0.0
-    base = dict(steps=4, seq_len=128, batch=2, lr=1e-2, warmup_steps=1)
+    base = dict(steps=4, seq_len=128, batch=2, lr=1e-2, warmup_steps=1, holdout_tokens=0)
     distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**base, block_loss=0))
     config = DistillConfig(**base)
     report = distill(converted, CALIB_DATA, tmp_path / "straight", config)
@@ -148,7 +188,7 @@ def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(convert
     with pytest.raises(DistillInterrupted, match="after step 2"):
         distill(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_2)
     code, output = distill_cli(converted, CALIB_DATA, tmp_path / "resumed", "--resume", "--steps", "4", "--batch",
-                               "2", "--lr", "1e-2", "--warmup-steps", "1", "--block-loss", "0")
+                               "2", "--lr", "1e-2", "--warmup-steps", "1", "--block-loss", "0", "--holdout-tokens", "0")
     assert code == 2 and "block_loss = 1.0" in output, output
     distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
     a, b = (load_file(str(tmp_path / d / "distill_state/index.safetensors")) for d in ("straight", "resumed"))
@@ -182,7 +222,8 @@ def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path
 
 def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
     ddp, single = two_processes_and_one(["distill", str(converted), "--data", str(CALIB_DATA), "--steps", "3",
-                                         "--seq-len", "128", "--lr", "1e-2", "--warmup-steps", "1", "--json"], tmp_path)
+                                         "--seq-len", "128", "--lr", "1e-2", "--warmup-steps", "1", "--holdout-tokens",
+                                         "128", "--json"], tmp_path)
     a = load_file(str(ddp / "distill_state" / "index.safetensors"))
     b = load_file(str(single / "distill_state" / "index.safetensors"))
     start = load_file(str(converted / "model.safetensors"))
@@ -199,7 +240,8 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, 
 
 
 def distill_cli(model_dir, data, out, *extra):
-    return run("distill", model_dir, "--data", data, "--out", out, "--steps", "2", "--seq-len", "128", *extra)
+    return run("distill", model_dir, "--data", data, "--out", out, "--steps", "2", "--seq-len", "128", *extra,
+               *([] if "--holdout-tokens" in extra else ["--holdout-tokens", "0"]))
 
 
 def test_data_shorter_than_one_sequence(converted, tmp_path):

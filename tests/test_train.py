@@ -55,7 +55,7 @@ def test_kl_alone_reaches_only_the_index_branch(converted):
 
 
 def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
-    config = TrainConfig(steps=4, seq_len=64, batch=1, lr=1e-4)
+    config = TrainConfig(steps=4, seq_len=64, batch=1, lr=1e-4, holdout_tokens=64)
     train(converted, CALIB_DATA, tmp_path / "straight", config)
 
     def interrupt_at_2(step, total, metrics):
@@ -75,7 +75,8 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
 
 def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
     ddp, single = two_processes_and_one(["train", str(converted), "--data", str(CALIB_DATA), "--steps", "2",
-                                         "--seq-len", "64", "--lr", "1e-4", "--json"], tmp_path)
+                                         "--seq-len", "64", "--lr", "1e-4", "--holdout-tokens", "64", "--json"],
+                                        tmp_path)
     a = load_file(str(ddp / "train_state" / "params.safetensors"))
     b = load_file(str(single / "train_state" / "params.safetensors"))
     for key in a:
@@ -84,13 +85,14 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, 
 
 def test_bad_input_leaves_output_untouched(converted, tmp_path):
     out = tmp_path / "out"
-    code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "1", "--seq-len", "64")
+    code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "1", "--seq-len", "64",
+                       "--holdout-tokens", "0")
     assert code == 0, output
     before = digest(out)
     code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64")
     assert code == 2 and "already exists" in output
     code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64",
-                       "--loss-coeff", "0.5", "--resume")
+                       "--loss-coeff", "0.5", "--resume", "--holdout-tokens", "0")
     assert code == 2 and "loss_coeff" in output
     code, output = run("train", converted, "--data", CALIB_DATA, "--out", tmp_path / "x", "--steps", "1",
                        "--loss-coeff", "-1")

@@ -107,6 +107,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))
     pps = 1 if K <= 64 else -(-K // 64)  # slots per split: one page each for top-k, ~64 splits for dense
+    # (K, pps and the split count are runtime arguments: every context length runs the same two binaries)
     splits = -(-K // pps)
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
@@ -117,15 +118,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), blocks.stride(0), blocks.stride(1),
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        scale * math.log2(math.e),
-        K=K, G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), PPS=pps, IEEE=q.dtype == torch.float32,
+        scale * math.log2(math.e), K, pps,
+        G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     paged_merge_kernel[(B, Hkv)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS=splits, G=G, GP=GP, D=D, DP=DP,
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
+        G=G, GP=GP, D=D, DP=DP,
     )
     return out
 

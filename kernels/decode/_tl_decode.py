@@ -6,7 +6,9 @@ from m3compile.kernels._common import autotune, configs
 from m3compile.kernels._tl_common import lse_merge, online_softmax_block, quantize_rows_e4m3, round_e4m3
 
 
-@triton.jit(do_not_specialize=["max_pages"])
+# Arguments that grow with the context (page counts, the strides of per-page tables) are not specialised: a context of
+# another length runs the same binaries, no compile
+@triton.jit(do_not_specialize=["max_pages", "stride_tb", "stride_ob", "stride_oh"])
 def _paged_index_scores(
     q_idx, idx_cache, idx_scale, block_table, seq_lens, scores,
     stride_qb, stride_qh, stride_cp, stride_ct, stride_sp, stride_tb, stride_ob, stride_oh,
@@ -71,7 +73,7 @@ paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_st
 paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
 def topk_rows_kernel(
     scores, seq_lens, out, stride_sb, stride_sh, stride_ob, stride_oh,
     BS: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -94,14 +96,14 @@ def topk_rows_kernel(
         x = tl.where(o_p == arg, float("-inf"), x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "PPS", "stride_bb", "stride_bh", "stride_tb"])
 def paged_attention_split_kernel(
     q, k_cache, v_cache, blocks, block_table, seq_lens, part_o, part_lse,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale_log2,
-    K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, PPS: tl.constexpr, IEEE: tl.constexpr,
+    scale_log2, K, PPS,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, IEEE: tl.constexpr,
 ):
     # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE
     i_b = tl.program_id(0).to(tl.int64)
@@ -136,10 +138,10 @@ def paged_attention_split_kernel(
     tl.store(part_lse + i_b * stride_lb + i_h * stride_lh + i_s * GP + o_g, m_i + tl.math.log2(l_safe))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def paged_merge_kernel(
     part_o, part_lse, out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    SPLITS, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -157,7 +159,7 @@ def paged_merge_kernel(
              (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def index_write_kernel(
     k_idx, tail, idx_cache, idx_scale, rows, pos, block_table,
     stride_kn, stride_tb, stride_tt, stride_cp, stride_ct, stride_sp, stride_bt,

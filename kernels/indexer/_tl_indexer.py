@@ -51,7 +51,7 @@ def _prune(cfgs, named_args, **kw):
     key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["T", "tune_bucket"])
+@triton.jit(do_not_specialize=["T", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
     q, k, k_scale, out,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,

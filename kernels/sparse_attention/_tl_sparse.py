@@ -8,9 +8,10 @@ from m3compile.kernels._tl_common import csr_segment, lse_merge
 
 @triton.jit
 def _segment_block(seg, pid, tile_start, seg_off, k, v, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-                   stride_vt, T, HKV: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   stride_vt, T, HKV: tl.constexpr, NB, D: tl.constexpr, DP: tl.constexpr,
                    BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
-    """A program's CSR entries [start, end) of segment `seg` = (batch, KV head, key block j), and that block's K/V."""
+    """A program's CSR entries [start, end) of segment `seg` = (batch, KV head, key block j), and that block's K/V.
+    NB (key blocks per sequence) is a constexpr of the training kernels and a runtime value of the forward's."""
     start, end, i_b, i_h, j = csr_segment(seg, pid, tile_start, seg_off, HKV, NB, CHUNK)
     o_n = tl.arange(0, BN)
     o_d = tl.arange(0, DP)
@@ -54,13 +55,14 @@ def _descriptor_block(nargs):
     key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "TMA", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket"])
+# NB, like T, is a runtime value: a prompt of another length (in blocks) runs the same binary, no compile
+@triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket", "NB", "stride_lb"])
 def gather_q_fwd_kernel(
     q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_lb, stride_lt, stride_ls,
-    T, t0, n_seg, scale_log2, tune_bucket,
-    HKV: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    T, t0, n_seg, scale_log2, tune_bucket, NB,
+    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
 ):
@@ -163,7 +165,7 @@ def _token_group(C, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.c
     return (pid // C).to(tl.int64), (pid % C).to(tl.int64), i_h, o_g, o_d, m_g, m_gd, i_h * G + o_g
 
 
-@triton.jit(do_not_specialize=["C", "t0"])
+@triton.jit(do_not_specialize=["C", "t0", "stride_bb", "stride_bh", "stride_xb"])
 def combine_kernel(
     part_o, part_lse, entry, blocks, out, lse_out,
     stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh, stride_xb, stride_xt,
@@ -300,7 +302,7 @@ def sum_slots_kernel(
 # The CSR of a selection (sparse_attention.build_csr): sort keys, segment offsets and payload, the tile schedule
 
 
-@triton.jit(do_not_specialize=["n", "C", "t0", "NB"])
+@triton.jit(do_not_specialize=["n", "C", "t0", "NB", "stride_bb", "stride_bh"])
 def csr_keys_kernel(blocks, key, stride_bb, stride_bh, stride_bt, n, C, t0, NB, HKV: tl.constexpr,
                     K: tl.constexpr, BLOCK: tl.constexpr):
     # one program: BLOCK (batch, head, token, slot) entries of the query range [t0, t0 + C); the sort key of each:

@@ -35,7 +35,7 @@ import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.export.onnx_providers import check_pair, missing_kernels
+from m3compile.export.onnx_providers import EXTERNAL_DATA, check_pair, missing_kernels
 from m3compile.graph.tracing import trace
 from m3compile.io.hf_config import args_from_config, read_config
 from m3compile.io.load import load
@@ -50,7 +50,6 @@ __all__ = ["export_onnx", "MSA_DOMAIN", "EXTERNAL_DATA", "SINGLE_FILE_MAX", "wei
 
 MSA_DOMAIN = "m3compile"
 OPSET = 20
-EXTERNAL_DATA = ("auto", "always", "never")
 PROTOBUF_LIMIT = 2**31  # bytes: protobuf serialises no message of 2 GiB or more
 # the most initializer bytes kept inside one model.onnx: the graph, the MSA function and the shapes take a few MB,
 # so 256 MiB under the limit leaves a wide margin

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["DTYPES", "PROVIDERS", "RUNS", "check_pair", "missing_kernels", "CUDA_BF16_OPS"]
+__all__ = ["DTYPES", "PROVIDERS", "EXTERNAL_DATA", "RUNS", "check_pair", "missing_kernels", "CUDA_BF16_OPS"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 PROVIDERS = ("cpu", "cuda")
+EXTERNAL_DATA = ("auto", "always", "never")  # export-onnx --external-data
 RUNS = {  # (dtype, provider) -> whether onnxruntime runs the exported graph (see the table above)
     ("float32", "cpu"): True, ("float16", "cpu"): True, ("bfloat16", "cpu"): False,
     ("float32", "cuda"): True, ("float16", "cuda"): True, ("bfloat16", "cuda"): True,

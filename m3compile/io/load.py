@@ -42,9 +42,10 @@ def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device
     ck = read_checkpoint(path, attn_impl)
     target = parse_dtype(dtype) or ck.dtype
     with torch.device("meta"):
-        model = Decoder(ck.args).to(target)  # allocated in the dtype asked for: no fp32 copy of a bf16 model
-    model = model.to_empty(device=device)
-    load_state_dict(model, ck.state_dict, ck.path)
+        model = Decoder(ck.args)
+    # the checkpoint's tensors become the parameters (assign): no empty model to allocate, fill and copy into; each
+    # is converted once, by the .to(dtype) at the end
+    load_state_dict(model, {n: t.to(device) for n, t in ck.state_dict.items()}, ck.path, assign=True)
     if ck.args.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.inv_freq = RotaryEmbedding.frequencies(ck.args).to(device)  # not in the checkpoint

@@ -222,11 +222,13 @@ def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor
                                  f"tensor there")
 
 
-def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
-    """Copy `state` into `model` by name; missing, unexpected or mis-shaped tensors are one-line errors."""
+def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str,
+                    assign: bool = False) -> None:
+    """Copy `state` into `model` by name (assign: make its tensors the model's, e.g. into a model on the meta
+    device); missing, unexpected or mis-shaped tensors are one-line errors."""
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     check_state(model.state_dict(), state, source, tied)
-    model.load_state_dict(state, strict=not tied, assign=False)
+    model.load_state_dict(state, strict=not tied, assign=assign)
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[tuple[str, list[str]]]:

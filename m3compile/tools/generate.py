@@ -23,6 +23,7 @@ from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
+from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
 __all__ = ["generate", "GenerationResult", "TextCodec"]
 
@@ -32,6 +33,7 @@ class GenerationResult:
     tokens: list[list[int]]  # generated tokens per sequence (prompt excluded)
     prefill_logits: list[torch.Tensor]  # [vocab] logits after each prompt
     step_logits: torch.Tensor  # [steps, B, vocab] logits of each decode step (fp32)
+    timings: dict | None = None  # with generate(..., timings=True): seconds per phase (runtime/timings.py)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -58,7 +60,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
              eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool | None = None, kernels: bool | None = None) -> GenerationResult:
+             cuda_graph: bool | None = None, kernels: bool | None = None, timings: bool = False) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -71,6 +73,10 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     kernels: prefill and decode run the model's fused backbone kernels (Decoder.set_kernels: RMSNorm, RoPE, the
     index branch), the model's setting restored after. None (default): on a CUDA device unless backend "torch"
     (kernels_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
+    timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
+    decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
+    launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
+    traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
@@ -109,9 +115,12 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                     f"{longest:,} prompt tokens + {max_new_tokens:,} new tokens ({longest + max_new_tokens - 1:,} "
                     f"positions)")
     _check_cache_fits(a, B, longest + max_new_tokens, page, device, dtype, index_dtype)
+    timer = Timings(device) if timings else NULL_TIMINGS
+    timer.mark("cache")
     cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
     kernels = kernels_default(device, backend) if kernels is None else kernels
-    with model.using_kernels(kernels):  # prefill and decode on the fused backbone kernels (CUDA by default)
+    with model.using_kernels(kernels), timer.watch():  # the fused backbone kernels (CUDA by default)
+        timer.mark("prefill")
         prefill_logits = []
         for b, p in enumerate(prompts):
             prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend))
@@ -119,6 +128,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         auto = cuda_graph is None
         if auto:
             cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
+        timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
         try:
             step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1,
                                  kernels=kernels)
@@ -130,6 +140,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         out = [[] for _ in range(B)]
         done = [False] * B
         step_logits = []
+        timer.mark("decode")
         next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
         for step in range(max_new_tokens):
             chosen = next_tok.tolist()  # one host synchronisation per step
@@ -146,8 +157,11 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             logits = step_fn(next_tok)
             step_logits.append(logits.clone() if step_fn.graph is not None else logits)
             next_tok = _pick(logits, temperature, top_p, generator)
+        timer.stop()
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
-    return GenerationResult(out, prefill_logits, steps)
+    timer.add("prompt_tokens", sum(map(len, prompts)))
+    timer.add("decode_steps", len(step_logits))
+    return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
 def _check_cache_fits(a, batch: int, length: int, page: int, device: torch.device, dtype: torch.dtype,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from m3compile.config import parse_dtype
-from m3compile.errors import M3CompileError
+from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.data import load_tokens, windows
 from m3compile.io.hf_config import check_positions, read_config
@@ -44,6 +44,7 @@ from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import scope
 from m3compile.pipelines import run_pipeline
+from m3compile.train.holdout import HeldOut, split_holdout
 from m3compile.train.shard import (
     copy_rows, full_tensor, local_bytes, materialize, needs_sharding, process_group, shard_graph,
 )
@@ -78,6 +79,9 @@ class DistillConfig:
     # the index branch's block-max scores, on the queries that have a choice; 0 = the KL alone (no node is added).
     # 1 by default: better on both checkpoints measured (SmolLM2 +2.25% against +3.08% at 14.7M tokens; BENCHMARKS.md)
     block_loss: float = 1.0
+    # tokens held out from the end of the data (whole windows) to evaluate the run at its start and checkpoints; the
+    # output keeps the best state (train/holdout.py). None: 4 windows, at most a tenth of the data; 0: none
+    holdout_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "loss_coeff", "block_loss"):
@@ -96,6 +100,9 @@ class DistillConfig:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not -SEED_LIMIT < self.seed < SEED_LIMIT:
             raise M3CompileError(f"seed must be in (-2**46, 2**46), got {self.seed}")
+        if self.holdout_tokens is not None and (isinstance(self.holdout_tokens, bool)
+                                                or not isinstance(self.holdout_tokens, int) or self.holdout_tokens < 0):
+            raise M3CompileError(f"holdout_tokens must be an integer >= 0, got {self.holdout_tokens!r}")
         if not self.lr > 0:
             raise M3CompileError(f"lr must be > 0, got {self.lr}")
         if self.block_loss < 0:
@@ -159,6 +166,9 @@ class DistillReport:
     interrupted: bool = False
     sharded: bool = False  # FSDP2: each rank held its shard of the parameters (else a replica)
     param_bytes_per_rank: list[int] = field(default_factory=list)  # parameter storage each rank kept between steps
+    # the held-out evaluations (train/holdout.py: HeldOut.to_dict): start, kept (what the output holds), final; None
+    # without held-out data
+    holdout: dict | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -166,14 +176,6 @@ class DistillReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
-
-
-class DistillInterrupted(KeyboardInterrupt):
-    """Ctrl-C during distillation: the state after the last finished step was saved."""
-
-    def __init__(self, step: int, out_dir: Path):
-        super().__init__(f"interrupted after step {step}; state saved in {out_dir} (continue with --resume)")
-        self.step, self.out_dir = step, out_dir
 
 
 def index_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -452,11 +454,13 @@ class _Run:
         if model.args.msa is None:
             raise M3CompileError(f"{self.model_dir} has no MSA layers: it was never converted (run m3c convert first)")
         tokens = load_tokens(self.data, model.args.vocab_size, self.model_dir)
-        wins = windows(tokens, cfg.seq_len)
-        # the weights by content: a checkpoint of the same shapes but other values is another model
+        train_tokens, held = split_holdout(tokens, cfg.seq_len, cfg.holdout_tokens)
+        wins = windows(train_tokens, cfg.seq_len)
         fingerprint = {"model": _model_fingerprint(self.model_dir), "weights": checkpoint_digest(self.model_dir),
                        "data": f"{self.data.name}:{tokens.numel()}", "tokens": _tokens_digest(tokens),
                        **cfg.fingerprint(self.world)}
+        if held is not None:  # the tokens held out (absent without: a state saved before held-out data resumes with 0)
+            fingerprint["holdout_tokens"] = int(held[:, 1:].numel())
         start = 0
         history: list[dict] = []
         if state is not None:
@@ -466,7 +470,7 @@ class _Run:
         stepper = DistillStep(model, cfg, self.device, cfg.mode(start), self.world, shard=sharded, weights=weights,
                               cuda_graph=cfg.cuda_graph)
         params, opt, gm = stepper.params, stepper.opt, stepper.gm
-        self.sharded = sharded
+        self.sharded, self.trained_names = sharded, list(params)
         if state is not None:
             try:
                 self._load_state(params, opt)
@@ -478,7 +482,12 @@ class _Run:
 
         report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history,
                                sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
-        t0 = time.perf_counter()
+        self.holdout = None if held is None else HeldOut(held, model, cfg, self.device, self.training, self.rank,
+                                                         self.world, (state or {}).get("holdout"))
+        self.kept, self.kept_step, self.holdout_seconds = {}, None, 0.0
+        t0 = time.perf_counter()  # report.seconds: the steps' time (the evaluations' is report.holdout["seconds"])
+        if self.holdout is not None:
+            self._start_holdout(stepper, model, params, start, report)
         step = start
         # SIGINT / SIGTERM recorded, not raised, while the loop runs (main thread): the loop stops after the step in
         # flight and saves. Raising at the signal (the CLI's handler) could stop torch anywhere inside a step: a run
@@ -497,20 +506,71 @@ class _Run:
                     metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
                     report.history.append(metrics)
                     report.tokens += cfg.batch * self.world * cfg.seq_len
-                    report.seconds = time.perf_counter() - t0
+                    report.seconds = time.perf_counter() - t0 - self.holdout_seconds
                     if progress is not None:
                         progress(step, cfg.steps, {**metrics, "tokens_per_s": report.tokens_per_s})
                     if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                        if self.holdout is not None:
+                            self._evaluate(stepper, model, params, step, report)
                         self._save(model, params, opt, step, fingerprint, report)
                     if step < cfg.steps and self._any_rank(bool(stop)):
                         raise KeyboardInterrupt  # a SIGINT / SIGTERM during the step (on any rank): stop here
             except KeyboardInterrupt:
                 report.interrupted = True
-                report.seconds = time.perf_counter() - t0
+                report.seconds = time.perf_counter() - t0 - self.holdout_seconds
+                if self.holdout is not None:  # not evaluated: the output keeps the best state evaluated so far
+                    report.holdout = self.holdout.to_dict(step)
                 self._save(model, params, opt, step, fingerprint, report)
                 raise DistillInterrupted(step, out) from None
-        report.seconds = time.perf_counter() - t0
+        report.seconds = time.perf_counter() - t0 - self.holdout_seconds
         return report
+
+    # -- held-out data: the output keeps the best state ---------------------------------------------------------
+
+    def _start_holdout(self, stepper: DistillStep, model, params, start: int, report: DistillReport) -> None:
+        """A new run evaluates its start; a resumed one takes its evaluations from the state and the kept state's
+        trained tensors from the output's checkpoint (which holds it), or from the state just loaded when the kept
+        state is the last step's."""
+        if not self.holdout.history:
+            self._evaluate(stepper, model, params, start, report)
+            return
+        self.kept_step = self.holdout.best["step"]
+        if self.kept_step == start:
+            self._keep(params, model.source_dtype)
+        elif self.rank == 0:
+            wanted = set(params)
+            self.kept = {n: t.to(model.source_dtype) for layer in weights_by_layer(self.out_dir, model.args)
+                         for n, t in layer.items() if n in wanted}
+            if set(self.kept) != wanted:
+                raise M3CompileError(f"--resume: {self.out_dir}'s checkpoint lacks trained tensors "
+                                     f"({sorted(wanted - set(self.kept))[0]}, ...)")
+        report.holdout = self.holdout.to_dict(start)
+
+    def _evaluate(self, stepper: DistillStep, model, params, step: int, report: DistillReport) -> None:
+        """Evaluate the state at `step` on the held-out windows; a new best is copied (what the output will hold)."""
+        t = time.perf_counter()
+        entry = self.holdout.evaluate(stepper, step)
+        if self.holdout.best is entry:
+            self._keep(params, model.source_dtype)
+            self.kept_step = step
+        report.holdout = self.holdout.to_dict(step)
+        self.holdout_seconds += time.perf_counter() - t
+        report.holdout["seconds"] = round(self.holdout_seconds, 3)
+
+    def _keep(self, params, dtype: torch.dtype) -> None:
+        """The trained tensors as the output writes them (whole, in the checkpoint's dtype, on the CPU of rank 0;
+        sharded, every rank takes part in each gather)."""
+        kept = {}
+        for name, p in params.items():
+            whole = full_tensor(p).detach().to("cpu", dtype, copy=True)
+            if self.rank == 0:
+                kept[name] = whole
+        self.kept = kept
+
+    def _kept_instead(self, step: int) -> set[str]:
+        """The trained tensors the output takes from the kept state instead of the state at `step` (none when that
+        state is the kept one, or without held-out data); the same on every rank."""
+        return set() if self.holdout is None or self.kept_step in (None, step) else set(self.trained_names)
 
     def _metrics(self, step: int, mode: str, kl: torch.Tensor, recall: torch.Tensor, layers: list[int],
                  lm: torch.Tensor | None = None, block: torch.Tensor | None = None) -> dict:
@@ -646,9 +706,13 @@ class _Run:
         writer = None
         if tmp is not None:
             writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for r in release.values() for n, t in r.items()])
+        instead = self._kept_instead(step)
         try:
             for name, t in state.items():
-                whole = full_tensor(t).detach().to("cpu", dtype)
+                if name in instead:  # the kept (best held-out) state's tensor, not this step's; rank 0 holds it
+                    whole = self.kept.get(name)
+                else:
+                    whole = full_tensor(t).detach().to("cpu", dtype)
                 if writer is not None:
                     for n, piece in to_release_names({name: whole}).items():
                         writer.write(n, piece)
@@ -673,8 +737,8 @@ class _Run:
             groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]}
                       for g in sd["param_groups"]]
             (folder / "state.json").write_text(json.dumps(
-                {"step": step, "fingerprint": fingerprint, "param_names": list(params), "param_groups": groups},
-                indent=2))
+                {"step": step, "fingerprint": fingerprint, "param_names": list(params), "param_groups": groups,
+                 "holdout": None if self.holdout is None else self.holdout.history}, indent=2))
             (tmp / self.report_file).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
 
 

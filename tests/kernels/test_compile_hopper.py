@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BF, F32, I32, I64, FP8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv"
 SPARSE = dict(HKV=4, NB=64, K=16, G=16, GP=16, D=128, DP=128, BS=128, BN=128, CHUNK=64, IEEE=False)
+SPARSE_FWD = {k: v for k, v in SPARSE.items() if k != "NB"}  # the forward takes the block count at run time
 KL = dict(HKV=4, NB=64, K=16, G=16, D=128, DP=128, DI=128, DIP=128, BS=128, BN=128, CHUNK=256, IEEE=False)
 
 # (name, "op_folder.module.kernel", pointer args and their element types, constexprs, fp32 scalar args, launch options)
@@ -46,16 +47,16 @@ KERNELS = [
     ("gather_q_fwd, partials stored by TMA", "sparse_attention._tl_sparse.gather_q_fwd_kernel",
      dict(q=BF, k=BF, v=BF, part_o=BF, part_lse=F32, o_desc="tensordesc<bf16[64,128]>", tile_seg=I32,
           tile_start=I32, seg_off=I32, payload=I32),
-     {**SPARSE, "LSE_ONLY": False, "TMA": True, "ROWS": 64}, ("scale_log2",), dict(num_warps=4, num_stages=2)),
+     {**SPARSE_FWD, "LSE_ONLY": False, "TMA": True, "ROWS": 64}, ("scale_log2",), dict(num_warps=4, num_stages=2)),
     ("gather_q_fwd, Llama-3-8B groups (G 4), masked stores", "sparse_attention._tl_sparse.gather_q_fwd_kernel",
      dict(q=BF, k=BF, v=BF, part_o=BF, part_lse=F32, o_desc=BF, tile_seg=I32, tile_start=I32, seg_off=I32,
           payload=I32),
-     {**SPARSE, "G": 4, "GP": 4, "CHUNK": 512, "LSE_ONLY": False, "TMA": False, "ROWS": 64}, ("scale_log2",),
+     {**SPARSE_FWD, "G": 4, "GP": 4, "CHUNK": 512, "LSE_ONLY": False, "TMA": False, "ROWS": 64}, ("scale_log2",),
      dict(num_warps=4, num_stages=2)),
     ("gather_q_fwd LSE only, tile narrower than the group", "sparse_attention._tl_sparse.gather_q_fwd_kernel",
      dict(q=BF, k=BF, v=BF, part_o=BF, part_lse=F32, o_desc=BF, tile_seg=I32, tile_start=I32, seg_off=I32,
           payload=I32),
-     {**SPARSE, "LSE_ONLY": True, "TMA": False, "ROWS": 8}, ("scale_log2",), dict(num_warps=4, num_stages=2)),
+     {**SPARSE_FWD, "LSE_ONLY": True, "TMA": False, "ROWS": 8}, ("scale_log2",), dict(num_warps=4, num_stages=2)),
     ("combine", "sparse_attention._tl_sparse.combine_kernel",
      dict(part_o=BF, part_lse=F32, entry=I32, blocks=I32, out=BF, lse_out=F32),
      dict(HKV=4, K=16, G=16, GP=16, D=128, DP=128, STORE_LSE=True), (), dict(num_warps=4, num_stages=1)),
@@ -132,10 +133,10 @@ KERNELS = [
      dict(BS=128, NBP=8192, TOPK=16, INIT=0, LOCAL=1), (), dict(num_warps=4, num_stages=1)),
     ("paged_attention_split", "decode._tl_decode.paged_attention_split_kernel",
      dict(q=BF, k_cache=BF, v_cache=BF, blocks=I32, block_table=I32, seq_lens=I32, part_o=F32, part_lse=F32),
-     dict(K=16, G=16, GP=16, D=128, DP=128, BS=128, BN=128, PPS=1, IEEE=False), ("scale_log2",),
+     dict(G=16, GP=16, D=128, DP=128, BS=128, BN=128, IEEE=False), ("scale_log2",),
      dict(num_warps=4, num_stages=2)),
     ("paged_merge", "decode._tl_decode.paged_merge_kernel", dict(part_o=F32, part_lse=F32, out=BF),
-     dict(SPLITS=16, G=16, GP=16, D=128, DP=128), (), dict(num_warps=4, num_stages=1)),
+     dict(G=16, GP=16, D=128, DP=128), (), dict(num_warps=4, num_stages=1)),
     ("block_stats, SmolLM2 (G 3, block 64)", "block_stats._tl_block_stats.block_stats_kernel",
      dict(q=BF, k=BF, qidx=BF, kidx=BF, rows=I64, blse=F32, score=F32, arg=I32),
      dict(HKV=3, G=3, GP=4, D=64, DP=64, DI=64, DIP=64, BS=64, BN=64, IEEE=False, IEEE_IDX=False, TOK=16),

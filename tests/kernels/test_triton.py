@@ -369,6 +369,20 @@ def test_paged_decode_matches_reference(case):
     assert rel_err(out, dk.paged_attention_reference(q, k_cache, v_cache, want, table, seq_lens)) < 1e-5
 
 
+def test_paged_attention_over_every_page_splits_the_pages():
+    """A dense layer's decode: every page as the blocks, more than 64 of them, so each split walks several slots
+    (the slot count and slots per split are run-time arguments: one binary for every context)."""
+    lens, bs = [266, 29], 4
+    k_cache, v_cache, _, table, seq_lens = _paged(lens, bs, 1, 16, 16)
+    n_pages = (seq_lens + bs - 1) // bs
+    ids = torch.arange(table.shape[1], dtype=torch.int32)
+    every = torch.where(ids[None] < n_pages[:, None], ids[None], -1)[:, None]
+    assert every.shape[-1] > 64
+    q = torch.randn(2, 3, 16)
+    out = dk.paged_attention(q, k_cache, v_cache, every, table, seq_lens, backend="triton")
+    assert rel_err(out, dk.paged_attention_reference(q, k_cache, v_cache, every, table, seq_lens)) < 1e-5
+
+
 def test_paged_decode_fp8_index_cache():
     lens, bs, Di = [70, 33], 8, 32
     _, _, idx_cache, table, seq_lens = _paged(lens, bs, 1, 16, Di)

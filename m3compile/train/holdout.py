@@ -1,0 +1,151 @@
+"""The held-out slice of a distillation or training run: the run keeps the best state it has seen, the start included.
+
+    data tokens:  [ training windows ................................ | held out: whole windows of seq_len ]
+
+The run evaluates the model on the held-out windows at its start and at every checkpoint: the next-token loss with
+sparse attention (MSA active, the index branch selecting), against the same model run densely (every MSA layer as
+dense causal attention). The output directory's checkpoint is the state of lowest held-out sparse
+loss so far (ties keep the earlier one), the start included, so a run that makes the model worse leaves it as it
+was; the resume state (`distill_state/`, `train_state/`) stays the last step's, so a resumed run continues bit for
+bit. Distillation leaves the backbone frozen, so the dense loss is measured once; training moves it, so it is
+measured at every evaluation.
+
+    split_holdout(tokens, seq_len, holdout_tokens)   -> (training tokens, held-out windows or None)
+    HeldOut(windows, ...).evaluate(stepper, step)    -> {"step", "loss", "dense_loss", "gap"}
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from m3compile.errors import M3CompileError
+from m3compile.io.data import windows
+from m3compile.models.decoder import Attention
+
+__all__ = ["DEFAULT_HOLDOUT_WINDOWS", "split_holdout", "HeldOut", "summary"]
+
+# The default held-out slice: this many windows of the run's sequence length, at most a tenth of the data's windows
+# (at least one where the data has two or more)
+DEFAULT_HOLDOUT_WINDOWS = 4
+
+
+def split_holdout(tokens: torch.Tensor, seq_len: int, holdout_tokens: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(training tokens, held-out windows [N, seq_len + 1] or None): the held-out windows are the data's last tokens.
+    holdout_tokens None: DEFAULT_HOLDOUT_WINDOWS windows, at most a tenth of the data (none for data of one window);
+    0: none; otherwise that many tokens, in whole windows (at least one), and the rest must still hold a window."""
+    total = (tokens.numel() - 1) // seq_len
+    if holdout_tokens is None:
+        held = min(DEFAULT_HOLDOUT_WINDOWS, max(1, total // 10)) if total >= 2 else 0
+    elif holdout_tokens == 0:
+        held = 0
+    else:
+        held = holdout_tokens // seq_len
+        if held < 1:
+            raise M3CompileError(f"--holdout-tokens {holdout_tokens} is less than one sequence of {seq_len} tokens "
+                                 f"(use 0 for no held-out data)")
+    if held == 0:
+        return tokens, None
+    cut = tokens.numel() - held * seq_len - 1
+    if cut < seq_len + 1:
+        raise M3CompileError(f"holding out {held * seq_len:,} tokens leaves {max(cut, 0):,} of the data's "
+                             f"{tokens.numel():,} for training, fewer than one sequence of {seq_len} + 1 (use a "
+                             f"smaller --holdout-tokens, or 0)")
+    return tokens[:cut], windows(tokens[cut:], seq_len)
+
+
+class HeldOut:
+    """Evaluations of one run on its held-out windows, and the best state's figures. `history` entries are plain
+    dicts (kept in the resume state and the report).
+
+    The loss is the model's own forward, sparse (MSA active) or dense, no KL hooks: `model` (the run's Decoder,
+    whose parameters the training graph shares) with its kernels on CUDA; a sharded run's model lives in the
+    training graph's shards, so there the training graph runs (in its sparse mode, and its warm-up mode for dense
+    attention), its KL computed and ignored."""
+
+    def __init__(self, wins: torch.Tensor, model, config, device: str, trains_backbone: bool, rank: int = 0,
+                 world: int = 1, history: list[dict] | None = None):
+        self.wins, self.model, self.config, self.device = wins, model, config, device
+        self.trains_backbone, self.rank, self.world = trains_backbone, rank, world
+        self.history: list[dict] = list(history or [])
+
+    @property
+    def best(self) -> dict | None:
+        """The evaluation of lowest sparse loss (the earliest among equals)."""
+        return min(self.history, key=lambda h: h["loss"]) if self.history else None
+
+    @property
+    def start(self) -> dict | None:
+        return self.history[0] if self.history else None
+
+    @torch.no_grad()
+    def _loss(self, stepper, sparse: bool) -> float:
+        """Mean next-token loss of the held-out windows, with sparse attention or dense. Every rank runs every window
+        (a sharded model's forward is collective), and rank 0's figure is the one every rank keeps, so all ranks
+        decide alike."""
+        if stepper.sharded:
+            stepper.set_mode("sparse" if sparse else "warmup")  # the warm-up mode's main branch is dense
+            forward, context = (lambda x: stepper.net(x)[0]), contextlib.nullcontext()
+        else:
+            attention = [m for m in self.model.modules() if isinstance(m, Attention)]
+            before = [m.sparse for m in attention]
+            self.model.set_sparse(sparse)
+            forward, context = self.model, self.model.using_kernels(str(self.device).startswith("cuda"))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            with context:
+                for b in range(0, self.wins.shape[0], self.config.batch):
+                    chunk = self.wins[b:b + self.config.batch].to(self.device)
+                    with self.config.autocast_context(self.device):
+                        logits = forward(chunk[:, :-1])
+                    total += F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(),
+                                             reduction="sum").double()
+        finally:
+            if not stepper.sharded:
+                for m, s in zip(attention, before):
+                    m.sparse = s
+        out = total / self.wins[:, 1:].numel()
+        if self.world > 1:
+            dist.broadcast(out, 0)
+        return out.item()
+
+    def evaluate(self, stepper, step: int) -> dict:
+        """Evaluate the current state (at `step`) and add it to the history; the trainer's mode is left as it was."""
+        mode = stepper.mode
+        try:
+            dense = self.start["dense_loss"] if self.start and not self.trains_backbone else None
+            if dense is None:
+                dense = self._loss(stepper, sparse=False)
+            loss = self._loss(stepper, sparse=True)
+        finally:
+            stepper.set_mode(mode)
+        entry = {"step": step, "loss": loss, "dense_loss": dense, "gap": loss / dense - 1.0 if dense else None}
+        self.history.append(entry)
+        return entry
+
+    def to_dict(self, final_step: int) -> dict:
+        """The report: the held-out slice, the start, the kept (best) and the final step's evaluations, and all."""
+        final = next((h for h in reversed(self.history) if h["step"] == final_step), None)
+        return {"windows": int(self.wins.shape[0]), "tokens": int(self.wins[:, 1:].numel()), "start": self.start,
+                "kept": self.best, "final": final, "evaluations": self.history}
+
+
+def summary(holdout: dict | None) -> str:
+    """One line for a run's report (`m3c distill` / `m3c train`): the start, final and kept held-out figures."""
+    if holdout is None:
+        return "no held-out data (--holdout-tokens 0, or data of one sequence): the output is the last step's state"
+
+    def fig(h: dict) -> str:
+        gap = "" if h["gap"] is None else f" ({100 * h['gap']:+.2f}% over dense)"
+        return f"loss {h['loss']:.4f}{gap} at step {h['step']}"
+
+    start, kept, final = holdout["start"], holdout["kept"], holdout["final"]
+    line = f"held out {holdout['windows']} windows ({holdout['tokens']:,} tokens): start {fig(start)}"
+    if final is not None and final["step"] != start["step"]:
+        line += f"; final {fig(final)}"
+    if kept["step"] == start["step"]:
+        return line + "; the output keeps the start (no evaluated state was better)"
+    return line + f"; the output keeps step {kept['step']}" + ("" if final is kept else f": {fig(kept)}")
