@@ -299,23 +299,23 @@ def build_samples(task: Task, length: int, count: int, seed: int, haystacks: Hay
     own seed (seed, task, length, index): the same samples for every selection, run and machine.
 
     render: an instance -> the prompt text (chat template and answer prefix); encode_batch: texts -> ids. The
-    haystack size comes from sample 0 (a few tokenizations), then every sample is built at it and those that
-    come out longer shrink until they fit."""
+    haystack size comes from sample 0 (a few tokenizations); every sample is built at it, and those whose own
+    haystack (other lines, other words) lands over the budget or more than 1% under it move toward it, all of them
+    tokenized together per round."""
     budget = length - task.max_new_tokens
 
     def instance(i: int, n: int) -> Instance:
         return task.make(random.Random(f"{seed}:{task.name}:{length}:{i}"), n, haystacks, length)
 
-    def prompt_ids(i: int, n: int) -> tuple[list[int], Instance]:
-        inst = instance(i, n)
-        return encode_batch([render(inst)])[0], inst
+    def prompt_tokens(i: int, n: int) -> int:
+        return len(encode_batch([render(instance(i, n))])[0])
 
     hi = task.capacity(haystacks)
     short = f"{haystacks.name} is too short to fill a {length}-token {task.name} haystack"
     if hi is not None and hi < task.min_units:
         raise M3CompileError(f"{short}: it holds {max(0, hi)} {task.unit}")
     try:
-        n, tokens, base = _fit(lambda n: len(prompt_ids(0, n)[0]), budget, task.min_units, hi)
+        n, tokens, base = _fit(lambda n: prompt_tokens(0, n), budget, task.min_units, hi)
     except _TooLong as e:
         raise M3CompileError(f"length {length} is too short for {task.name}: its smallest prompt takes "
                              f"{e.args[0]} tokens + {task.max_new_tokens} generated") from None
@@ -346,9 +346,12 @@ def build_samples(task: Task, length: int, count: int, seed: int, haystacks: Hay
         todo = left
     for i in range(count):
         while best[i] is None:  # still over the budget: shrink one unit at a time
-            sizes[i] = max(task.min_units, sizes[i] - 1)
+            if sizes[i] == task.min_units:
+                raise M3CompileError(f"length {length} is too short for {task.name}: sample {i}'s smallest prompt "
+                                     f"takes more than {budget} tokens + {task.max_new_tokens} generated")
+            sizes[i] -= 1
             inst = instance(i, sizes[i])
             x = encode_batch([render(inst)])[0]
-            if len(x) <= budget or sizes[i] == task.min_units:
+            if len(x) <= budget:
                 best[i] = Sample(x, inst.answers)
     return best
