@@ -164,6 +164,9 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
         raise M3CompileError(f"unknown selection {bad[0] if bad else '(none given)'!r} (use {', '.join(SELECTIONS)})")
     if lengths is None:
         lengths = [n for n in DEFAULT_LENGTHS if context is None or n <= context] or [context]
+    lengths = sorted(set(lengths))
+    if not lengths or lengths[0] < 1:
+        raise M3CompileError(f"lengths must be positive token counts, got {lengths}")
     too_long = [n for n in lengths if context is not None and n > context]
     if too_long:
         raise M3CompileError(f"length {too_long[0]} is above the model's context ({context} tokens, "
@@ -172,7 +175,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
         selections = ["dense"]  # no MSA layer: every selection is dense attention
     selections = list(dict.fromkeys(selections))
     start = time.perf_counter()
-    report = RulerReport(sorted(lengths), tasks, selections, samples, seed, codec.chat, context)
+    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
     total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
