@@ -26,6 +26,7 @@ from m3compile.config import INDEX_DTYPES
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
 from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file, resolved
+from m3compile.tools.ruler_tasks import TASKS as RULER_TASKS
 
 
 def _lazy(module: str, name: str):
@@ -73,6 +74,10 @@ text_encoder = _lazy("m3compile.tools.retrieval", "text_encoder")
 holdout_summary = _lazy("m3compile.train.holdout", "summary")
 EvalConfig = _lazy("m3compile.config", "EvalConfig")
 check_map_output = _lazy("m3compile.tools.attention_map", "check_map_output")
+PromptCodec = _lazy("m3compile.tools.prompt", "PromptCodec")
+draw_heatmap = _lazy("m3compile.tools.ruler", "draw_heatmap")
+read_text = _lazy("m3compile.tools.ruler", "read_text")
+run_ruler = _lazy("m3compile.tools.ruler", "ruler")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -316,38 +321,64 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 
 @main.command(name="eval")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.option("--data", required=True, type=click.Path(path_type=Path),
+              help="Token data: .bin bytes, .npy ids, .txt/.jsonl text (ruler: a UTF-8 text file, e.g. long code).")
 @click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window (retrieval: the longest probe).")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all].")
 @click.option("--task", default="loss", show_default=True,
-              help="loss: dense / sparse / oracle loss and recall; retrieval: copy a value planted DISTANCE tokens back.")
+              help="loss: dense / sparse / oracle loss and recall; retrieval: copy a value planted DISTANCE tokens "
+                   "back; ruler: the RULER-style suite (needles, variable tracking, common / frequent words).")
 @click.option("--no-oracle", is_flag=True, help="Skip the oracle-selection loss and oracle recall (saves a third forward per window).")
-@click.option("--batch", default=1, show_default=True, help="Loss: windows per forward (more fill a GPU; memory grows with it).")
+@click.option("--batch", type=int, default=None,
+              help="Loss: windows per forward (more fill a GPU; memory grows with it) [default: 1]. Ruler: prompts "
+                   "per generation batch [default: all samples of a task and length].")
 @click.option("--distances", default="1024,2048,4096,8192", show_default=True,
               help="Retrieval: comma-separated distances in tokens (those that do not fit --seq-len are skipped).")
 @click.option("--probes", default=16, show_default=True, help="Retrieval: probes per distance.")
-@click.option("--seed", default=0, show_default=True, help="Retrieval: seed of the probes.")
+@click.option("--seed", default=0, show_default=True, help="Retrieval and ruler: seed of the probes / prompts.")
+@click.option("--lengths", default=None,
+              help="Ruler: prompt lengths in tokens, generation included (e.g. 4K,8K,16K,32K) [default: those of "
+                   "4K,8K,16K,32K within the model's context].")
+@click.option("--tasks", "ruler_tasks", default=None,
+              help=f"Ruler: comma-separated tasks [default: all: {', '.join(RULER_TASKS)}].")
+@click.option("--samples", default=25, show_default=True, help="Ruler: samples per task and length.")
+@click.option("--selections", default="dense,msa,oracle", show_default=True,
+              help="Ruler: how MSA layers pick blocks: dense (every block), msa (the index branch), oracle (most "
+                   "true attention mass); recent (the newest blocks only) as a baseline.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Ruler: write a heatmap PNG of the scores (task x length, one panel per selection).")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default=None,
               help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute dtype; fp8: e4m3).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distances, probes, seed, dtype, index_dtype,
-          device, as_json):
+def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distances, probes, seed, lengths, ruler_tasks,
+          samples, selections, plot, dtype, index_dtype, device, as_json):
     """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data; or, with
-    --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier.
+    --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier; or, with
+    --task ruler, the RULER-style suite: greedy answers to long prompts built from --data, scored per task, length
+    and selection.
 
     Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
     in the blocks the index branch selected. The oracle loss runs every MSA layer with the blocks of most dense
     attention mass (same block size and top-k): the best any index branch could do. Loss is in nats per token;
     the tail is the share of tokens whose loss rises by more than 0.5 nats over dense.
+
+    The ruler score of a task is the share of its expected answers found in the generated text (RULER's
+    string_match_all), x 100, over --samples prompts; a task the dense model scores below 50 at the shortest
+    length is reported and kept out of the averages.
     """
+    if task not in ("loss", "retrieval", "ruler"):
+        _fail(f"unknown --task {task!r} (use loss, retrieval or ruler)")
+    if task == "ruler":
+        _eval_ruler(model_dir, data, batch, seed, lengths, ruler_tasks, samples, selections, plot, dtype,
+                    index_dtype, device, as_json)
+        return
+    batch = 1 if batch is None else batch
     if seq_len < 1:
         raise click.BadParameter("--seq-len must be >= 1")
     if batch < 1:
         raise click.BadParameter("--batch must be >= 1")
-    if task not in ("loss", "retrieval"):
-        _fail(f"unknown --task {task!r} (use loss or retrieval)")
     _run(EvalConfig, seq_len=seq_len, max_windows=max_windows, batch=batch, probes=probes)
     if task == "retrieval":
         try:
@@ -416,6 +447,58 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
         table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", opt(report.oracle_recall.get(layer)))
     table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}", opt(report.mean_oracle_recall))
     console.print(table)
+
+
+def _eval_ruler(model_dir, data, batch, seed, lengths, tasks, samples, selections, plot, dtype, index_dtype, device,
+                as_json):
+    """m3c eval --task ruler: parse, run the suite, render its table (and JSON, heatmap)."""
+    if samples < 1:
+        _fail(f"--samples must be >= 1, got {samples}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        _fail(f"--plot {plot}: the heatmap is written as PNG; name the file *.png")
+    names = None if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
+    chosen = [s.strip() for s in selections.split(",") if s.strip()]
+    text = _run(read_text, data)
+    model = _run(load, model_dir, dtype=dtype, device=device)
+    if index_dtype:
+        model.set_index_dtype(index_dtype)
+    codec = _run(PromptCodec, model_dir, model.args.vocab_size, model.source_config)
+    context = model.source_config.get("max_position_embeddings") if isinstance(model.source_config, dict) else None
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True, disable=as_json) as bar:
+        task_id = bar.add_task("ruler", total=None)
+        report = _run(run_ruler, model, codec, text, tasks=names, samples=samples, seed=seed, selections=chosen,
+                      lengths=None if lengths is None else list(_parse_lengths(lengths)), batch=batch,
+                      context=context, data_name=str(data),
+                      progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
+    if plot is not None:
+        _run(draw_heatmap, report, plot)
+    if as_json:
+        click.echo(json.dumps(report.to_dict() | ({"plot": str(plot)} if plot else {}), indent=2, allow_nan=False))
+        return
+    console = _console()
+    fmt = lambda n: f"{n // 1024}K" if n % 1024 == 0 else str(n)  # noqa: E731
+    console.print(f"{report.samples} samples per task and length, seed {report.seed}, "
+                  f"{'chat template' if report.chat else 'plain prompts (no chat template)'}, {report.seconds:.1f} s")
+    table = Table(title=f"ruler scores ({' / '.join(report.selections)}; share of answers found, %)")
+    table.add_column("task")
+    for n in report.lengths:
+        table.add_column(fmt(n), justify="right")
+    cell = lambda values: " / ".join("-" if v is None else f"{v:.0f}" for v in values)  # noqa: E731
+    for t in report.tasks:
+        table.add_row(t + (" (excluded)" if t in report.excluded else ""),
+                      *[cell(report.scores[t][s][n] for s in report.selections) for n in report.lengths])
+    kept = len(report.tasks) - len(report.excluded)
+    table.add_row(f"average ({kept} tasks)", *[cell(report.average(s, n) for s in report.selections)
+                                               for n in report.lengths], style="bold")
+    console.print(table)
+    if report.excluded:
+        console.print(f"excluded from the averages (dense below 50 at {fmt(report.lengths[0])}): "
+                      f"{', '.join(report.excluded)}")
+    if report.selections == ["dense"]:
+        console.print("the model has no MSA layers (not converted): dense only")
+    if plot is not None:
+        console.print(f"wrote {plot}")
 
 
 def _stacked(*decorators):

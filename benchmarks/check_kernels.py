@@ -1,6 +1,7 @@
 """Full-size correctness of the Triton kernels on a GPU (CI runs the small shapes under the interpreter).
 
-    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|block_loss|varlen|decode|generate]
+    python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|block_loss|oracle|varlen|decode|
+                                               generate]
                                        [--json OUT.json]
 
 Each check prints one line: the shapes, the measured error against the torch reference (fp32 on upcast inputs)
@@ -192,6 +193,22 @@ def check_causal_lse(B, Hq, Hkv, T, D, dtype):
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # base-2 log-sum-exp, absolute
     report(f"causal LSE + recall, B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} {str(dtype)[6:]}", err < tol and r_err < tol,
            max_abs_err_lse=f"{err:.2e}", max_abs_err_recall=f"{r_err:.2e}")
+
+
+def check_oracle(B, Hq, Hkv, T, D, bs, k, dtype):
+    """The oracle selection from block_lse (the block-stats kernel without its index half) against the torch
+    oracle: the same blocks but on near ties of the block mass, and the same recalled mass."""
+    from m3compile.kernels.causal_lse import naive as lse_ref, oracle_blocks
+
+    q = (2 * torch.randn(B, Hq, T, D, device="cuda")).to(dtype)
+    kk = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype)
+    got = oracle_blocks(q, kk, block_size=bs, topk=k, init_blocks=1)
+    want = lse_ref.oracle_blocks(q, kk, block_size=bs, topk=k, init_blocks=1)
+    same = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
+    gap = (lse_ref.block_recall(q, kk, got, block_size=bs)
+           - lse_ref.oracle_recall(q, kk, block_size=bs, topk=k, init_blocks=1)).abs().max().item()
+    report(f"oracle blocks, B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} block {bs} top-{k} {str(dtype)[6:]}",
+           same > 0.99 and gap < 1e-4, same_sets=f"{same:.5f}", max_recall_gap=f"{gap:.1e}")
 
 
 def check_norm_rope(B, T, H, D, R, dtype):
@@ -411,8 +428,8 @@ def check_generate_fp8():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "block_loss", "varlen", "decode",
-                                       "generate"],
+    ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "block_loss", "oracle", "varlen",
+                                       "decode", "generate"],
                     help="run one family of checks")
     args = ap.parse_args()
     run = lambda family: args.only in (None, family)  # noqa: E731
@@ -462,6 +479,10 @@ def main():
         check_norm_rope(1, 1000, 4, 128, 64, fp32)
         for mode in ("sparse", "warmup"):
             check_lowered_distill(2048, mode)
+    if run("oracle"):  # the oracle selection of m3c eval and of the runtime's prefill: Qwen2.5-Coder's group 7 first
+        check_oracle(1, 14, 2, 32768, 64, 128, 16, bf16)
+        check_oracle(1, 14, 2, 5000, 64, 128, 16, bf16)
+        check_oracle(2, 9, 3, 3001, 48, 64, 8, fp32)
     if run("block_loss"):  # the block-ranking loss's kernel, at SmolLM2's distillation shapes first
         check_block_loss(2, 9, 3, 8192, 64, 64, 64, 8, bf16)
         check_block_loss(1, 8, 2, 3001, 48, 40, 64, 8, fp32, n_rows=700)  # G 4, D and Di not powers of two

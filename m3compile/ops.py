@@ -129,12 +129,13 @@ def index_rope_rule(head_dim: int, rope_dim: int, index_dim: int) -> str:
     return "m3"
 
 
-def tile_pairs(rope_dim: int, index_dim: int) -> torch.Tensor:
+def tile_pairs(rope_dim: int, index_dim: int, device=None) -> torch.Tensor:
     """Rule "tile": the main table's pair (0 .. R/2 - 1) that each of the index head's Di/2 pairs turns as, [Di/2]
     int64. Every pair of the main table once, then again from the lowest frequencies (the highest pair numbers:
-    the long-range ones a block selection needs) while index pairs remain: Di = 2R gives each pair twice."""
+    the long-range ones a block selection needs) while index pairs remain: Di = 2R gives each pair twice.
+    Built on `device` (no host-to-device copy: a CUDA graph can capture the decode step that builds it)."""
     h, n = rope_dim // 2, index_dim // 2
-    return (torch.arange(n) + (h - n % h) % h) % h
+    return (torch.arange(n, device=device) + (h - n % h) % h) % h
 
 
 def index_rope_tables(cos: torch.Tensor, sin: torch.Tensor, index_dim: int, rope: str = "m3"
@@ -153,7 +154,7 @@ def index_rope_tables(cos: torch.Tensor, sin: torch.Tensor, index_dim: int, rope
         if index_dim % 2 or index_dim < R:
             raise ValueError(f"index rope 'tile' needs an even index dim of at least the rotary width {R}, got "
                              f"{index_dim}")
-        pairs = tile_pairs(R, index_dim).to(cos.device)
+        pairs = tile_pairs(R, index_dim, cos.device)
         c, s = cos[..., :R // 2].index_select(-1, pairs), sin[..., :R // 2].index_select(-1, pairs)
         return torch.cat((c, c), -1), torch.cat((s, s), -1)
     if rope == "m3" or index_dim >= R:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import use_triton
-from m3compile.kernels.causal_lse.naive import oracle_blocks
+from m3compile.kernels.causal_lse import oracle_blocks
 from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
                            msa_attention_lse_triton, msa_attention_triton, msa_select, msa_select_triton,
                            rms_norm_triton, split_heads)
@@ -320,7 +320,8 @@ class Attention(nn.Module):
             return msa_attention(q, k, v, None, block_size=m.block_size, scale=self.scale, sparse=False)
         if self.selection == "oracle" and self.sparse:
             blocks = oracle_blocks(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                   local_blocks=m.local_blocks, scale=self.scale)
+                                   local_blocks=m.local_blocks, scale=self.scale,
+                                   backend="auto" if self.kernels else "torch")
         else:
             q_idx, k_idx = self.index_branch(x, cos, sin)
             select = msa_select_triton if self.kernels else msa_select

@@ -33,7 +33,7 @@ import torch
 from m3compile.kernels.block_stats import naive
 from m3compile.kernels._common import detached, next_pow2, tune_bucket, use_triton
 
-__all__ = ["block_stats", "block_stats_reference", "block_rank_kl"]
+__all__ = ["block_stats", "block_stats_reference", "block_lse", "block_rank_kl"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -107,9 +107,53 @@ def block_stats(q_idx: torch.Tensor, k_idx: torch.Tensor, q: torch.Tensor, k: to
         R, T, nb, scale * math.log2(math.e), Di**-0.5, tune_bucket(T),
         HKV=Hi, G=G, GP=next_pow2(G), D=D, DP=max(16, next_pow2(D)), DI=Di, DIP=max(16, next_pow2(Di)),
         BS=block_size, BN=max(16, next_pow2(block_size)), IEEE=q.dtype == torch.float32,
-        IEEE_IDX=q_idx.dtype == torch.float32,
+        IEEE_IDX=q_idx.dtype == torch.float32, INDEX=True,
     )
     return blse, scores, arg
+
+
+def block_lse(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, block_size: int, scale: float | None = None,
+              backend: str = "auto") -> torch.Tensor:
+    """The teacher's half of `block_stats` alone: per key block, every query head's log-sum-exp (natural log,
+    scale included) of the query rows at `rows`, -inf where the block holds no visible key; the kernel runs with
+    its index half compiled out. What the oracle selection ranks blocks by (causal_lse.oracle_blocks).
+
+    q [B, Hq, T, D], k [B, Hkv, T, D] (bf16/fp16/fp32), rows [R] int64 (ascending, distinct, < T) ->
+    blse [B, Hq, R, nb] fp32. Runs the kernel on CUDA (or under TRITON_INTERPRET=1), otherwise the reference
+    (naive.block_stats' blse)."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q must be [B, Hq, T, D] and k [B, Hkv, T, D] with Hq a multiple of Hkv; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}")
+    if rows.dim() != 1 or rows.dtype != torch.int64 or block_size < 1:
+        raise ValueError("rows must be a 1-D int64 tensor of query positions and block_size >= 1")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, Hkv, T = k.shape[0], k.shape[1], k.shape[2]
+    if not use_triton(q, k, backend=backend):
+        no_index = q.new_zeros(B, Hkv, T, 1)  # the reference computes both halves: a one-channel index is free
+        return naive.block_stats(no_index, no_index[:, 0], q, k, rows.to(q.device), block_size=block_size,
+                                 scale=scale)[0].float()
+    from m3compile.kernels.block_stats._tl_block_stats import block_stats_kernel
+
+    q, k = _same_dtype(q, k)
+    Hq, D = q.shape[1], q.shape[3]
+    R, nb = rows.numel(), -(-T // block_size)
+    blse = torch.empty(B, Hq, R, nb, dtype=torch.float32, device=q.device)
+    if R == 0:
+        return blse
+    rows = rows.contiguous()
+    grid = lambda meta: (-(-R // meta["TOK"]), B * Hkv)  # noqa: E731
+    block_stats_kernel[grid](  # the index half's pointers are never read: blse stands in for them
+        q, k, q, q, rows, blse, blse, blse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        0, 0, 0, 0, 0,
+        blse.stride(0), blse.stride(1), blse.stride(2), 0, 0, 0,
+        R, T, nb, scale * math.log2(math.e), 1.0, tune_bucket(T),
+        HKV=Hkv, G=Hq // Hkv, GP=next_pow2(Hq // Hkv), D=D, DP=max(16, next_pow2(D)), DI=16, DIP=16,
+        BS=block_size, BN=max(16, next_pow2(block_size)), IEEE=q.dtype == torch.float32, IEEE_IDX=False,
+        INDEX=False,
+    )
+    return blse
 
 
 class _BlockRankKL(torch.autograd.Function):

@@ -8,28 +8,35 @@ from m3compile.kernels._tl_common import dot
 
 
 @triton.jit
-def _one_block(b_q, b_qi, p_k, p_ki, o_key, m_key, m_kd, m_kdi, pos_q, pos_i, scale_log2, iscale,
-               MASKED: tl.constexpr, IEEE: tl.constexpr, IEEE_IDX: tl.constexpr):
-    """One key block for the tile: each teacher row's log-sum-exp (natural log, scale included), each student
-    row's max score and the block offset of its key. MASKED: keys after a row's position are dropped (the blocks
-    that reach past the tile's first row); otherwise only the padding past the block (BN > BS)."""
+def _teacher_block(b_q, p_k, o_key, m_key, m_kd, pos_q, scale_log2, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One key block for the tile: each teacher row's log-sum-exp (natural log, scale included). MASKED: keys after a
+    row's position are dropped (the blocks that reach past the tile's first row); otherwise only the padding past
+    the block (BN > BS)."""
     b_k = tl.load(p_k, mask=m_key[:, None] & m_kd, other=0.0)
-    b_ki = tl.load(p_ki, mask=m_key[:, None] & m_kdi, other=0.0)
     s = dot(b_q, tl.trans(b_k), IEEE) * scale_log2  # [TOK * GP, BN], base 2
-    z = dot(b_qi, tl.trans(b_ki), IEEE_IDX) * iscale  # [TOK, BN]
     if MASKED:
         s = tl.where(m_key[None, :] & (o_key[None, :] <= pos_q[:, None]), s, float("-inf"))
-        z = tl.where(m_key[None, :] & (o_key[None, :] <= pos_i[:, None]), z, float("-inf"))
     else:
         s = tl.where(m_key[None, :], s, float("-inf"))
-        z = tl.where(m_key[None, :], z, float("-inf"))
     mx = tl.max(s, 1)
     mu = tl.where(mx == float("-inf"), 0.0, mx)
     total = tl.sum(tl.math.exp2(s - mu[:, None]), 1)  # >= 1 where mx is finite, 0 where nothing is visible
     lse2 = mu + tl.math.log2(tl.where(total > 0.0, total, 1.0))
     LN2: tl.constexpr = 0.6931471805599453
-    blse = tl.where(mx == float("-inf"), float("-inf"), lse2 * LN2)
-    return blse, tl.max(z, 1), tl.argmax(z, 1).to(tl.int32)  # argmax: the first key where every score is -inf
+    return tl.where(mx == float("-inf"), float("-inf"), lse2 * LN2)
+
+
+@triton.jit
+def _student_block(b_qi, p_ki, o_key, m_key, m_kdi, pos_i, iscale, MASKED: tl.constexpr, IEEE_IDX: tl.constexpr):
+    """One key block for the tile: each student row's max score and the block offset of its key (masked as
+    _teacher_block)."""
+    b_ki = tl.load(p_ki, mask=m_key[:, None] & m_kdi, other=0.0)
+    z = dot(b_qi, tl.trans(b_ki), IEEE_IDX) * iscale  # [TOK, BN]
+    if MASKED:
+        z = tl.where(m_key[None, :] & (o_key[None, :] <= pos_i[:, None]), z, float("-inf"))
+    else:
+        z = tl.where(m_key[None, :], z, float("-inf"))
+    return tl.max(z, 1), tl.argmax(z, 1).to(tl.int32)  # argmax: the first key where every score is -inf
 
 
 def _prune(cfgs, named_args, **kw):
@@ -44,7 +51,7 @@ def _prune(cfgs, named_args, **kw):
         interpret=dict(TOK=16, num_warps=4, num_stages=1),
         default=dict(TOK=16, num_warps=4, num_stages=2),
     ),
-    key=["GP", "DP", "DIP", "BN", "IEEE", "IEEE_IDX", "tune_bucket"],
+    key=["GP", "DP", "DIP", "BN", "IEEE", "IEEE_IDX", "INDEX", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["R", "T", "NB", "tune_bucket"])
@@ -55,10 +62,11 @@ def block_stats_kernel(
     R, T, NB, scale_log2, iscale, tune_bucket,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DI: tl.constexpr,
     DIP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, IEEE_IDX: tl.constexpr,
-    TOK: tl.constexpr,
+    INDEX: tl.constexpr, TOK: tl.constexpr,
 ):
     # one program: TOK sampled query rows of one (batch, KV group): the teacher's TOK x G (row, head) pairs as one
-    # matmul's rows, the group's index head's TOK rows as another's; key blocks up to the tile's last row's
+    # matmul's rows, the group's index head's TOK rows as another's; key blocks up to the tile's last row's.
+    # INDEX False: the teacher's half alone (qidx, kidx, score and arg are never read or written)
     i_r = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last positions) start first
     bh = tl.program_id(1)
     i_b = (bh // HKV).to(tl.int64)
@@ -75,8 +83,9 @@ def block_stats_kernel(
     o_di = tl.arange(0, DIP)
     b_q = tl.load(q + i_b * stride_qb + o_hq[:, None] * stride_qh + pos_q[:, None] * stride_qt + o_d[None, :],
                   mask=m_row[:, None] & (o_d < D)[None, :], other=0.0)
-    b_qi = tl.load(qidx + i_b * stride_xb + pos_i[:, None] * stride_xt + i_h * stride_xh + o_di[None, :],
-                   mask=m_tok[:, None] & (o_di < DI)[None, :], other=0.0)
+    if INDEX:
+        b_qi = tl.load(qidx + i_b * stride_xb + pos_i[:, None] * stride_xt + i_h * stride_xh + o_di[None, :],
+                       mask=m_tok[:, None] & (o_di < DI)[None, :], other=0.0)
     first = tl.load(rows + i_r * TOK)
     last = tl.max(tl.where(m_tok, pos_i, 0), 0)  # rows ascend: the tile's last position
     n_full = (first + 1) // BS  # blocks every row of the tile sees whole
@@ -91,24 +100,27 @@ def block_stats_kernel(
     for j in range(0, n_full):
         o_key = j * BS + o_n
         m_key = o_n < BS
-        b_l, b_s, b_a = _one_block(b_q, b_qi, p_k0 + o_key[:, None].to(tl.int64) * stride_kt,
-                                   p_ki0 + o_key[:, None].to(tl.int64) * stride_it, o_key, m_key, m_kd, m_kdi,
-                                   pos_q, pos_i, scale_log2, iscale, False, IEEE, IEEE_IDX)
-        tl.store(p_l + j, b_l, mask=m_row)
-        tl.store(score + p_s + j, b_s, mask=m_tok)
-        tl.store(arg + p_s + j, b_a + j * BS, mask=m_tok)
+        p_kj = p_k0 + o_key[:, None].to(tl.int64) * stride_kt
+        tl.store(p_l + j, _teacher_block(b_q, p_kj, o_key, m_key, m_kd, pos_q, scale_log2, False, IEEE), mask=m_row)
+        if INDEX:
+            b_s, b_a = _student_block(b_qi, p_ki0 + o_key[:, None].to(tl.int64) * stride_it, o_key, m_key, m_kdi,
+                                      pos_i, iscale, False, IEEE_IDX)
+            tl.store(score + p_s + j, b_s, mask=m_tok)
+            tl.store(arg + p_s + j, b_a + j * BS, mask=m_tok)
     for j in range(n_full, n_vis):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
-        b_l, b_s, b_a = _one_block(b_q, b_qi, p_k0 + o_key[:, None].to(tl.int64) * stride_kt,
-                                   p_ki0 + o_key[:, None].to(tl.int64) * stride_it, o_key, m_key, m_kd, m_kdi,
-                                   pos_q, pos_i, scale_log2, iscale, True, IEEE, IEEE_IDX)
-        tl.store(p_l + j, b_l, mask=m_row)
-        tl.store(score + p_s + j, b_s, mask=m_tok)
-        tl.store(arg + p_s + j, b_a + j * BS, mask=m_tok)
+        p_kj = p_k0 + o_key[:, None].to(tl.int64) * stride_kt
+        tl.store(p_l + j, _teacher_block(b_q, p_kj, o_key, m_key, m_kd, pos_q, scale_log2, True, IEEE), mask=m_row)
+        if INDEX:
+            b_s, b_a = _student_block(b_qi, p_ki0 + o_key[:, None].to(tl.int64) * stride_it, o_key, m_key, m_kdi,
+                                      pos_i, iscale, True, IEEE_IDX)
+            tl.store(score + p_s + j, b_s, mask=m_tok)
+            tl.store(arg + p_s + j, b_a + j * BS, mask=m_tok)
     empty_l = tl.full([TOK * GP], float("-inf"), tl.float32)
     empty_s = tl.full([TOK], float("-inf"), tl.float32)
     for j in range(n_vis, NB):  # blocks after the tile's last row: nothing visible
         tl.store(p_l + j, empty_l, mask=m_row)
-        tl.store(score + p_s + j, empty_s, mask=m_tok)
-        tl.store(arg + p_s + j, tl.full([TOK], 0, tl.int32) + j * BS, mask=m_tok)
+        if INDEX:
+            tl.store(score + p_s + j, empty_s, mask=m_tok)
+            tl.store(arg + p_s + j, tl.full([TOK], 0, tl.int32) + j * BS, mask=m_tok)

@@ -4,6 +4,8 @@ fused (never T x T): what the lowered KL hook needs besides the KL itself.
     causal_lse(q, k)                     [B, R, Hq]  log-sum-exp (base 2, scale included) of rows R of the queries
     dense_recall(q, k, selected_lse)     [B, R, Hkv] mean over each group's heads of exp2(selected_lse - lse), the
                                                      share of the dense attention mass inside the selected blocks
+    oracle_blocks(q, k, ...)             [B, Hkv, T, topk] the blocks of most group-mean dense attention mass (the
+                                                     oracle selection), from block_stats.block_lse: never T x T
 
 One program owns TOK query rows (sampled positions `rows`, ascending) x the G heads of one KV group (the rows of
 one matmul, as in the gather kernels) and streams the keys up to its last row's position in tiles of BN with an
@@ -19,11 +21,16 @@ import math
 
 import torch
 
+from m3compile.kernels.block_stats import block_lse
 from m3compile.kernels.causal_lse import naive
+from m3compile.kernels.indexer.naive import select_from_scores
 from m3compile.kernels.naive_common import check_attention_inputs
 from m3compile.kernels._common import next_pow2, tune_bucket, use_triton
 
-__all__ = ["causal_lse", "dense_recall", "all_rows"]
+__all__ = ["causal_lse", "dense_recall", "oracle_blocks", "all_rows"]
+
+# fp32 elements of block log-sum-exps one chunk of oracle rows holds ([B, Hq, rows, blocks]; 512 MiB)
+_ORACLE_ELEMENTS = 1 << 27
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,3 +99,32 @@ def dense_recall(q: torch.Tensor, k: torch.Tensor, selected_lse: torch.Tensor, *
     rows = all_rows(T, q.device) if rows is None else rows
     out = torch.empty(B, rows.numel(), Hkv, dtype=torch.float32, device=q.device)
     return _launch(q, k, rows, selected_lse.float(), out, scale)
+
+
+def oracle_blocks(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int, init_blocks: int = 0,
+                  local_blocks: int = 1, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """The oracle selection of naive.oracle_blocks (per KV group and query, the forced blocks, then the earlier
+    blocks of most group-mean dense attention mass; -1 where nothing is left). On Triton each chunk of query rows
+    takes its per-head block log-sum-exps from one kernel (block_stats.block_lse: a FlashAttention-style pass
+    over the keys, no softmax materialised), then mass = group mean of exp(blse - logsumexp_n blse), then the
+    reference top-k; the reference path computes the [chunk, T] softmax in torch.
+
+    q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T, topk] int64."""
+    if topk < 1 or block_size < 1:
+        raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
+    check_attention_inputs(q, k, k)
+    if not use_triton(q, k, backend=backend):
+        return naive.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks, scale=scale)
+    B, Hq, T, _ = q.shape
+    Hkv = k.shape[1]
+    nb = -(-T // block_size)
+    out = torch.empty(B, Hkv, T, topk, dtype=torch.long, device=q.device)
+    chunk = max(1, _ORACLE_ELEMENTS // (B * Hq * nb))
+    for start in range(0, T, chunk):
+        rows = torch.arange(start, min(T, start + chunk), device=q.device)
+        blse = block_lse(q, k, rows, block_size=block_size, scale=scale, backend="triton")  # [B, Hq, R, nb]
+        mass = torch.exp(blse - torch.logsumexp(blse, -1, keepdim=True)).unflatten(1, (Hkv, -1)).mean(2)
+        out[:, :, start:start + rows.numel()] = select_from_scores(mass, rows, block_size, topk, init_blocks,
+                                                                   local_blocks)
+    return out

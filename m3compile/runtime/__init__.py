@@ -15,6 +15,8 @@ each; a decode layer's dispatches, views included, halve).
     paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
     forward.py      prefill (one prompt into the caches), decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
+    selection.py    the MSA layers' block choice besides the index branch (oracle, dense, recent window), to judge a
+                    selection against its bounds (m3c eval --task ruler)
 
 m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """

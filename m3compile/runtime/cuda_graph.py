@@ -37,13 +37,14 @@ class DecodeStep:
     the index branch as single kernels) during the warm-up, the capture and every eager call; the model's own
     setting is restored after each (a walk over the modules per eager call, unless the caller holds
     `model.using_kernels(...)` around its loop, as generate does). None (default): kernels_default (on for a CUDA
-    cache unless backend "torch").
+    cache unless backend "torch"). selection: how MSA layers pick their blocks (runtime.selection; captured with
+    the step).
     The index branch's concatenated weights (Attention.fused_index_weight) are built by the warm-up, before the
     capture, and kept alive with the graph, which reads them as they were then."""
 
     def __init__(self, model: Decoder, cache: PagedCache, batch: int, backend: str = "auto", graph: bool = False,
-                 warmup: int = 2, kernels: bool | None = None):
-        self.model, self.cache, self.backend = model, cache, backend
+                 warmup: int = 2, kernels: bool | None = None, selection: str = "index"):
+        self.model, self.cache, self.backend, self.selection = model, cache, backend, selection
         self.kernels = kernels_default(cache.seq_lens.device, backend) if kernels is None else kernels
         self.graph = None
         if not graph:
@@ -60,14 +61,14 @@ class DecodeStep:
             with model.using_kernels(self.kernels):
                 with torch.cuda.stream(side):
                     for _ in range(max(1, warmup)):  # (at least one: it builds the kept weights before capture)
-                        decode_step(model, cache, self.tokens, backend)
+                        decode_step(model, cache, self.tokens, backend, selection)
                         cache.seq_lens.copy_(saved)
                 torch.cuda.current_stream(device).wait_stream(side)
                 # what the graph reads besides the model's parameters and the cache: kept alive with it
                 self._kept = [m.fused_index_weight() for m in model.modules() if isinstance(m, Attention)]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    self.logits = decode_step(model, cache, self.tokens, backend)
+                    self.logits = decode_step(model, cache, self.tokens, backend, selection)
             self.graph = graph
         finally:
             cache.seq_lens.copy_(saved)  # capture runs nothing, but a failed warm-up may have counted a step
@@ -76,7 +77,7 @@ class DecodeStep:
         """tokens [B] (one per sequence) -> logits [B, vocab] fp32; every seq_len grows by one."""
         if self.graph is None:
             with self.model.using_kernels(self.kernels):
-                return decode_step(self.model, self.cache, tokens, self.backend)
+                return decode_step(self.model, self.cache, tokens, self.backend, self.selection)
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits

@@ -11,6 +11,7 @@ from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.models.decoder import Attention, Decoder
 from m3compile.ops import scope
 from m3compile.runtime.paged_cache import PagedCache
+from m3compile.runtime.selection import decode_blocks, prefill_blocks
 
 __all__ = ["prefill", "decode_step", "kernels_default"]
 
@@ -24,8 +25,10 @@ def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, backend: str) -> torch.Tensor:
-    """Run one prompt [T] through the model, filling sequence b of the caches; returns the last logits [vocab]."""
+def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, backend: str,
+            selection: str = "index") -> torch.Tensor:
+    """Run one prompt [T] through the model, filling sequence b of the caches; returns the last logits [vocab].
+    selection: how MSA layers pick their blocks (runtime.selection: "index", "oracle", "dense", "recent")."""
     bb = model.model
     T = prompt.shape[0]
     x = bb.embed_tokens(prompt[None])
@@ -36,11 +39,15 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, bac
         q, k, v = attn.project(h, cos, sin)
         k_idx = None
         m = attn.msa
-        if m is not None and attn.sparse and -(-T // m.block_size) > m.topk:
+        if m is not None and attn.sparse and selection != "dense" and -(-T // m.block_size) > m.topk:
             q_idx, k_idx = attn.index_branch(h, cos, sin)
-            keys, k_scale = quantize_index_keys(k_idx, m.block_size) if m.index_dtype == "fp8" else (k_idx, None)
-            blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                   local_blocks=m.local_blocks, k_scale=k_scale, backend=backend)
+            if selection == "index":
+                keys, k_scale = quantize_index_keys(k_idx, m.block_size) if m.index_dtype == "fp8" else (k_idx, None)
+                blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk,
+                                       init_blocks=m.init_blocks, local_blocks=m.local_blocks, k_scale=k_scale,
+                                       backend=backend)
+            else:
+                blocks = prefill_blocks(selection, q, k, m, attn.scale, backend)
             o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
         else:  # dense layer, or an MSA layer whose prompt fits in the top-k: dense causal is exact
             if m is not None:
@@ -53,12 +60,13 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, bac
 
 
 @torch.no_grad()
-def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend: str) -> torch.Tensor:
+def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend: str,
+                selection: str = "index") -> torch.Tensor:
     """One token per sequence [B] at position seq_lens[b]; returns logits [B, vocab]. Reads and writes only
     `tokens` and the cache's tensors, on the device, with no host synchronisation: capturable as a CUDA graph.
     What every layer shares is computed once per step: the RoPE tables, the cache slots of the new tokens and
     the dense layers' blocks (every page). The model's modules run as the model is set (Decoder.set_kernels:
-    DecodeStep and generate switch the fused kernels on for CUDA)."""
+    DecodeStep and generate switch the fused kernels on for CUDA). selection: as in `prefill`."""
     bb = model.model
     B = tokens.shape[0]
     pos = cache.seq_lens.long()
@@ -78,11 +86,13 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots, backend=backend)
         else:
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots)
-        if m is not None and attn.sparse:
+        if m is not None and attn.sparse and selection == "index":
             with scope("m3c.decode_select"):
                 blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
                                             topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
                                             idx_scale=cache.idx_scale[i], backend=backend)
+        elif m is not None and attn.sparse and selection != "dense":
+            blocks = decode_blocks(selection, q[:, :, 0], cache.k[i], cache.block_table, cache.seq_lens, m, attn.scale)
         else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
             if attn.n_kv_heads not in dense:
                 dense[attn.n_kv_heads] = _dense_blocks(cache, attn.n_kv_heads)

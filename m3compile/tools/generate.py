@@ -15,7 +15,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
+from m3compile.runtime.selection import RUNTIME_SELECTIONS
 
 __all__ = ["generate", "GenerationResult", "TextCodec"]
 
@@ -58,9 +59,10 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
-             eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool | None = None, kernels: bool | None = None, timings: bool = False) -> GenerationResult:
+             cuda_graph: bool | None = None, kernels: bool | None = None, timings: bool = False,
+             selection: str = "index") -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -77,6 +79,9 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
     launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
     traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels).
+    eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
+    selection: how MSA layers pick their blocks in prefill and decode (m3compile.runtime.selection): "index" (the
+    model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
@@ -94,6 +99,9 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         raise M3CompileError("every prompt needs at least one token")
     if max_new_tokens < 0:
         raise M3CompileError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if selection not in RUNTIME_SELECTIONS:
+        raise M3CompileError(f"unknown selection {selection!r} (use one of {', '.join(RUNTIME_SELECTIONS)})")
+    stop = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     a = model.args
     vocab = a.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
@@ -123,7 +131,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         timer.mark("prefill")
         prefill_logits = []
         for b, p in enumerate(prompts):
-            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend))
+            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, selection))
             cache.seq_lens[b] = len(p)
         auto = cuda_graph is None
         if auto:
@@ -131,12 +139,12 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
         try:
             step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1,
-                                 kernels=kernels)
+                                 kernels=kernels, selection=selection)
         except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
             if not auto:
                 raise
             warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
-            step_fn = DecodeStep(model, cache, B, backend, kernels=kernels)
+            step_fn = DecodeStep(model, cache, B, backend, kernels=kernels, selection=selection)
         out = [[] for _ in range(B)]
         done = [False] * B
         step_logits = []
@@ -149,8 +157,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                     out[b].append(chosen[b])
                     if on_token is not None:
                         on_token(b, chosen[b])
-                    done[b] = chosen[b] == eos_token_id
-            if eos_token_id is not None and all(done):
+                    done[b] = chosen[b] in stop
+            if stop and all(done):
                 break
             if step == max_new_tokens - 1:
                 break

@@ -153,3 +153,28 @@ def test_bad_inputs_are_refused():
         bs.block_stats(q_idx, k_idx[:, :10], q, k, torch.tensor([3]), block_size=4)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         bs.block_stats(q_idx.double(), k_idx.double(), q, k, torch.tensor([3]), block_size=4, backend="triton")
+
+
+@pytest.mark.parametrize("G, T, block, topk, init, local", [(7, 117, 16, 4, 1, 1), (1, 61, 7, 3, 0, 2),
+                                                              (3, 40, 16, 2, 0, 1)],
+                         ids=["G7-T117-block16-init1", "G1-block7-local2", "G3-one-choice"])
+def test_block_lse_and_the_oracle_match_the_reference(G, T, block, topk, init, local):
+    """block_lse (the kernel with its index half compiled out) gives block_stats' blse; oracle_blocks built on it
+    selects what causal_lse.naive.oracle_blocks selects (the same block mass, to fp32 rounding: the selections hold
+    the same mass, and are the same sets of blocks but on near ties)."""
+    from m3compile.kernels.causal_lse import naive as lse_ref, oracle_blocks
+
+    q_idx, k_idx, q, k = inputs(1, 2, G, T, 8, 8, torch.float32)
+    rows = torch.arange(T)
+    blse = bs.block_lse(q, k, rows, block_size=block, backend="triton")
+    want = naive.block_stats(q_idx.transpose(1, 2), k_idx, q, k, rows, block_size=block)[0]
+    assert torch.equal(torch.isfinite(blse), torch.isfinite(want))
+    torch.testing.assert_close(blse[torch.isfinite(blse)], want[torch.isfinite(want)], rtol=1e-5, atol=1e-5)
+    kw = dict(block_size=block, topk=topk, init_blocks=init, local_blocks=local)
+    got = oracle_blocks(q, k, backend="triton", **kw)
+    ref = lse_ref.oracle_blocks(q, k, **kw)
+    assert got.shape == ref.shape == (1, 2, T, topk) and got.dtype == torch.long
+    same = (got.sort(-1).values == ref.sort(-1).values).all(-1)
+    held = lse_ref.block_recall(q, k, got, block_size=block)  # the dense mass inside the kernel path's blocks
+    torch.testing.assert_close(held, lse_ref.oracle_recall(q, k, **kw), rtol=1e-5, atol=1e-5)  # ties aside, equal
+    assert same.float().mean() > 0.98
