@@ -22,8 +22,9 @@ import torch
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
+from m3compile.runtime import memory
 
-__all__ = ["generate", "GenerationResult", "TextCodec"]
+__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES"]
 
 
 @dataclass
@@ -51,12 +52,20 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
              eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool | None = None, kernels: bool | None = None) -> GenerationResult:
+             cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
+             prefill_chunk: int | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
     index_cache_dtype: "auto" (the model's dtype; fp8 when the model scores its index in fp8, index_dtype "fp8") or
-    "fp8" (e4m3 index keys, per-token fp32 scale).
+    "fp8" (e4m3 index keys, one fp32 scale per page).
+    kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", or "fp8" (e4m3, one fp32 scale per token
+    and head: half the bytes of bf16, read by the decode kernels and dequantised in registers).
+    prefill_chunk: tokens per prefill pass (runtime.prefill). None (default): the whole prompt where its activations
+    fit beside the caches, else the largest chunk that does (runtime.memory.prefill_chunk).
+    Before anything is allocated the caches and a prefill chunk's activations are counted (runtime.memory) against
+    the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
+    and what would fit (an fp8 KV cache, a smaller batch or chunk, fewer positions).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
@@ -90,17 +99,25 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     page = block or page_size or 128
     if index_cache_dtype not in ("auto", "fp8"):
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
     fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
     index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
     B = len(prompts)
-    cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
+    longest, max_len = max(len(p) for p in prompts), max(len(p) for p in prompts) + max_new_tokens
+    chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
+    cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
     kernels = kernels_default(device, backend) if kernels is None else kernels
     with model.using_kernels(kernels):  # prefill and decode on the fused backbone kernels (CUDA by default)
         prefill_logits = []
         for b, p in enumerate(prompts):
-            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend))
+            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, chunk))
             cache.seq_lens[b] = len(p)
         auto = cuda_graph is None
         if auto:
@@ -134,6 +151,23 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             next_tok = _pick(logits, temperature, top_p, generator)
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     return GenerationResult(out, prefill_logits, steps)
+
+
+# kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,
+                          chunk: int | None) -> int:
+    """The prefill chunk (`chunk`, or the one that fits), after checking that the caches of `batch` sequences of
+    `max_len` positions and that chunk's activations fit in the model's device's free memory (runtime.memory)."""
+    p0 = next(model.parameters())
+    free = memory.available_bytes(p0.device)
+    plan = memory.fitted_plan(memory.ModelShape.from_args(model.args), batch, max_len, longest, free,
+                              kv_dtype=kv_dtype, index_dtype=index_dtype, model_dtype=p0.dtype, chunk=chunk,
+                              page=page, weights=memory.weight_bytes(model))
+    memory.check_memory(plan, free, str(p0.device), auto_chunk=chunk is None)
+    return plan.chunk
 
 
 class TextCodec:
