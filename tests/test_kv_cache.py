@@ -4,9 +4,10 @@ device cannot hold before allocating anything (runtime.memory)."""
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 import m3compile
-from m3compile import M3CompileError
+from m3compile import M3CompileError, cli
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs, MSALayerArgs
 from m3compile.runtime import PagedCache, decode_step, memory, prefill
 from m3compile.tools import generate as generate_module
@@ -165,3 +166,29 @@ def test_generate_refuses_a_context_beyond_memory_before_allocating(monkeypatch)
         m3compile.generate(model, [[1, 2]], 2, prefill_chunk=0)
     with pytest.raises(M3CompileError, match="kv_cache_dtype must be one of auto, bf16, fp8"):
         m3compile.generate(model, [[1, 2]], 2, kv_cache_dtype="int4")
+
+
+def test_generate_command_with_an_fp8_cache_in_chunks(monkeypatch):
+    """`m3c generate --kv-cache fp8 --prefill-chunk 5` streams what the API gives with those settings; a bad chunk
+    and a context beyond memory are one-line errors (exit 2, nothing generated). On the torch references (the
+    interpreted kernels are tests/kernels/test_triton.py's)."""
+    from m3compile.kernels import _common as kernel_common
+
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
+    def run(*args):
+        r = CliRunner().invoke(cli.main, ["generate", str(LLAMA_BYTE), "--prompt", "def add(a, b):",
+                                          "--max-new-tokens", "2", *args])
+        return r.exit_code, r.stdout, r.stderr
+
+    code, out, err = run("--kv-cache", "fp8", "--prefill-chunk", "5")
+    assert code == 0, err
+    model = m3compile.load(LLAMA_BYTE, dtype="float32")
+    want = m3compile.generate(model, [list(b"def add(a, b):")], 2, eos_token_id=0, kv_cache_dtype="fp8",
+                              prefill_chunk=5).tokens[0]
+    assert out == bytes(want).decode("utf-8", errors="replace") + "\n"
+    code, out, err = run("--prefill-chunk", "0")
+    assert code == 2 and "--prefill-chunk" in err and out == ""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1e5)
+    code, out, err = run()
+    assert code == 2 and out == "" and err.startswith("error: not enough memory: 1 x 16 positions need")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
