@@ -8,12 +8,12 @@ Prefill runs a prompt whole or in chunks: each chunk's keys go to the caches, th
 the caches hold them, with the fused indexer over the cached index keys and the gather-Q sparse kernel (SDPA for
 dense layers and while the keys fit in the top-k); decode runs `kernels.decode`'s paged selection and split-K
 attention for every layer (a dense layer selects every page). What the caches and a prefill chunk need is counted
-before anything is allocated (`memory`), against the device's free memory. On CPU the same code runs the torch references. On a GPU the decode step is captured once
-as a CUDA graph and replayed per token (`DecodeStep`: static token buffer, the cache's tensors, block tables
-preallocated to the longest sequence), so per-token Python and kernel-launch overhead does not set the speed; the
-eager step is the same function on the same buffers. On a GPU the backbone runs its fused kernels
-(Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels instead of the modules' 5-12 elementwise ops
-each; a decode layer's dispatches, views included, halve).
+before anything is allocated (`memory`), against the device's free memory. On CPU the same code runs the torch
+references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
+static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
+and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers. On a
+GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels
+instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
     paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
     forward.py      prefill (one prompt into the caches, in chunks), decode_step (one token per sequence),
