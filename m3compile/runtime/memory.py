@@ -8,8 +8,11 @@ cache layouts:
     paged       the runtime's PagedCache: pages of `page` tokens per layer (K, V; fp8 K/V with one fp32 scale per
                 token and head), index-key pages of every MSA layer (fp8: one fp32 scale per token row and an
                 unquantised tail page per sequence); equal to PagedCache.nbytes() (tests/test_kv_cache.py)
-    contiguous  transformers' DynamicCache as the remote code fills it: K and V of every layer in the model's dtype,
-                an MSA layer's index keys as ceil(Di / D) extra key heads; no pages
+    contiguous  transformers' cache as the remote code fills it: K and V of every layer (the model's dtype, or fp8
+                for transformers' QuantizedCache(backend="fp8"), whose one scale per layer tensor is negligible), an
+                MSA layer's index keys as ceil(Di / D) extra key heads of the keys; no pages. Each step concatenates
+                a layer's keys and values anew (and an fp8 cache returns them dequantised): one layer's K and V in
+                the model's dtype count among the activations
 A prefill chunk's activations are its tokens' tensors through one layer (the residual stream, the normed input,
 q/k/v, the attention output, the MLP's gate, up and product), the sparse attention's partial outputs (bounded by
 kernels.sparse_attention.PARTIAL_BYTES), and, for an fp8 KV cache, the dequantised keys and values the chunk attends
@@ -79,7 +82,7 @@ def cache_bytes(shape: ModelShape, tokens: int, kv_dtype: torch.dtype, index_dty
     D, Hkv = shape.head_dim, shape.kv_heads
     if layout == "contiguous":
         extra = -(-shape.index_dim // D) if shape.sparse_layers else 0
-        return tokens * _item(model_dtype) * D * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
+        return tokens * _item(kv_dtype) * D * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
     if layout != "paged":
         raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
     slots = -(-tokens // page) * page
@@ -150,10 +153,15 @@ class MemoryPlan:
 def plan_memory(shape: ModelShape, batch: int, tokens: int, *, kv_dtype: torch.dtype, index_dtype: torch.dtype,
                 model_dtype: torch.dtype, chunk: int, page: int = 128, weights: int = 0,
                 layout: str = "paged") -> MemoryPlan:
-    """The memory of `batch` sequences of `tokens` positions, prefilled `chunk` tokens at a time."""
+    """The memory of `batch` sequences of `tokens` positions, prefilled `chunk` tokens at a time (paged: one
+    sequence at a time, as m3compile.generate does; contiguous: the whole batch in one forward, as transformers'
+    generate does)."""
     caches = batch * cache_bytes(shape, tokens, kv_dtype, index_dtype, model_dtype, page, layout)
     acts = activation_bytes(shape, min(chunk, tokens), tokens, kv_dtype if layout == "paged" else model_dtype,
                             model_dtype)
+    if layout == "contiguous":  # the whole batch's prompts in one forward; a layer's keys and values concatenated
+        extra = -(-shape.index_dim // shape.head_dim) if shape.sparse_layers else 0  # anew (or dequantised) a step
+        acts = batch * acts + batch * tokens * _item(model_dtype) * shape.head_dim * (2 * shape.kv_heads + extra)
     return MemoryPlan(shape, batch, tokens, min(chunk, tokens), kv_dtype, index_dtype, model_dtype, page, layout,
                       weights, caches, acts)
 
@@ -231,11 +239,12 @@ def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device"
 
     options = []
     index = plan.shape.sparse_layers and plan.index_dtype != _FP8  # an index-key cache not yet fp8
-    if plan.layout == "paged" and (plan.kv_dtype != _FP8 or index):
+    if plan.kv_dtype != _FP8 or index:
         p = fitting(kv_dtype=_FP8, index_dtype=_FP8 if plan.shape.sparse_layers else plan.index_dtype)
+        how = "kv_cache='fp8'" if plan.layout == "contiguous" else \
+            f"--kv-cache fp8{' --index-cache fp8' if index else ''}{'' if p is None else chunk_note(p)}"
         if p is not None:
-            options.append(f"an fp8 KV cache (--kv-cache fp8{' --index-cache fp8' if index else ''}"
-                           f"{chunk_note(p)}: {size(p.need)})")
+            options.append(f"an fp8 KV cache ({how}: {size(p.need)})")
     if plan.layout == "paged" and plan.chunk > plan.page and not auto_chunk:
         p = fitting()
         if p is not None:
