@@ -95,7 +95,7 @@ def topk_rows_kernel(
 
 
 @triton.jit
-def _dequantize_rows(b_x, p_scale, m_key, dtype):
+def _dequantize_rows(b_x, p_scale, m_key, dtype: tl.constexpr):
     # fp8 rows [BN, DP] of one page and head times their scales (one per token): in fp32, then the query's dtype
     return (b_x.to(tl.float32) * tl.load(p_scale, mask=m_key, other=0.0)[:, None]).to(dtype)
 
