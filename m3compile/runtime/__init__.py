@@ -16,8 +16,8 @@ GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the
 instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
     paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
-    forward.py      prefill (one prompt into the caches, in chunks), decode_step (one token per sequence),
-                    kernels_default
+    forward.py      prefill (one prompt into the caches, in chunks), prefill_nll (its next-token losses),
+                    decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
     memory.py       the bytes of weights, caches and a prefill chunk, the chunk that fits, the check that raises
 
@@ -25,7 +25,8 @@ m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.m
 """
 from m3compile.runtime import memory
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
-from m3compile.runtime.forward import decode_step, kernels_default, prefill
+from m3compile.runtime.forward import decode_step, kernels_default, prefill, prefill_nll
 from m3compile.runtime.paged_cache import PagedCache
 
-__all__ = ["PagedCache", "prefill", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable", "memory"]
+__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable",
+           "memory"]

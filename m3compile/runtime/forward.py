@@ -13,7 +13,7 @@ from m3compile.models.decoder import Attention, Decoder
 from m3compile.ops import scope
 from m3compile.runtime.paged_cache import PagedCache
 
-__all__ = ["prefill", "decode_step", "kernels_default"]
+__all__ = ["prefill", "prefill_nll", "decode_step", "kernels_default"]
 
 
 def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
@@ -41,6 +41,24 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, bac
     for t0 in range(0, T, chunk):
         x = _prefill_chunk(model, cache, b, prompt[t0:t0 + chunk], t0, backend)
     return model.lm_head(model.model.norm(x[:, -1])).float()[0]
+
+
+@torch.no_grad()
+def prefill_nll(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tensor, backend: str,
+                chunk: int | None = None, rows: int = 4096) -> torch.Tensor:
+    """The next-token losses [T - 1] (fp32) of a text [T] prefilled as `prefill` does it (the same chunks, each
+    attending to the keys as the cache holds them): the loss a cache's dtype (an fp8 KV cache) costs, measured at
+    any length. The logits are made `rows` positions at a time (never [T, vocab])."""
+    T = tokens.shape[0]
+    chunk = T if chunk is None else chunk
+    out = torch.empty(T - 1, dtype=torch.float32, device=tokens.device)
+    for t0 in range(0, T, chunk):
+        x = model.model.norm(_prefill_chunk(model, cache, b, tokens[t0:t0 + chunk], t0, backend)[0])
+        for r0 in range(0, min(x.shape[0], T - 1 - t0), rows):
+            r1 = min(r0 + rows, x.shape[0], T - 1 - t0)
+            out[t0 + r0:t0 + r1] = F.cross_entropy(model.lm_head(x[r0:r1]).float(), tokens[t0 + r0 + 1:t0 + r1 + 1],
+                                                   reduction="none")
+    return out
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
