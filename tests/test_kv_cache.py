@@ -1,6 +1,6 @@
 """The runtime's caches at long context: an fp8 KV cache (quality against fp32 and bf16 caches on a trained model),
 chunked prefill (the same logits and cache contents as one pass), and the memory count that refuses a context the
-device cannot hold before allocating anything (runtime.memory)."""
+device cannot hold before allocating anything (m3compile.memory)."""
 import numpy as np
 import pytest
 import torch
@@ -9,7 +9,8 @@ from click.testing import CliRunner
 import m3compile
 from m3compile import M3CompileError, cli
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs, MSALayerArgs
-from m3compile.runtime import PagedCache, decode_step, memory, prefill, prefill_nll
+from m3compile import memory
+from m3compile.runtime import PagedCache, decode_step, prefill, prefill_nll
 from m3compile.tools import generate as generate_module
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 

@@ -119,9 +119,11 @@ def test_m3compile_kernels_path_matches_torch_path(tiny):
 
 
 def test_generate_with_an_fp8_cache_and_the_memory_check(tiny, monkeypatch):
-    """generate(kv_cache="fp8"): transformers' fp8 cache (e4m3, one scale per layer tensor, the index keys riding
-    in the keys) gives logits within e4m3's precision of the default cache's; generate() first counts the cache
-    and the prompt's forward with m3compile's count and stops, before generating, when they do not fit."""
+    """generate(kv_cache="fp8"): transformers' fp8 cache with one scale per position and head (Fp8RowLayer; the
+    index keys riding in the keys are quantised too) gives decode logits within e4m3's precision of the default
+    cache's: a median relative error under 3% over the steps (measured 0.4-1%; a block selection that the
+    quantised index keys flip can move one step by up to ~16%); generate() first counts the cache and the prompt's
+    forward with m3compile's count and stops, before generating, when they do not fit."""
     hf = hf_load(tiny["llama3-rope"])
     x = torch.randint(0, 256, (1, 30))
     runs = {}
@@ -133,12 +135,13 @@ def test_generate_with_an_fp8_cache_and_the_memory_check(tiny, monkeypatch):
     assert type(cache).__name__ == "QuantizedCache" and cache.get_seq_length() == 35
     want, got = runs["auto"].logits[0], runs["fp8"].logits[0]  # the prompt's own logits: no cache read yet
     assert torch.equal(got, want)
+    errs = []
     for step in range(1, 6):  # decode steps read the fp8 cache: same inputs as far as the tokens agree
         if not torch.equal(runs["auto"].sequences[0, :30 + step], runs["fp8"].sequences[0, :30 + step]):
             break
-        err = (runs["fp8"].logits[step] - runs["auto"].logits[step]).norm() / runs["auto"].logits[step].norm()
-        assert 0 < err < 0.05
-    assert step > 1
+        errs.append(((runs["fp8"].logits[step] - runs["auto"].logits[step]).norm()
+                     / runs["auto"].logits[step].norm()).item())
+    assert len(errs) >= 3 and 0 < sorted(errs)[len(errs) // 2] < 0.03 and max(errs) < 0.25, errs
     with pytest.raises(ValueError, match="kv_cache must be"):
         hf.generate(x, max_new_tokens=2, kv_cache="int4")
     memory = sys.modules[type(hf).__module__].m3c_memory

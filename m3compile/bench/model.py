@@ -67,7 +67,8 @@ from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
 from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
-from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, memory, prefill
+from m3compile import memory
+from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
 from m3compile.tools.generate import KV_CACHE_DTYPES
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
@@ -349,7 +350,7 @@ def _prefill_summary(rows: list[dict]) -> list[dict]:
 
 def cache_bytes(args: ModelArgs, tokens: int, page: int, dtype: torch.dtype, index_dtype: torch.dtype,
                 model_dtype: torch.dtype | None = None) -> int:
-    """Bytes of one sequence's paged caches at `tokens` tokens (runtime.memory.cache_bytes): K and V pages of every
+    """Bytes of one sequence's paged caches at `tokens` tokens (m3compile.memory.cache_bytes): K and V pages of every
     layer at `dtype` (fp8: with one fp32 scale per token and head), index-key pages of every MSA layer (fp8: their
     fp32 scales and a tail page in the model's dtype, `model_dtype`, default `dtype`)."""
     return memory.cache_bytes(memory.ModelShape.from_args(args), tokens, dtype, index_dtype, model_dtype or dtype,

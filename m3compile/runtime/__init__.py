@@ -8,7 +8,7 @@ Prefill runs a prompt whole or in chunks: each chunk's keys go to the caches, th
 the caches hold them, with the fused indexer over the cached index keys and the gather-Q sparse kernel (SDPA for
 dense layers and while the keys fit in the top-k); decode runs `kernels.decode`'s paged selection and split-K
 attention for every layer (a dense layer selects every page). What the caches and a prefill chunk need is counted
-before anything is allocated (`memory`), against the device's free memory. On CPU the same code runs the torch
+before anything is allocated (m3compile.memory), against the device's free memory. On CPU the same code runs the torch
 references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
 static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
 and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers. On a
@@ -19,14 +19,11 @@ instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, 
     forward.py      prefill (one prompt into the caches, in chunks), prefill_nll (its next-token losses),
                     decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
-    memory.py       the bytes of weights, caches and a prefill chunk, the chunk that fits, the check that raises
 
 m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
-from m3compile.runtime import memory
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
 from m3compile.runtime.forward import decode_step, kernels_default, prefill, prefill_nll
 from m3compile.runtime.paged_cache import PagedCache
 
-__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable",
-           "memory"]
+__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable"]

@@ -33,7 +33,7 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, bac
     values and index keys go to the cache first, then their queries attend to the keys and values as the cache
     holds them (every earlier pass's and their own; an fp8 cache's dequantised), an MSA layer selecting over the
     cached index keys (fp8: one scale per page, as the decode reads them). So the logits do not depend on the chunk,
-    and the activations of one chunk, not of the whole prompt, bound the memory (runtime.memory.prefill_chunk)."""
+    and the activations of one chunk, not of the whole prompt, bound the memory (m3compile.memory.prefill_chunk)."""
     T = prompt.shape[0]
     chunk = T if chunk is None else chunk
     if chunk < 1:

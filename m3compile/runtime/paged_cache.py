@@ -6,11 +6,10 @@ import torch
 from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import quantize_index_keys
 from m3compile.kernels.naive_common import expand_block_scale
+from m3compile.memory import DEQUANTIZE_ROWS
 from m3compile.models.decoder import Decoder
 
-__all__ = ["PagedCache", "DEQUANTIZE_ROWS"]
-
-DEQUANTIZE_ROWS = 1 << 16  # tokens an fp8 K/V read-back dequantises at once (its fp32 scratch: 64K x Hkv x D x 4 B)
+__all__ = ["PagedCache"]
 
 
 class PagedCache:
@@ -48,7 +47,7 @@ class PagedCache:
                     self.tail[i] = torch.zeros(batch, page, a.msa.index_dim, dtype=key_dtype, device=device)
 
     def nbytes(self) -> int:
-        """Bytes of the caches' pages, scales and tails (what runtime.memory.cache_bytes counts; the block table
+        """Bytes of the caches' pages, scales and tails (what m3compile.memory.cache_bytes counts; the block table
         and the lengths, a few bytes per page, aside)."""
         tensors = []
         for d in (self.k, self.v, self.k_scale, self.v_scale, self.idx, self.idx_scale, self.tail):

@@ -22,7 +22,7 @@ import torch
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
-from m3compile.runtime import memory
+from m3compile import memory
 
 __all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES"]
 
@@ -62,8 +62,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", or "fp8" (e4m3, one fp32 scale per token
     and head: half the bytes of bf16, read by the decode kernels and dequantised in registers).
     prefill_chunk: tokens per prefill pass (runtime.prefill). None (default): the whole prompt where its activations
-    fit beside the caches, else the largest chunk that does (runtime.memory.prefill_chunk).
-    Before anything is allocated the caches and a prefill chunk's activations are counted (runtime.memory) against
+    fit beside the caches, else the largest chunk that does (m3compile.memory.prefill_chunk).
+    Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
     the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
     and what would fit (an fp8 KV cache, a smaller batch or chunk, fewer positions).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
@@ -160,7 +160,7 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m
 def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,
                           chunk: int | None) -> int:
     """The prefill chunk (`chunk`, or the one that fits), after checking that the caches of `batch` sequences of
-    `max_len` positions and that chunk's activations fit in the model's device's free memory (runtime.memory)."""
+    `max_len` positions and that chunk's activations fit in the model's device's free memory (m3compile.memory)."""
     p0 = next(model.parameters())
     free = memory.available_bytes(p0.device)
     plan = memory.fitted_plan(memory.ModelShape.from_args(model.args), batch, max_len, longest, free,

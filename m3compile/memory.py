@@ -2,7 +2,8 @@
 sequence, and the activations of one prefill chunk; and a check of it against the device's free memory that names,
 when it does not fit, what would (an fp8 KV cache, a smaller batch, a smaller prefill chunk).
 
-One count serves `m3compile.generate`, `m3c bench model` and the remote code's `generate()`. It describes the model
+One count serves `m3compile.generate`, `m3c bench model` and the remote code's `generate()` (so it sits below them
+all, beside config and errors, importing only the kernels' constants). It describes the model
 by its shapes alone (`ModelShape`: from a Decoder's ModelArgs, or from the remote code's settings) and one of two
 cache layouts:
     paged       the runtime's PagedCache: pages of `page` tokens per layer (K, V; fp8 K/V with one fp32 scale per
@@ -27,13 +28,13 @@ import torch
 
 from m3compile.errors import M3CompileError
 from m3compile.kernels.sparse_attention import PARTIAL_BYTES
-from m3compile.runtime.paged_cache import DEQUANTIZE_ROWS
 
 __all__ = ["ModelShape", "MemoryPlan", "cache_bytes", "activation_bytes", "plan_memory", "fitted_plan",
-           "prefill_chunk", "available_bytes", "check_memory", "weight_bytes", "size", "GB"]
+           "prefill_chunk", "available_bytes", "check_memory", "weight_bytes", "size", "GB", "DEQUANTIZE_ROWS"]
 
 GB = 1e9
 _FP8 = torch.float8_e4m3fn
+DEQUANTIZE_ROWS = 1 << 16  # tokens an fp8 K/V read-back dequantises at once (runtime.PagedCache.keys_values)
 
 
 def size(n: float) -> str:
