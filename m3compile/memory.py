@@ -3,15 +3,14 @@ sequence, and the activations of one prefill chunk; and a check of it against th
 when it does not fit, what would (an fp8 KV cache, a smaller batch, a smaller prefill chunk).
 
 One count serves `m3compile.generate`, `m3c bench model` and the remote code's `generate()` (so it sits below them
-all, beside config and errors, importing only the kernels' constants). It describes the model
-by its shapes alone (`ModelShape`: from a Decoder's ModelArgs, or from the remote code's settings) and one of two
-cache layouts:
+all, beside config and errors, importing only the kernels' constants). It describes the model by its shapes alone
+(`ModelShape`: from a Decoder's ModelArgs, or from the remote code's settings) and one of two cache layouts:
     paged       the runtime's PagedCache: pages of `page` tokens per layer (K, V; fp8 K/V with one fp32 scale per
                 token and head), index-key pages of every MSA layer (fp8: one fp32 scale per token row and an
                 unquantised tail page per sequence); equal to PagedCache.nbytes() (tests/test_kv_cache.py)
     contiguous  transformers' cache as the remote code fills it: K and V of every layer (the model's dtype, or fp8
-                for transformers' QuantizedCache(backend="fp8"), whose one scale per layer tensor is negligible), an
-                MSA layer's index keys as ceil(Di / D) extra key heads of the keys; no pages. Each step concatenates
+                with one fp32 scale per position and head: the remote code's Fp8RowLayer), an MSA layer's index
+                keys as ceil(Di / D) extra key heads of the keys; no pages. Each step concatenates
                 a layer's keys and values anew (and an fp8 cache returns them dequantised): one layer's K and V in
                 the model's dtype count among the activations
 A prefill chunk's activations are its tokens' tensors through one layer (the residual stream, the normed input,
@@ -83,7 +82,8 @@ def cache_bytes(shape: ModelShape, tokens: int, kv_dtype: torch.dtype, index_dty
     D, Hkv = shape.head_dim, shape.kv_heads
     if layout == "contiguous":
         extra = -(-shape.index_dim // D) if shape.sparse_layers else 0
-        return tokens * _item(kv_dtype) * D * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
+        row = D * _item(kv_dtype) + (4 if kv_dtype == _FP8 else 0)
+        return tokens * row * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
     if layout != "paged":
         raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
     slots = -(-tokens // page) * page
