@@ -688,6 +688,29 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     console.print(f"layer {layer}, group {group}: recall {amap.group_recall:.3f}; wrote {out}")
 
 
+_kv_cache_option = click.option(
+    "--kv-cache", type=click.Choice(["auto", "bf16", "fp8"]), default="auto", show_default=True,
+    help="K/V cache dtype: auto (the model's), bf16, or fp8 (e4m3 with one scale per token and head: half of bf16's "
+         "bytes).")
+_prefill_chunk_option = click.option(
+    "--prefill-chunk", default="auto", show_default=True,
+    help="Tokens per prefill pass, e.g. 32K; auto: the whole prompt where its activations fit beside the caches, "
+         "else the largest chunk that does.")
+
+
+def _parse_chunk(text: str) -> int | None:
+    """--prefill-chunk: None for auto, else one length (8K, 65536)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        lengths = _parse_lengths(text)
+    except click.BadParameter:
+        lengths = ()
+    if len(lengths) != 1:
+        raise click.BadParameter(f"--prefill-chunk takes one length >= 1 (such as 32K) or auto, got {text!r}")
+    return lengths[0]
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Prompt text.")
@@ -705,17 +728,24 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
                    "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
                    "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants); CUDA "
                    "is synchronised between phases.")
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager, timings):
+@_kv_cache_option
+@click.option("--index-cache", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")
+@_prefill_chunk_option
+def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager, timings,
+             kv_cache, index_cache, prefill_chunk):
     """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
     without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec.
-    Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json.
+    Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json. A context
+    whose caches do not fit in memory stops before anything is allocated, saying what would fit.
 
     On a GPU the Triton kernels run the tiles recorded from the H200's tuning (M3C_AUTOTUNE=0 unless set: a
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
     (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
+    chunk = _parse_chunk(prefill_chunk)
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
@@ -756,7 +786,8 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
 
     result = _run(run_generate, model, [ids], max_new_tokens,
                   eos_token_id=_run(eos_token_id, model.source_config, model_dir), temperature=temperature,
-                  top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None, timings=timings)
+                  top_p=top_p, seed=seed, on_token=show, cuda_graph=False if eager else None, timings=timings,
+                  kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=chunk)
     click.echo()
     if timings:
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
@@ -1107,6 +1138,14 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
               help="Decode index-key cache dtype (auto: the model's).")
 @click.option("--index-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="The converted model's index scoring (fp8: e4m3 scores in prefill and an fp8 decode index cache).")
+@_kv_cache_option
+@click.option("--prefill-chunk", default=None,
+              help="Time to first token through m3c generate's prefill in chunks of this many tokens (e.g. 64K), into "
+                   "a paged cache [default: the whole prompt through the lowered backbone where its activations fit, "
+                   "else chunks of the largest size that fits].")
+@click.option("--bandwidth", type=float, default=None,
+              help="The GPU's memory bandwidth in TB/s for the decode byte floor [default: by its name, e.g. H200 "
+                   "4.8].")
 @click.option("--sparse-kernel", type=click.Choice(["gather", "tile"]), default="gather", show_default=True,
               help="The MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
                    "(kernels/sparse_attention/tile.py; opt-in: on the H200 it ties gather-Q at best, BENCHMARKS.md; "
@@ -1118,16 +1157,19 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @_bench_device
 @_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
 def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, dense_max, msa_max, dtype,
-                index_cache, index_dtype, sparse_kernel, steps, decode_steps, figure_seconds, device, out_dir):
+                index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, steps, decode_steps,
+                figure_seconds, device, out_dir):
     """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
 
     MODEL_DIR|PRESET is a checkpoint directory, or a preset with random weights built on the device (llama3-8b,
     qwen2.5-7b, ...); a dense model is converted in memory with --block/--topk (layer 0 dense). Time to first token
     at --prefill-lengths (dense timed up to --dense-max, MSA up to --msa-max, longer ones extrapolated per stage and
     marked) and decode tokens/s at --decode-lengths x --batch, eager and as a CUDA graph, each with a per-stage
-    breakdown. A batch whose caches do not fit runs lowered, and then as asked on the first layers at two depths,
-    extrapolated to the whole depth and marked. Writes OUT/<model>.json and OUT/model_speedup.png (the plot: every
-    model bench in OUT).
+    breakdown, and each step's byte floor (weights, the K/V it reads, the index keys) with the share of it reached
+    at the GPU's bandwidth. A batch whose caches do not fit runs lowered, and then as asked on the first layers at
+    two depths, extrapolated to the whole depth and marked; a prompt whose activations do not fit is prefilled in
+    chunks, and one whose caches do not fit either is marked with the bytes it needs. Writes OUT/<model>.json and
+    OUT/model_speedup.png (the plot: every model bench in OUT).
     """
     lengths = {}
     if prefill_lengths is not None:
@@ -1141,7 +1183,9 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
-               steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds, device=device, **lengths)
+               steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds, device=device,
+               kv_cache=kv_cache, prefill_chunk=None if prefill_chunk is None else _parse_chunk(prefill_chunk),
+               bandwidth_tbs=bandwidth, **lengths)
     console = _console()
     result = _run(run_model_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     path, png = write_model_outputs(result, out_dir)
@@ -1159,6 +1203,7 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         for r in result["prefill"]:
             b = r["breakdown"] or {}
             mark = {"timed": "", "extrapolated": "*"}.get(r["measured"], " (not run)")
+            mark += f" (chunks of {r['chunk']:,})" if r.get("chunk") else ""
             t.add_row(f"{r['T']:,}", r["model"], f(r["ms"]) + mark, f(b.get("attention")), f(b.get("indexer")),
                       f(b.get("projections_mlp")), f(b.get("rest")), f(b.get("host")), str(r.get("runs", "-")))
         console.print(t)
@@ -1173,6 +1218,11 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         console.print("* extrapolated per stage from the longest timed length (attention and selection as T^2, "
                       "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside "
                       "attention")
+        for r in result["prefill"]:
+            if r.get("note") or r.get("fits") is False:
+                console.print(f"prefill {r['T']:,} {r['model']}: " + (r.get("note") or "does not fit: "
+                              f"{r['memory']['caches_gb'] + r['memory']['activations_gb']:.1f} GB of caches and "
+                              f"activations"))
     if result["decode"]:
         t = Table(title="decode, ms per step (all sequences) and tokens/s")
         for c in ("T", "batch", "dense eager", "dense graph", "MSA eager", "MSA graph", "dense tok/s", "MSA tok/s",
@@ -1193,6 +1243,24 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         for r in result["decode"]:
             if r["note"]:
                 console.print(("* " if r.get("extrapolated") else "") + f"decode {r['T']:,}: {r['note']}")
+        tbs = result.get("bandwidth_tbs")
+        t = Table(title="decode byte floor: what a step must read, and the share of its time at "
+                        + (f"{tbs} TB/s" if tbs else "an unknown bandwidth (--bandwidth)"))
+        for c in ("T", "batch", "model", "weights GB", "KV GB", "index GB", "total GB", "floor ms", "step ms",
+                  "share"):
+            t.add_column(c, justify="right")
+        for r in result["decode"]:
+            for name in ("dense", "msa"):
+                x = r.get(name) or {}
+                if not x.get("floor"):
+                    continue
+                fb = x["floor"]["bytes"]
+                gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+                share = x["floor"]["share"]
+                t.add_row(f"{r['T']:,}", str(r["batch"]) + ("*" if r.get("extrapolated") else ""), name,
+                          gb(fb["weights"]), gb(fb["kv"]), gb(fb["index"]), gb(fb["total"]), f(x["floor"]["ms"], 3),
+                          f(x.get("graph_ms") or x.get("eager_ms"), 3), "-" if share is None else f"{share:.0%}")
+        console.print(t)
         why = next((x.get("graph_unavailable") for r in result["decode"] for x in (r.get("dense"), r.get("msa"))
                     if x and x.get("graph_unavailable")), None)
         if why:

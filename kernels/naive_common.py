@@ -9,6 +9,8 @@ The references are the ground truth every kernel is tested against. Shapes (head
     k_idx    [B, T, Di]        the single shared index key head
     blocks   [B, Hi, T, K]     selected key-block ids per (group, query); -1 marks an empty slot;
                                slot order carries no meaning
+A chunk of a prompt whose earlier keys are cached (chunked prefill) passes fewer queries than keys: its Tq queries
+are the last Tq of the Tk key positions (`cached_prefix` of the checks; the selection and the sparse attention).
 
 Everything is computed in fp32 (fp64 for fp64 inputs, so gradcheck can run on it) and cast back to the input dtype.
 fp8 index scoring is stated here too: `quantize_index_keys` (one e4m3 scale per row or key block) and `fp8_round`
@@ -90,22 +92,30 @@ def fp8_round(x: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
     return dequantize_index_keys(*quantize_index_keys(x, block_size), block_size)
 
 
-def check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+def _lengths_agree(Tq: int, Tk: int, cached_prefix: bool) -> bool:
+    """Queries Tq against keys Tk: the same positions, or (cached_prefix) the last Tq of the Tk positions."""
+    return Tq == Tk or (cached_prefix and Tq <= Tk)
+
+
+def check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor, cached_prefix: bool = False) -> torch.Tensor:
+    """k_idx as [B, T, Di]. cached_prefix: the queries may be the last Tq <= Tk key positions (a prompt chunk)."""
     if k_idx.dim() == 4:  # [B, 1, T, Di] accepted too
         if k_idx.shape[1] != 1:
             raise ValueError(f"k_idx must have a single index key head, got shape {tuple(k_idx.shape)}")
         k_idx = k_idx[:, 0]
     if q_idx.dim() != 4 or k_idx.dim() != 3:
         raise ValueError(f"q_idx must be [B, Hi, T, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
-    if q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[2] != k_idx.shape[1] or q_idx.shape[3] != k_idx.shape[2]:
+    if q_idx.shape[0] != k_idx.shape[0] or not _lengths_agree(q_idx.shape[2], k_idx.shape[1], cached_prefix) \
+            or q_idx.shape[3] != k_idx.shape[2]:
         raise ValueError(f"q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)} disagree on B, T or Di")
     return k_idx
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_prefix: bool = False) -> int:
+    """Group size G = Hq // Hkv. cached_prefix: the queries may be the last Tq <= Tk key positions."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"q must be [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, Hq, T, D = q.shape
-    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D or Hq % k.shape[1]:
+    if k.shape[0] != B or not _lengths_agree(T, k.shape[2], cached_prefix) or k.shape[3] != D or Hq % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} are not a GQA pair")
     return Hq // k.shape[1]

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # bottom to top
     ("kernels", ("m3compile.kernels",)),
-    ("base", ("m3compile.errors", "m3compile.config")),
+    ("base", ("m3compile.errors", "m3compile.config", "m3compile.memory")),
     ("models and ops", ("m3compile.models", "m3compile.ops")),
     ("graph", ("m3compile.graph",)),
     ("passes", ("m3compile.passes",)),

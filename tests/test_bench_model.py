@@ -92,7 +92,7 @@ def test_decode_batch_is_what_fits():
     per_seq = cache_bytes(llama, 131072, 128, torch.bfloat16, torch.bfloat16)
     assert per_seq == 32 * 2 * 131072 * 8 * 128 * 2 + 31 * 131072 * 128 * 2
     fp8 = cache_bytes(llama, 131072, 128, torch.bfloat16, torch.float8_e4m3fn)
-    assert fp8 == 32 * 2 * 131072 * 8 * 128 * 2 + 31 * 131072 * (128 + 4)
+    assert fp8 == 32 * 2 * 131072 * 8 * 128 * 2 + 31 * (131072 * (128 + 4) + 128 * 128 * 2)  # + a bf16 tail page
     free, reserve = 122e9, 4e9
     assert decode_batch(llama, 131072, 8, free, 128, torch.bfloat16, torch.bfloat16, reserve) == 6
     assert decode_batch(llama, 32768, 8, free, 128, torch.bfloat16, torch.bfloat16, reserve) == 8
@@ -382,3 +382,68 @@ def test_fp8_index_option_and_a_lowered_dense_twin():
     # --index-dim below the rotary width (m3-tiny: 8 of 16): the lowest-frequency index rope
     _, narrow, _, _ = bench_models("m3-tiny", device="cpu", dtype="float32", block=16, topk=2, index_dim=4)
     assert (narrow.args.msa.index_dim, narrow.args.msa.index_rope) == (4, "low")
+
+
+def test_decode_byte_floor_by_hand():
+    """A decode step's bytes on the Llama-3-8B shape (meta device, bf16), counted by hand: 8 sequences at 128K.
+    Dense, bf16 KV: every weight but the embedding table (8 rows of it) + every layer's K and V. MSA at index dim
+    64 with fp8 K/V and index keys: layer 0 reads every K/V row, the 31 MSA layers 16 blocks of 128, each K/V row
+    with its fp32 scale, and every index key with its fp32 scale. At 4.8 TB/s (the H200 by name)."""
+    from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
+    from m3compile.models.decoder import Decoder
+
+    args = PRESETS["llama3-8b"]
+    with torch.device("meta"):
+        dense = Decoder(args).to(torch.bfloat16)
+        msa = Decoder(args.replace(sparse_layers=(False,) + (True,) * 31,
+                                   msa=MSALayerArgs(8, 64, 128, 16))).to(torch.bfloat16)
+    B, T, table = 8, 131072, 128256 * 4096
+    weights = 2 * (8_030_261_248 - table) + B * 4096 * 2  # Llama-3-8B has 8.03B parameters
+    got = step_bytes(dense, B, T, torch.bfloat16, torch.bfloat16)
+    assert (got.weights, got.kv, got.index) == (weights, 32 * B * 8 * T * 2 * 128 * 2, 0)
+    index_weights = 31 * 2 * (4096 * 8 * 64 + 4096 * 64 + 2 * 64)  # index q/k projections and their norms
+    fp8 = torch.float8_e4m3fn
+    got = step_bytes(msa, B, T, fp8, fp8)
+    assert got.weights == weights + index_weights
+    assert got.kv == B * 8 * 2 * (128 + 4) * (T + 31 * 16 * 128)
+    assert got.index == 31 * B * T * (64 + 4)
+    assert bandwidth_tbs("NVIDIA H200") == 4.8 and bandwidth_tbs("NVIDIA H100 80GB HBM3") == 3.35
+    assert bandwidth_tbs("NVIDIA GH200 480GB") == 4.9 and bandwidth_tbs("some GPU") is None
+    assert abs(got.floor_ms(4.8) - got.total / 4.8e9) < 1e-9  # ms = bytes / (TB/s * 1e12) * 1e3
+    # 15.2 GB of weights, 3.3 GB of K/V (2.2 of them the dense layer 0's), 2.2 GB of index keys: 4.3 ms
+    assert round(got.floor_ms(4.8), 2) == 4.30
+
+
+def test_model_bench_chunked_prefill_fp8_cache_and_byte_floor(tmp_path, monkeypatch):
+    """--kv-cache fp8 --prefill-chunk 24: time to first token through the runtime's chunked prefill into an fp8
+    paged cache (the MSA layers select from the second chunk on: 40 tokens are 3 blocks of 16 > top-2; the dense
+    model's prefill is left out, --dense-max 16), decode on the fp8 cache, each decode row with its byte floor and
+    share at --bandwidth."""
+    from m3compile.bench.byte_floor import step_bytes
+
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)  # torch references on CPU
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, [
+        "bench", "model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths", "40",
+        "--decode-lengths", "40", "--batch", "1", "--block", "16", "--topk", "2", "--steps", "1", "--decode-steps",
+        "1", "--kv-cache", "fp8", "--index-cache", "fp8", "--prefill-chunk", "24", "--bandwidth", "2", "--dense-max",
+        "16", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "dense-llama-byte.json").read_text())
+    assert data["config"]["kv_cache"] == "fp8" and data["bandwidth_tbs"] == 2.0
+    rows = {row["model"]: row for row in data["prefill"]}
+    assert rows["dense"]["measured"] == "not run"
+    row = rows["msa"]
+    assert row["prefill"] == "chunked" and row["chunk"] == 24 and row["measured"] == "timed", row
+    assert row["memory"]["kv_cache"] == "float8_e4m3fn" and row["memory"]["prefill_chunk"] == 24
+    assert row["stages"]["index_select"] > 0 and row["stages"]["attention_sparse"] > 0
+    assert row["stages"]["attention_dense"] > 0  # layer 0, and the MSA layers' first chunk (2 blocks <= top-2)
+    (dec,) = data["decode"]
+    dense, sparse = bench_models(str(LLAMA_BYTE), device="cpu", dtype="float32", block=16, topk=2)[:2]
+    for name, model in (("dense", dense), ("msa", sparse)):
+        floor = dec[name]["floor"]
+        want = step_bytes(model, 1, 40, torch.float8_e4m3fn, torch.float8_e4m3fn)
+        assert floor["bytes"] == want.to_dict() and floor["tbs"] == 2.0
+        assert floor["ms"] == round(want.total / 2e9, 4)
+        assert floor["share"] == round(want.total / 2e9 / dec[name]["eager_ms"], 3)
+    assert "byte floor" in r.output and "in chunks of 24 tokens" in r.output

@@ -6,6 +6,8 @@ silently selects tokens instead of blocks, so the page size *is* the block size 
     idx_cache         [P, BS, Di]       index-key cache (one shared index key per token), bf16/fp16/fp32 or fp8 e4m3
     idx_scale         [P, BS] fp32      scale of each fp8 index key (None otherwise): the graph's caches hold one
                                         scale per page (= key block), repeated over its tokens (`paged_index_write`)
+    k_scale, v_scale  [P, BS, Hkv] fp32 scale of each fp8 K/V row (None otherwise): one per token and head
+                                        (`quantize_kv`), written with the token (`paged_kv_write`)
     block_table       [B, max_pages]    int32 physical page of each logical block of each sequence
     seq_lens          [B]               int32 tokens in each sequence, the token being decoded included
 
@@ -13,7 +15,12 @@ Each sequence decodes one token. `paged_select` scores every cached page of each
 block score per page and index head), then takes the top-k per (sequence, index head) with the local block (the
 page holding the newest token) and the first `init_blocks` blocks forced; -1 fills slots short sequences cannot.
 `paged_attention` runs one program per (sequence, KV group, split of the selected slots), each an online softmax over
-its pages, and merges the partials by log-sum-exp. Sequences of different lengths share one launch.
+its pages, and merges the partials by log-sum-exp. Sequences of different lengths share one launch. An fp8 (e4m3) KV
+cache is dequantised in registers as its pages are loaded (each row times its scale, then the query's dtype), so a
+step reads half the bytes of a bf16 cache. Its scales are per (token, head), not per page as the index keys': a new
+token is then quantised alone (`paged_kv_write`), where a per-page scale would re-quantise the newest page of K and
+V in every layer at every step (and keep an unquantised copy of it), and one large row (an attention-sink token)
+does not cost the other rows of its page their precision; the scales add 4 bytes per 128-value row (3%).
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ import math
 import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
-from m3compile.kernels.decode.naive import (paged_attention_reference, paged_block_scores_reference,
-                                            paged_index_write_reference, paged_select_reference, quantize_pages)
+from m3compile.kernels.decode.naive import (dequantize_kv, paged_attention_reference, paged_block_scores_reference,
+                                            paged_index_write_reference, paged_kv_write_reference,
+                                            paged_select_reference, quantize_kv, quantize_pages)
 
 __all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
-           "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages"]
+           "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages",
+           "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -85,23 +94,42 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     return out
 
 
+def _check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, op: str) -> bool:
+    """Whether the K/V caches are fp8 (then with scales [P, BS, Hkv] each, contiguous in the head)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if (v_cache.dtype == torch.float8_e4m3fn) != fp8:
+        raise ValueError(f"{op}: the K and V caches must both be fp8 or neither")
+    if fp8 and any(s is None or s.shape != k_cache.shape[:3] or s.stride(-1) != 1 or s.stride() != k_scale.stride()
+                   for s in (k_scale, v_scale)):
+        raise ValueError(f"{op}: fp8 K/V caches need k_scale and v_scale [P, BS, Hkv] = {list(k_cache.shape[:3])} "
+                         f"(alike, contiguous in the head); got "
+                         f"{[None if s is None else tuple(s.shape) for s in (k_scale, v_scale)]}")
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{op}: k_scale / v_scale go with fp8 K/V caches only, got {k_cache.dtype}")
+    return fp8
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
-    dense attention over the whole cache."""
+    dense attention over the whole cache. fp8 e4m3 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one per
+    token and head: `paged_kv_write`)."""
     _check_cache(block_table, seq_lens, k_cache.shape[1])
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1] \
             or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q must be [B, Hq, D] and k/v caches [P, BS, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}")
+    fp8 = _check_kv_scales(k_cache, v_cache, k_scale, v_scale, "paged_attention")
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     if blocks.dim() != 3 or blocks.shape[:2] != (B, Hkv):
         raise ValueError(f"blocks must be [B, Hkv, K] = [{B}, {Hkv}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q, k_cache, v_cache, backend=backend):
-        return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale)
+        return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale,
+                                         k_scale=k_scale, v_scale=v_scale)
     from m3compile.kernels.decode._tl_decode import paged_attention_split_kernel, paged_merge_kernel
 
     G, K = Hq // Hkv, blocks.shape[-1]
@@ -112,15 +140,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hkv, splits, GP, dtype=torch.float32, device=q.device)
+    k_s, v_s = (k_scale, v_scale) if fp8 else (part_lse, part_lse)  # (unread without scales)
     paged_attention_split_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, blocks, block_table, seq_lens, part_o, part_lse,
+        q, k_cache, v_cache, k_s, v_s, blocks, block_table, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), blocks.stride(0), blocks.stride(1),
-        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_s.stride(0), k_s.stride(1) if fp8 else 0,
+        blocks.stride(0), blocks.stride(1), block_table.stride(0), part_o.stride(0), part_o.stride(1),
+        part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale * math.log2(math.e), K, pps,
         G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        HAS_SCALE=fp8, num_warps=4,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     paged_merge_kernel[(B, Hkv)](
@@ -161,4 +190,36 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
         k_idx, tail, idx_cache, idx_scale, rows, pos, block_table,
         k_idx.stride(0), tail.stride(0), tail.stride(1), idx_cache.stride(0), idx_cache.stride(1), idx_scale.stride(0),
         block_table.stride(0), BS=bs, BSP=next_pow2(bs), D=D, DP=next_pow2(D), num_warps=4,
+    )
+
+
+def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page: torch.Tensor,
+                   off: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   backend: str = "auto") -> None:
+    """Store N tokens' keys and values in paged K/V caches, in place: k[n], v[n] [Hkv, D] to slot off[n] of physical
+    page page[n] ([N] each, distinct slots). fp8 e4m3 caches (with k_scale / v_scale [P, BS, Hkv] fp32) store each
+    (token, head) row quantised with its own scale (`quantize_kv`): one kernel for both, on CUDA or under the
+    interpreter; other caches take the values cast to their dtype."""
+    fp8 = _check_kv_scales(k_cache, v_cache, k_scale, v_scale, "paged_kv_write")
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or page.shape != off.shape \
+            or page.shape != k.shape[:1]:
+        raise ValueError(f"paged_kv_write needs k/v [N, Hkv, D] = [N, {k_cache.shape[2]}, {k_cache.shape[3]}] and "
+                         f"page/off [N]; got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(page.shape)}, "
+                         f"{tuple(off.shape)}")
+    if not fp8 or not use_triton(k_cache, k, backend=backend):
+        paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale, v_scale)
+        return
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("paged_kv_write needs K and V caches of the same strides, contiguous in D")
+    if k.shape[0] == 0:
+        return
+    from m3compile.kernels.decode._tl_decode import kv_write_kernel
+
+    H, D = k.shape[1], k.shape[2]
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    kv_write_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, k_scale, v_scale, page, off,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), H=H, HP=next_pow2(H), D=D, DP=next_pow2(D), num_warps=4,
     )

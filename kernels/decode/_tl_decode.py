@@ -96,16 +96,24 @@ def topk_rows_kernel(
         x = tl.where(o_p == arg, float("-inf"), x)
 
 
+@triton.jit
+def _dequantize_rows(b_x, p_scale, m_key, dtype: tl.constexpr):
+    # fp8 rows [BN, DP] of one page and head times their scales (one per token): in fp32, then the query's dtype
+    return (b_x.to(tl.float32) * tl.load(p_scale, mask=m_key, other=0.0)[:, None]).to(dtype)
+
+
 @triton.jit(do_not_specialize=["K", "PPS", "stride_bb", "stride_bh", "stride_tb"])
 def paged_attention_split_kernel(
-    q, k_cache, v_cache, blocks, block_table, seq_lens, part_o, part_lse,
+    q, k_cache, v_cache, k_scale, v_scale, blocks, block_table, seq_lens, part_o, part_lse,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-    stride_bb, stride_bh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_sp, stride_st, stride_bb, stride_bh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     scale_log2, K, PPS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, IEEE: tl.constexpr,
+    BN: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE
+    # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE.
+    # HAS_SCALE: fp8 K/V pages with one fp32 scale per (token, head) (k_scale / v_scale [P, BS, Hkv], strides
+    # stride_sp, stride_st, 1), dequantised in registers as they are loaded
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -130,6 +138,10 @@ def paged_attention_split_kernel(
                           mask=m_kd, other=0.0)
             b_v = tl.load(v_cache + phys * stride_vp + o_n[:, None] * stride_vt + i_h * stride_vh + o_d[None, :],
                           mask=m_kd, other=0.0)
+            if HAS_SCALE:
+                o_s = phys * stride_sp + o_n * stride_st + i_h
+                b_k = _dequantize_rows(b_k, k_scale + o_s, m_key, b_q.dtype)
+                b_v = _dequantize_rows(b_v, v_scale + o_s, m_key, b_q.dtype)
             m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, m_key[None, :], scale_log2, True,
                                                  IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -185,3 +197,29 @@ def index_write_kernel(
     m_rd = (o_r < BS)[:, None] & m_d[None, :]
     tl.store(idx_cache + page * stride_cp + o_r[:, None] * stride_ct + o_d[None, :], q, mask=m_rd)
     tl.store(idx_scale + page * stride_sp + o_r, tl.zeros([BSP], tl.float32) + scale, mask=o_r < BS)
+
+
+@triton.jit
+def kv_write_kernel(
+    k, v, k_cache, v_cache, k_scale, v_scale, page, off,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_cp, stride_ct, stride_ch, stride_sp, stride_st,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    # one program: one token's K and V rows [H, D] quantised to e4m3 with one scale per head (the row's largest
+    # magnitude -> 448, as naive.quantize_kv) and stored with their scales at slot off of physical page `page`
+    n = tl.program_id(0)
+    p = tl.load(page + n).to(tl.int64)
+    o = tl.load(off + n).to(tl.int64)
+    o_h = tl.arange(0, HP)
+    o_d = tl.arange(0, DP)
+    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    p_c = p * stride_cp + o * stride_ct + o_h[:, None] * stride_ch + o_d[None, :]
+    p_s = p * stride_sp + o * stride_st + o_h
+    x = tl.load(k + n * stride_kn + o_h[:, None] * stride_kh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+    tl.store(k_cache + p_c, round_e4m3(tl.math.div_rn(x, tl.zeros([HP, DP], tl.float32) + scale[:, None])), mask=m)
+    tl.store(k_scale + p_s, scale, mask=o_h < H)
+    x = tl.load(v + n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+    tl.store(v_cache + p_c, round_e4m3(tl.math.div_rn(x, tl.zeros([HP, DP], tl.float32) + scale[:, None])), mask=m)
+    tl.store(v_scale + p_s, scale, mask=o_h < H)

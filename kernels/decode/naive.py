@@ -1,5 +1,5 @@
 """Plain-PyTorch reference of the paged decode ops of kernels/decode/ (one sequence at a time, fp32), and the
-quantisation of index-key pages an fp8 index cache holds.
+quantisations the fp8 caches hold: index-key pages (one scale per page) and K/V rows (one scale per token and head).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from m3compile.kernels.indexer.naive import select_from_scores
 from m3compile.kernels.naive_common import quantize_index_keys
 
 __all__ = ["paged_block_scores_reference", "paged_select_reference", "paged_attention_reference", "quantize_pages",
-           "paged_index_write_reference"]
+           "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
@@ -53,8 +53,10 @@ def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, ini
     return out
 
 
-def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None):
-    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks."""
+def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None, k_scale=None,
+                              v_scale=None):
+    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks. fp8
+    caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first."""
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -64,6 +66,9 @@ def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens
         L = int(seq_lens[b])
         k = _gather(k_cache, block_table, b, L).float()  # [L, Hkv, D]
         v = _gather(v_cache, block_table, b, L).float()
+        if k_scale is not None:
+            k = dequantize_kv(k, _gather(k_scale, block_table, b, L))
+            v = dequantize_kv(v, _gather(v_scale, block_table, b, L))
         chosen = torch.zeros(Hkv, -(-L // bs) + 1, dtype=torch.bool, device=q.device)
         blk = blocks[b].long()
         chosen.scatter_(1, torch.where(blk >= 0, blk, chosen.shape[1] - 1), True)
@@ -91,3 +96,26 @@ def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, bl
                        0.0)
     page = block_table[rows, pos.long() // bs].long()
     idx_cache[page], idx_scale[page] = quantize_pages(keys)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows [..., Hkv, D] as an fp8 KV cache holds them: e4m3 with one fp32 scale per (token, head) row, its
+    largest magnitude mapped to 448, rounded to nearest even -> ([..., Hkv, D] fp8, [..., Hkv] fp32)."""
+    return quantize_index_keys(x)
+
+
+def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 K or V rows [..., Hkv, D] times their scales [..., Hkv] -> fp32."""
+    return x8.float() * scale.float()[..., None]
+
+
+def paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale=None, v_scale=None) -> None:
+    """Plain-torch `paged_kv_write` (in place): token n's k[n], v[n] [Hkv, D] to slot off[n] of physical page
+    page[n]; fp8 caches store them quantised (`quantize_kv`) with their scales."""
+    page, off = page.long(), off.long()
+    if k_scale is None:
+        k_cache[page, off] = k.to(k_cache.dtype)
+        v_cache[page, off] = v.to(v_cache.dtype)
+        return
+    k_cache[page, off], k_scale[page, off] = quantize_kv(k)
+    v_cache[page, off], v_scale[page, off] = quantize_kv(v)

@@ -34,9 +34,10 @@ __all__ = ["select_blocks", "select_blocks_reference", "quantize_index_keys", "d
 
 def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor | None, block_size: int, topk: int) -> bool:
     """Validates the arguments of select_blocks; returns whether the keys are fp8."""
-    if q_idx.dim() != 4 or k_idx.dim() != 3 or q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[1] != k_idx.shape[1] \
+    if q_idx.dim() != 4 or k_idx.dim() != 3 or q_idx.shape[0] != k_idx.shape[0] or q_idx.shape[1] > k_idx.shape[1] \
             or q_idx.shape[3] != k_idx.shape[2]:
-        raise ValueError(f"q_idx must be [B, T, Hi, Di] and k_idx [B, T, Di]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
+        raise ValueError(f"q_idx must be [B, Tq, Hi, Di] and k_idx [B, T, Di] (Tq <= T); got {tuple(q_idx.shape)}, "
+                         f"{tuple(k_idx.shape)}")
     if topk < 1 or block_size < 1:
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     fp8 = k_idx.dtype == torch.float8_e4m3fn
@@ -87,31 +88,34 @@ def select_blocks(
     (quantize_index_keys), which selects fp8 scoring (module docstring), or with k_scale [B, ceil(T / block_size)]
     (one scale per key block, `quantize_index_keys(k, block_size)`: the scale multiplies block scores, not token
     scores) -> [B, Hi, T, topk] int32 (-1 = empty slot).
+    A prompt chunk over its cached prefix passes fewer queries: q_idx [B, Tq, Hi, Di] (Tq <= T) are the queries of
+    the last Tq positions -> [B, Hi, Tq, topk].
     Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
-    B, T, H, D = q_idx.shape
+    B, Tq, H, D = q_idx.shape
+    T = k_idx.shape[1]
     if not use_triton(q_idx, k_idx, backend=backend):
         return select_blocks_reference(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
                                        local_blocks=local_blocks, k_scale=k_scale)
     if k_idx.stride(-1) != 1 or q_idx.stride(-1) != 1:
         raise ValueError("q_idx and k_idx must be contiguous in their last dimension")
-    out = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_idx.device)
-    if T == 0:
+    out = torch.empty(B, H, Tq, topk, dtype=torch.int32, device=q_idx.device)
+    if Tq == 0:
         return out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
     from m3compile.kernels.indexer._tl_indexer import index_topk_kernel as kernel
 
     HP = next_pow2(H)
-    grid = lambda meta: (-(-T // (meta["ROWS"] // HP)), B)  # noqa: E731
+    grid = lambda meta: (-(-Tq // (meta["ROWS"] // HP)), B)  # noqa: E731
 
     def launch(fp8_dot: bool) -> None:
         kernel[grid](
             q_idx, k_idx, scale, out,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
             scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
-            T, tune_bucket(T),
+            T, T - Tq, tune_bucket(T),
             H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
             TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
             HAS_SCALE=fp8, BLOCK_SCALE=block_scale, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,

@@ -51,11 +51,11 @@ def _prune(cfgs, named_args, **kw):
     key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["T", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
+@triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
     q, k, k_scale, out,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
-    T, tune_bucket,
+    T, q_start, tune_bucket,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
@@ -64,13 +64,15 @@ def index_topk_kernel(
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
     BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
+    # T keys; the queries are the last T - q_start positions (q_start = 0: one per key), row r of q at q_start + r
     o_r = tl.arange(0, ROWS)
-    o_tok = i_t * BLOCK_T + o_r // HP
+    o_tok = q_start + i_t * BLOCK_T + o_r // HP  # positions
     o_h = o_r % HP
     m_row = (o_tok < T) & (o_h < H)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
-    p_q = q + i_b * stride_qb + o_tok[:, None].to(tl.int64) * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
+    o_row = (o_tok - q_start)[:, None].to(tl.int64)
+    p_q = q + i_b * stride_qb + o_row * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
     if HAS_SCALE:  # fp8 scoring: each (token, head) row quantised here, once per program
         b_q = quantize_rows_e4m3(b_q, FP8_DOT)
@@ -79,7 +81,7 @@ def index_topk_kernel(
     # padding slots (>= TOPK) hold +inf so they are never the minimum that gets replaced
     vals = tl.where(o_kp[None, :] < TOPK, tl.full([ROWS, KP], float("-inf"), tl.float32), float("inf"))
     ids = tl.full([ROWS, KP], -1, tl.int32)
-    t_first = i_t * BLOCK_T
+    t_first = q_start + i_t * BLOCK_T
     t_last = tl.minimum(t_first + BLOCK_T, T) - 1
     n_full = (t_first + 1) // BS  # key blocks every row of the tile sees whole
     n_all = t_last // BS + 1
@@ -102,5 +104,5 @@ def index_topk_kernel(
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         vals, ids = _insert(vals, ids, score, j, o_kp)
-    p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
+    p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
     tl.store(p_o, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))

@@ -16,23 +16,26 @@ __all__ = ["block_scores", "block_masks", "select_from_scores", "select_blocks"]
 def block_scores(
     q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, start: int = 0, end: int | None = None
 ) -> torch.Tensor:
-    """Causal block-max index scores for queries `start:end`.
+    """Causal block-max index scores for queries `start:end` (rows of q_idx).
 
     Token score s[g, t, j] = q_idx[g, t] . k_idx[j] / sqrt(Di) in fp32, keys j > t set to -inf before pooling;
-    block score S[g, t, b] = max over the keys j of block b. Returns [B, Hi, end - start, ceil(end / block_size)]
-    (blocks wholly in the future of every query of the chunk are not returned; those inside are -inf).
+    block score S[g, t, b] = max over the keys j of block b. Returns [B, Hi, end - start, ceil(last / block_size)]
+    with `last` the position after the chunk's last query (blocks wholly in the future of every query of the chunk
+    are not returned; those inside are -inf). q_idx may hold fewer rows (Tq) than k_idx keys (Tk): its queries are
+    then the last Tq positions, row t at position Tk - Tq + t (a prompt chunk over its cached prefix).
     """
-    k_idx = check_index_inputs(q_idx, k_idx)
+    k_idx = check_index_inputs(q_idx, k_idx, cached_prefix=True)
     T = q_idx.shape[2]
+    off = k_idx.shape[1] - T  # position of query row 0
     end = T if end is None else end
-    n_blocks = -(-end // block_size)
+    n_blocks = -(-(end + off) // block_size)
     q = q_idx[:, :, start:end].float()
-    k = k_idx[:, :end].float()
+    k = k_idx[:, :end + off].float()
     s = torch.einsum("bhtd,bjd->bhtj", q, k) / math.sqrt(q_idx.shape[-1])
-    t_pos = torch.arange(start, end, device=q.device)
-    j_pos = torch.arange(end, device=q.device)
+    t_pos = torch.arange(start + off, end + off, device=q.device)
+    j_pos = torch.arange(end + off, device=q.device)
     s = s.masked_fill(j_pos[None, :] > t_pos[:, None], float("-inf"))
-    s = F.pad(s, (0, n_blocks * block_size - end), value=float("-inf"))
+    s = F.pad(s, (0, n_blocks * block_size - end - off), value=float("-inf"))
     return s.view(*s.shape[:3], n_blocks, block_size).amax(-1)
 
 
@@ -82,19 +85,21 @@ def select_blocks(
     row, the keys with one scale per key block (quantize_index_keys), dequantised, then scored in fp32
     (`fp8_round`).
 
-    q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64.
+    q_idx [B, Hi, T, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int64. Fewer query rows than keys: the queries of the
+    last positions (`block_scores`).
     """
     if topk < 1 or block_size < 1:
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
-    k_idx = check_index_inputs(q_idx, k_idx)
+    k_idx = check_index_inputs(q_idx, k_idx, cached_prefix=True)
     if fp8:
         q_idx, k_idx = fp8_round(q_idx), fp8_round(k_idx, block_size)
     B, Hi, T, _ = q_idx.shape
+    off = k_idx.shape[1] - T
     out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
-    chunk = chunk or query_chunk(B * Hi, T)
+    chunk = chunk or query_chunk(B * Hi, T + off)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         scores = block_scores(q_idx, k_idx, block_size, start, end)
-        t_pos = torch.arange(start, end, device=q_idx.device)
+        t_pos = torch.arange(start + off, end + off, device=q_idx.device)
         out[:, :, start:end] = select_from_scores(scores, t_pos, block_size, topk, init_blocks, local_blocks)
     return out

@@ -158,10 +158,10 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     from m3compile.kernels.sparse_attention._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Tk = k.shape[1], k.shape[2]  # Tk > T: the queries are the last T of Tk positions (a prompt chunk)
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = next_pow2(G), max(16, next_pow2(D))
-    n_blocks = -(-T // block_size)
+    n_blocks = -(-Tk // block_size)
     n_seg = B * Hkv * n_blocks
     lse_only = stage == "lse"
     out = q.new_empty(1, 1, 1, 1) if lse_only else torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
@@ -196,7 +196,7 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *lse_strides,
-            T, t0, n_seg, scale * math.log2(math.e), tune_bucket(T),
+            Tk, t0, Tk - T, n_seg, scale * math.log2(math.e), tune_bucket(Tk),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
             CHUNK=chunk, IEEE=ieee, LSE_ONLY=lse_only, TMA=tma,
         )
@@ -344,6 +344,8 @@ def sparse_attention(
     (the backward runs on the same CSR: dK/dV per block on chip, dQ as per-slot shares summed by a second kernel).
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] (any int dtype, -1 = empty) -> [B, Hq, T, D].
+    A prompt chunk over its cached prefix (no gradient): k/v [B, Hkv, Tk, D] with Tk > T, the T queries (and their
+    blocks) being those of the last T positions.
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
     chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
     """
@@ -388,7 +390,7 @@ def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tor
 
 
 def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, cached_prefix=True)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if blocks.dim() != 4 or blocks.shape[:3] != (B, Hkv, T):
@@ -400,6 +402,8 @@ def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, q
         raise ValueError("q, k and v must be contiguous in their last dimension")
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if k.shape[2] != T:
+            raise ValueError("the sparse attention's backward needs one query per key (no cached prefix)")
         return _SparseAttention.apply(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk)
     out, lse, csr = _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)
     return out.transpose(1, 2), lse, csr

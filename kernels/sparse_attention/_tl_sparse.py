@@ -56,12 +56,12 @@ def _descriptor_block(nargs):
     prune_configs_by={"early_config_prune": _prune},
 )
 # NB, like T, is a runtime value: a prompt of another length (in blocks) runs the same binary, no compile
-@triton.jit(do_not_specialize=["T", "t0", "n_seg", "tune_bucket", "NB", "stride_lb"])
+@triton.jit(do_not_specialize=["T", "t0", "q_start", "n_seg", "tune_bucket", "NB", "stride_lb"])
 def gather_q_fwd_kernel(
     q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_lb, stride_lt, stride_ls,
-    T, t0, n_seg, scale_log2, tune_bucket, NB,
+    T, t0, q_start, n_seg, scale_log2, tune_bucket, NB,
     HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
@@ -70,7 +70,7 @@ def gather_q_fwd_kernel(
     # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them.
     # Partial outputs and log-sum-exps are written in CSR entry order (row = entry * GP + head: a tile's rows are
     # one contiguous range, stored whole by TMA where TMA is on); LSE_ONLY writes its log-sum-exps per (token,
-    # slot, head) instead, for a torch merge
+    # slot, head) instead, for a torch merge. T keys; query row r (of q, the selection) is at position q_start + r
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
@@ -114,12 +114,12 @@ def gather_q_fwd_kernel(
             tok_after = tl.load(payload + e0 + 2 * TOK, mask=e0 + 2 * TOK < end, other=0)
             o_tl = pl // K  # token index inside the query chunk
             o_slot = pl % K
-            o_t = t0 + o_tl
+            o_t = q_start + t0 + o_tl  # positions
             if IEEE:
                 s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
             else:
                 s = tl.dot(b_q, tl.trans(b_k))
-            if open_block & (t0 + tok // K >= past):
+            if open_block & (q_start + t0 + tok // K >= past):
                 m = tl.max(s, 1) * scale_log2
                 p = tl.math.exp2(s * scale_log2 - m[:, None])
                 l = tl.sum(p, 1)

@@ -25,9 +25,10 @@ def sparse_attention(
     All G = Hq // Hkv query heads of group g attend over the causally visible tokens of the blocks selected for
     (g, t); -1 slots are ignored; the query's own block is masked per token.
 
-    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D] in q's dtype.
+    q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D] in q's dtype. k/v may hold more
+    positions (Tk) than q queries: the queries are then the last T of them (a prompt chunk over its cached prefix).
     """
-    G = check_attention_inputs(q, k, v)
+    G = check_attention_inputs(q, k, v, cached_prefix=True)
     B, Hq, T, D = q.shape
     Hkv, K = k.shape[1], blocks.shape[-1]
     if blocks.shape[:3] != (B, Hkv, T):
@@ -36,7 +37,7 @@ def sparse_attention(
     ct = compute_dtype(q)
     out = torch.empty(B, Hkv, G, T, D, dtype=ct, device=q.device)
     # the selection reaches much of the sequence: one masked causal pass; else gather the selected blocks per query
-    fill = _sparse_attention_masked if MASKED_REACH * K * block_size >= T else _sparse_attention_gathered
+    fill = _sparse_attention_masked if MASKED_REACH * K * block_size >= k.shape[2] else _sparse_attention_gathered
     fill(q.view(B, Hkv, G, T, D), k, v, blocks, block_size, scale, ct, out, chunk)
     return out.view(B, Hq, T, D).to(q.dtype)
 
@@ -45,8 +46,10 @@ def _sparse_attention_gathered(qg, k, v, blocks, block_size, scale, ct, out, chu
     """sparse_attention by gathering each query's K selected blocks: qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]."""
     B, Hkv, G, T, D = qg.shape
     K = blocks.shape[-1]
-    n_blocks = -(-T // block_size)
-    pad = (0, 0, 0, n_blocks * block_size - T)
+    Tk = k.shape[2]
+    off = Tk - T  # position of query row 0
+    n_blocks = -(-Tk // block_size)
+    pad = (0, 0, 0, n_blocks * block_size - Tk)
     kb = F.pad(k.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)  # keys as whole blocks
     vb = F.pad(v.to(ct), pad).view(B, Hkv, n_blocks, block_size, D)
     i_b = torch.arange(B, device=qg.device)[:, None, None, None]
@@ -58,7 +61,7 @@ def _sparse_attention_gathered(qg, k, v, blocks, block_size, scale, ct, out, chu
         idx = blocks[:, :, start:end]  # [B, Hkv, C, K]
         safe = idx.clamp(min=0)  # -1 slots read block 0, then are masked out by `valid`
         pos = (safe[..., None] * block_size + offs).flatten(-2)  # [B, Hkv, C, K*bs] token ids
-        t_pos = torch.arange(start, end, device=qg.device)[:, None]
+        t_pos = torch.arange(start + off, end + off, device=qg.device)[:, None]
         valid = (idx >= 0).repeat_interleave(block_size, dim=-1) & (pos <= t_pos)
         C = end - start
         kg = kb[i_b, i_h, safe].view(B, Hkv, C, K * block_size, D)  # gather whole blocks
@@ -81,20 +84,23 @@ def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk
     keys per query, the same softmax. A block in n slots weighs n times (log n added to its scores), as the gathered
     form and the kernels count it; -1 slots add nothing. qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]."""
     B, Hkv, G, T, D = qg.shape
-    n_blocks = -(-T // block_size)
-    key_block = torch.arange(T, device=qg.device) // block_size
-    chunk = chunk or query_chunk(B * Hkv * G, T)
+    Tk = k.shape[2]
+    off = Tk - T  # position of query row 0
+    n_blocks = -(-Tk // block_size)
+    key_block = torch.arange(Tk, device=qg.device) // block_size
+    chunk = chunk or query_chunk(B * Hkv * G, Tk)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
+        last = end + off  # keys up to the chunk's last query
         idx = blocks[:, :, start:end].long()  # [B, Hkv, C, K]
         count = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=ct, device=qg.device)
         count.scatter_add_(-1, torch.where(idx >= 0, idx, n_blocks), torch.ones_like(idx, dtype=ct))
-        bias = count[..., :n_blocks].log()[..., key_block[:end]]  # [B, Hkv, C, end]: log n, -inf where unselected
-        causal = torch.arange(end, device=qg.device) > torch.arange(start, end, device=qg.device)[:, None]
+        bias = count[..., :n_blocks].log()[..., key_block[:last]]  # [B, Hkv, C, last]: log n, -inf where unselected
+        causal = torch.arange(last, device=qg.device) > torch.arange(start + off, last, device=qg.device)[:, None]
         bias = bias.masked_fill(causal, float("-inf"))
-        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), k[:, :, :end].to(ct)) * scale
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), k[:, :, :last].to(ct)) * scale
         p = torch.softmax(s + bias[:, :, None], dim=-1)
-        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, v[:, :, :end].to(ct))
+        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, v[:, :, :last].to(ct))
 
 
 def dense_attention(

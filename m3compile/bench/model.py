@@ -61,12 +61,15 @@ import torch
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
-from m3compile.kernels.decode import quantize_pages
+from m3compile.kernels.decode import quantize_kv, quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
 from m3compile.pipelines import lower
+from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
-from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default
+from m3compile import memory
+from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
+from m3compile.tools.generate import KV_CACHE_DTYPES
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]
@@ -108,6 +111,9 @@ class ModelBenchConfig:
     msa_max: int = 131072  # the same for the MSA model
     dtype: str = "bfloat16"
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
+    kv_cache: str = "auto"  # the K/V cache (decode, chunked prefill): "auto" (the model's dtype), "bf16" or "fp8"
+    prefill_chunk: int | None = None  # prefill through the runtime in chunks of this many tokens (None: module doc)
+    bandwidth_tbs: float | None = None  # the GPU's memory bandwidth for the decode byte floor (None: by its name)
     index_dtype: str = "auto"  # the converted model's index scoring: "auto" (bf16) or "fp8" (prefill and decode)
     index_dim: int | None = None  # conversion of a dense model: the index head dim (None: the head dim)
     sparse_kernel: str = "gather"  # the MSA prefill's sparse attention (ops.SPARSE_KERNELS: gather-Q, or query-tile)
@@ -132,6 +138,12 @@ class ModelBenchConfig:
                 raise M3CompileError(f"{name} must be a finite number >= 0, got {v}")
         if self.index_cache not in ("auto", "fp8"):
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise M3CompileError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.bandwidth_tbs is not None and not (math.isfinite(self.bandwidth_tbs) and self.bandwidth_tbs > 0):
+            raise M3CompileError(f"bandwidth must be a number of TB/s > 0, got {self.bandwidth_tbs}")
         if self.index_dtype not in ("auto", "fp8"):
             raise M3CompileError(f"index_dtype must be 'auto' or 'fp8', got {self.index_dtype!r}")
         if self.sparse_kernel not in SPARSE_KERNELS:
@@ -196,13 +208,14 @@ def extrapolate(stages: dict[str, float], T_from: int, T: int, keys: int) -> dic
 # prefill
 
 
-def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchConfig, log) -> dict:
+def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchConfig, log,
+                 warmup_tokens: int | None = None) -> dict:
     g = torch.Generator().manual_seed(cfg.seed + T)
     ids = torch.randint(0, _vocab(model), (1, T), generator=g).to(cfg.device)
     with torch.no_grad():
         sync(cfg.device)
         t0 = time.perf_counter()
-        fn(ids)  # warm-up: compiles kernels, grows the allocator
+        fn(ids[:, :warmup_tokens])  # warm-up: compiles kernels, grows the allocator (chunked: its first chunks)
         sync(cfg.device)
         first = (time.perf_counter() - t0) * 1e3
         with module_ranges(model, _classify):
@@ -211,7 +224,8 @@ def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchC
         ms, peak = median_ms(lambda: fn(ids), steps=runs, warmup=0, device=cfg.device)
     stages, check = _split(prof, PREFILL_LABELS, ms)
     row = {"T": T, "model": name, "measured": "timed", "from_T": None, "ms": round(ms, 3), "runs": runs,
-           "first_ms": round(first, 3), "peak_gb": round(peak, 2), "profiled_ms": round(prof.wall_ms, 3),
+           "first_ms": round(first, 3), "first_tokens": warmup_tokens or T, "peak_gb": round(peak, 2),
+           "profiled_ms": round(prof.wall_ms, 3),
            "attribution": check, "stages": {s: round(stages.get(s, 0.0), 3) for s in STAGES}}
     row["breakdown"] = _groups(row["stages"])
     log(f"prefill T={T:,} {name}: {ms:.1f} ms ({runs} runs; " + ", ".join(f"{k} {v:.1f}" for k, v in
@@ -227,20 +241,68 @@ def _vocab(model: torch.nn.Module) -> int:
     return emb.num_embeddings
 
 
+def _cache_dtypes(sparse: Decoder, cfg: ModelBenchConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype, int]:
+    """(model dtype, K/V cache dtype, index-key cache dtype, page) of the bench's caches, as generate sets them."""
+    args = sparse.args
+    dtype = next(sparse.parameters()).dtype
+    fp8 = cfg.index_cache == "fp8" or (args.msa is not None and args.msa.index_dtype == "fp8")
+    page = args.msa.block_size if args.msa is not None else cfg.block
+    return dtype, KV_CACHE_DTYPES[cfg.kv_cache] or dtype, torch.float8_e4m3fn if fp8 else dtype, page
+
+
+def _prefill_plan(model: Decoder, sparse: Decoder, T: int, cfg: ModelBenchConfig) -> tuple[str, object]:
+    """How one prefill of T tokens runs: ("whole", None), the lowered backbone over the whole prompt (no
+    --prefill-chunk, and its activations fit in half the free memory, or no device memory to count);
+    ("chunked", plan), runtime.prefill into a paged cache (memory.MemoryPlan: its chunk and bytes); or
+    ("does not fit", plan) where even chunks do not fit beside the caches."""
+    dtype, kv_dtype, index_dtype, page = _cache_dtypes(sparse, cfg)
+    free = _free_bytes(cfg)
+    shape = memory.ModelShape.from_args(model.args)
+    if cfg.prefill_chunk is None and (free is None or memory.activation_bytes(shape, T, T, dtype, dtype) <= free / 2):
+        return "whole", None
+    plan = memory.fitted_plan(shape, 1, T, T, free, kv_dtype=kv_dtype, index_dtype=index_dtype, model_dtype=dtype,
+                              chunk=cfg.prefill_chunk, page=page)
+    return ("chunked" if free is None or plan.need <= free else "does not fit"), plan
+
+
+def _chunked_row(name: str, model: Decoder, sparse: Decoder, T: int, plan, cfg: ModelBenchConfig, log) -> dict:
+    """Time to first token through runtime.prefill in chunks, into a paged cache allocated before the timing."""
+    _, kv_dtype, index_dtype, page = _cache_dtypes(sparse, cfg)
+    cache = PagedCache(model, 1, T, page, cfg.device, kv_dtype, index_dtype)
+    fn = lambda ids: prefill(model, cache, 0, ids[0], "auto", plan.chunk)  # noqa: E731
+    try:
+        with model.using_kernels(kernels_default(cfg.device)):
+            row = _prefill_row(name, fn, model, T, cfg, log, warmup_tokens=min(T, 2 * plan.chunk + 1))
+    finally:
+        del cache
+    return row | {"prefill": "chunked", "chunk": plan.chunk, "memory": plan.to_dict()}
+
+
 def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tuple[list[dict], list[dict]]:
     lowered = lower(sparse.model)  # the backbone: the last position's logits are taken outside it
     # the dense twin lowered too (its RMSNorm and RoPE kernels): both sides run the same fused backbone ops
     dense_lowered = lower(dense.model, require_msa=False)
     runners = {
-        "dense": (lambda ids: dense.lm_head(dense_lowered(ids)[:, -1]), dense_lowered, cfg.dense_max),
-        "msa": (lambda ids: sparse.lm_head(lowered(ids)[:, -1]), lowered, cfg.msa_max),
+        "dense": (lambda ids: dense.lm_head(dense_lowered(ids)[:, -1]), dense_lowered, dense, cfg.dense_max),
+        "msa": (lambda ids: sparse.lm_head(lowered(ids)[:, -1]), lowered, sparse, cfg.msa_max),
     }
     keys = _keys(sparse.args)
     rows = []
-    for name, (fn, module, limit) in runners.items():
+    for name, (fn, module, model, limit) in runners.items():
         timed = []
         for T in sorted(t for t in cfg.prefill_lengths if t <= limit):
-            timed.append(_prefill_row(name, fn, module, T, cfg, log))
+            how, plan = _prefill_plan(model, sparse, T, cfg)
+            if how == "whole":
+                timed.append(_prefill_row(name, fn, module, T, cfg, log) | {"prefill": "whole", "chunk": None})
+            elif how == "chunked":
+                log(f"prefill T={T:,} {name}: in chunks of {plan.chunk:,} tokens into a paged cache "
+                    f"({memory.size(plan.caches)})")
+                timed.append(_chunked_row(name, model, sparse, T, plan, cfg, log))
+            else:
+                note = f"does not fit: {plan.describe()}, {memory.size(_free_bytes(cfg))} free"
+                log(f"prefill T={T:,} {name}: {note}")
+                rows.append({"T": T, "model": name, "measured": "not run", "from_T": None, "ms": None,
+                             "stages": None, "breakdown": None, "note": note, "memory": plan.to_dict()})
             if is_cuda(cfg.device):
                 torch.cuda.empty_cache()
         rows += timed
@@ -252,10 +314,12 @@ def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tup
                 continue
             ref = timed[-1]
             stages = extrapolate(ref["stages"], ref["T"], T, keys)
+            how, plan = _prefill_plan(model, sparse, T, cfg)
             rows.append({"T": T, "model": name, "measured": "extrapolated", "from_T": ref["T"],
                          "ms": round(sum(stages.values()), 3), "runs": 0, "peak_gb": None,
                          "stages": {s: round(v, 3) for s, v in stages.items()},
-                         "breakdown": _groups(stages)})
+                         "breakdown": _groups(stages), "fits": how != "does not fit",
+                         "memory": None if plan is None else plan.to_dict()})
     rows.sort(key=lambda r: (r["T"], r["model"]))
     return rows, _prefill_summary(rows)
 
@@ -284,31 +348,33 @@ def _prefill_summary(rows: list[dict]) -> list[dict]:
 # decode
 
 
-def cache_bytes(args: ModelArgs, tokens: int, page: int, dtype: torch.dtype, index_dtype: torch.dtype) -> int:
-    """Bytes of one sequence's paged caches at `tokens` tokens: K and V pages of every layer, index-key pages (and
-    their fp32 scales with fp8 keys) of every MSA layer."""
-    slots = -(-tokens // page) * page
-    item = torch.empty(0, dtype=dtype).element_size()
-    total = args.n_layers * 2 * slots * args.n_kv_heads * args.head_dim * item
-    sparse = sum(args.is_sparse(i) for i in range(args.n_layers))
-    if sparse:
-        idx_item = torch.empty(0, dtype=index_dtype).element_size()
-        total += sparse * slots * (args.msa.index_dim * idx_item + (4 if index_dtype == torch.float8_e4m3fn else 0))
-    return total
+def cache_bytes(args: ModelArgs, tokens: int, page: int, dtype: torch.dtype, index_dtype: torch.dtype,
+                model_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one sequence's paged caches at `tokens` tokens (m3compile.memory.cache_bytes): K and V pages of every
+    layer at `dtype` (fp8: with one fp32 scale per token and head), index-key pages of every MSA layer (fp8: their
+    fp32 scales and a tail page in the model's dtype, `model_dtype`, default `dtype`)."""
+    return memory.cache_bytes(memory.ModelShape.from_args(args), tokens, dtype, index_dtype, model_dtype or dtype,
+                              page)
 
 
 def decode_batch(args: ModelArgs, tokens: int, requested: int, free_bytes: float, page: int, dtype: torch.dtype,
-                 index_dtype: torch.dtype, reserve_bytes: float) -> int:
+                 index_dtype: torch.dtype, reserve_bytes: float, model_dtype: torch.dtype | None = None) -> int:
     """The largest batch <= requested whose caches at `tokens` tokens fit in free_bytes - reserve_bytes (may be 0)."""
-    per_seq = cache_bytes(args, tokens, page, dtype, index_dtype)
+    per_seq = cache_bytes(args, tokens, page, dtype, index_dtype, model_dtype)
     return max(0, min(requested, int((free_bytes - reserve_bytes) // per_seq)))
 
 
 def _fill(cache: PagedCache, seed: int) -> None:
     g = torch.Generator(device=cache.seq_lens.device).manual_seed(seed)
     for i in cache.k:
-        cache.k[i].normal_(generator=g)
-        cache.v[i].normal_(generator=g)
+        if cache.k_scale[i] is None:
+            cache.k[i].normal_(generator=g)
+            cache.v[i].normal_(generator=g)
+            continue
+        for pages, scales in ((cache.k[i], cache.k_scale[i]), (cache.v[i], cache.v_scale[i])):
+            for p0 in range(0, pages.shape[0], 1024):  # fp8 rows with their scales, 1024 pages at a time
+                rows = torch.randn(pages[p0:p0 + 1024].shape, device=pages.device, generator=g)
+                pages[p0:p0 + 1024], scales[p0:p0 + 1024] = quantize_kv(rows)
     for i, idx in cache.idx.items():
         if cache.idx_scale[i] is None:
             idx.normal_(generator=g)
@@ -414,14 +480,15 @@ def shallow(model: Decoder, n: int) -> Decoder:
 
 
 def decode_depths(args: ModelArgs, tokens: int, batch: int, free_bytes: float, page: int, dtype: torch.dtype,
-                  index_dtype: torch.dtype, reserve_bytes: float) -> tuple[int, int] | None:
+                  index_dtype: torch.dtype, reserve_bytes: float,
+                  model_dtype: torch.dtype | None = None) -> tuple[int, int] | None:
     """Two depths (first L1 < L2 layers) whose caches for `batch` sequences at `tokens` fit, for a decode step
     extrapolated to the full depth: L2 the deepest that fits (below the model's), L1 = L2 // 2, at least 2 (layer 0
     and one more) and past every layer of another kind (attention dense or MSA, MLP or MoE) than the last: the
     layers that the line adds then all do the same work. None where L1 and L2 would be under 2 layers apart."""
     def fits(n: int) -> bool:
         return decode_batch(_first_layers(args, n), tokens, batch, free_bytes, page, dtype, index_dtype,
-                            reserve_bytes) == batch
+                            reserve_bytes, model_dtype) == batch
 
     kind = lambda i: (args.is_sparse(i), args.is_moe(i))  # noqa: E731
     uniform = next(i for i in range(args.n_layers) if all(kind(j) == kind(args.n_layers - 1)
@@ -469,26 +536,35 @@ def _decode_pair(dense: Decoder, sparse: Decoder, T: int, B: int, max_len: int, 
     return out
 
 
-def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list[dict]:
+def _floor(row: dict, model: Decoder, T: int, B: int, kv_dtype, index_dtype, tbs: float | None) -> None:
+    """The step's byte floor (bench.byte_floor) and, at `tbs` TB/s, its time and the share of it the step reached
+    (the CUDA graph's time, else the eager step's)."""
+    if row is None:
+        return
+    need = step_bytes(model, B, T, kv_dtype, index_dtype)
+    ms = row.get("graph_ms") or row.get("eager_ms")
+    floor_ms = None if tbs is None else need.floor_ms(tbs)
+    row["floor"] = {"bytes": need.to_dict(), "tbs": tbs, "ms": None if floor_ms is None else round(floor_ms, 4),
+                    "share": None if floor_ms is None or not ms else round(floor_ms / ms, 3)}
+
+
+def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log, tbs: float | None = None) -> list[dict]:
     args = sparse.args
-    dtype = next(sparse.parameters()).dtype
-    fp8 = cfg.index_cache == "fp8" or (args.msa is not None and args.msa.index_dtype == "fp8")
-    index_dtype = torch.float8_e4m3fn if fp8 else dtype
-    page = args.msa.block_size if args.msa is not None else cfg.block
+    model_dtype, dtype, index_dtype, page = _cache_dtypes(sparse, cfg)  # dtype: the K/V cache's
     rows = []
     for T in cfg.decode_lengths:
         max_len = T + cfg.decode_steps + 8  # room for the steps timed from T (seq_lens is reset between runs)
-        need = cache_bytes(args, max_len, page, dtype, index_dtype)
+        need = cache_bytes(args, max_len, page, dtype, index_dtype, model_dtype)
         free = _free_bytes(cfg)
         B = cfg.batch if free is None else decode_batch(args, max_len, cfg.batch, free, page, dtype, index_dtype,
-                                                        cfg.reserve_gb * 1e9)
+                                                        cfg.reserve_gb * 1e9, model_dtype)
         note = None
         if B < cfg.batch:
             note = (f"batch {cfg.batch} needs {cfg.batch * need / 1e9:.1f} GB of caches, "
                     f"{free / 1e9:.1f} GB free: " + (f"ran batch {B}" if B else "not run"))
             log(f"decode T={T:,}: {note}")
         base = {"T": T, "batch_requested": cfg.batch, "batch": B, "cache_gb_per_seq": round(need / 1e9, 3),
-                "index_cache": cfg.index_cache, "note": note, "extrapolated": False}
+                "index_cache": cfg.index_cache, "kv_cache": cfg.kv_cache, "note": note, "extrapolated": False}
         if B == 0:
             rows.append(base | {"dense": None, "msa": None, "speedup": None})
         else:
@@ -496,7 +572,7 @@ def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list
                                                       log)))
         if B < cfg.batch:  # the asked batch on shallower copies of both models, extrapolated to the full depth
             depths = decode_depths(args, max_len, cfg.batch, _free_bytes(cfg), page, dtype, index_dtype,
-                                   cfg.reserve_gb * 1e9)
+                                   cfg.reserve_gb * 1e9, model_dtype)
             if depths is None:
                 log(f"decode T={T:,}: batch {cfg.batch} does not fit at two depths of 2+ layers apart either")
                 continue
@@ -510,6 +586,15 @@ def _decode(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> list
             for name in ("dense", "msa"):
                 row[name] = extrapolate_depth({n: measured[n][name] for n in depths}, args.n_layers)
             rows.append(_speedups(row))
+    for row in rows:
+        for name, model in (("dense", dense), ("msa", sparse)):
+            _floor(row.get(name), model, row["T"], row["batch"], dtype, index_dtype, tbs)
+            if row.get(name) and row["batch"]:
+                f = row[name]["floor"]
+                share = "" if f["share"] is None else \
+                    f", {f['share']:.0%} of its floor ({f['ms']:.3f} ms at {tbs} TB/s)"
+                log(f"decode T={row['T']:,} B={row['batch']} {name}: reads {f['bytes']['total'] / 1e9:.2f} GB a "
+                    f"step{share}")
     return rows
 
 
@@ -547,7 +632,9 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     if cfg.decode_lengths:
         if is_cuda(cfg.device):
             torch.cuda.empty_cache()
-        result["decode"] = _decode(dense, sparse, cfg, log)
+        tbs = cfg.bandwidth_tbs or bandwidth_tbs(env.get("gpu"))
+        result["bandwidth_tbs"] = tbs
+        result["decode"] = _decode(dense, sparse, cfg, log, tbs)
     return result
 
 

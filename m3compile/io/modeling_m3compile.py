@@ -2,13 +2,15 @@
 Mistral, Qwen2 or Qwen3 checkpoint, named by config.json's `auto_map` (the Hugging Face remote-code convention).
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-    model.generate(input_ids, max_new_tokens=32)
+    model.generate(input_ids, max_new_tokens=32)                     # kv_cache="fp8": an fp8 KV cache
 
 config.json has model_type "m3compile_msa", the dense model's own type as `source_model_type`, its keys, and M3's
 `sparse_attention_config`. Tensors keep the source's names plus `self_attn.index_{q,k}_{proj,norm}.weight` per MSA
 layer. This file is plain torch and transformers and imports nothing else; when m3compile is importable and the
 tensors are on CUDA, a prompt's forward runs m3compile's Triton kernels (fused indexer, gather-Q sparse attention),
-and otherwise the torch code below, which follows m3compile's references (`kernels/*/naive.py`) step by step.
+and otherwise the torch code below, which follows m3compile's references (`kernels/*/naive.py`) step by step. With
+m3compile installed, generate() first counts the cache and the prompts' forward against the free memory as
+`m3c generate` does (m3compile.memory) and stops with the numbers before allocating what would not fit.
 
 MSA layer, for hidden states x (MSA_SPEC sections 2-3):
     q_idx = rope(norm_q(x W_qi)) [B, T, Hi, Di], k_idx = rope(norm_k(x W_ki)) [B, T, Di]   (x detached; Hi = Hkv)
@@ -38,11 +40,17 @@ try:
 except ImportError:  # transformers before 5.0
     from transformers import PretrainedConfig as PreTrainedConfig
 
-try:  # m3compile's Triton kernels, when installed: a prompt's forward on CUDA uses them
+try:  # m3compile's Triton kernels, when installed: a prompt's forward on CUDA uses them; and its memory count
     from m3compile.kernels import indexer as m3c_indexer
     from m3compile.kernels import sparse_attention as m3c_sparse
+    from m3compile import memory as m3c_memory
 except ImportError:
-    m3c_indexer = m3c_sparse = None
+    m3c_indexer = m3c_sparse = m3c_memory = None
+
+try:  # transformers' fp8 KV cache layer, where this transformers has it (kv_cache="fp8" builds on it)
+    from transformers.cache_utils import Fp8QuantizedLayer, QuantizedCache
+except ImportError:
+    Fp8QuantizedLayer = QuantizedCache = None
 
 MODEL_TYPE = "m3compile_msa"
 SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -269,6 +277,36 @@ def use_kernels(*tensors: torch.Tensor, backend: str) -> bool:
     return backend == "m3compile" or (backend == "auto" and m3c_sparse is not None and all(t.is_cuda for t in tensors))
 
 
+if Fp8QuantizedLayer is not None:
+    class Fp8RowLayer(Fp8QuantizedLayer):
+        """transformers' fp8 cache layer with one scale per (sequence, head, position) row instead of one per tensor
+        (fixed by the prompt): e4m3, each row's largest magnitude mapped to 448, as m3compile's paged fp8 cache holds
+        K and V; an MSA layer's index key, riding in the keys as extra heads, keeps its own scales too."""
+
+        def _quantize(self, tensor, scale=None):
+            scale = (tensor.abs().amax(-1, keepdim=True).float() / self.fp8_max).clamp(min=1e-12)
+            return (tensor.float() / scale).to(self.fp8_dtype), scale
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.cumulative_length += key_states.shape[-2]
+            if not self.is_initialized:  # the prompt attends to its own states; they are stored quantised
+                self.lazy_initialization(key_states, value_states)
+                return key_states, value_states
+            for name, states in (("_quantized_keys", key_states), ("_quantized_values", value_states)):
+                (q, scale), (q_new, scale_new) = getattr(self, name), self._quantize(states)
+                setattr(self, name, (torch.cat([q, q_new], dim=-2), torch.cat([scale, scale_new], dim=-2)))
+            return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            if self.is_initialized:
+                for name in ("_quantized_keys", "_quantized_values"):
+                    q, scale = getattr(self, name)
+                    idx = beam_idx.to(q.device)
+                    setattr(self, name, (q.index_select(0, idx), scale.index_select(0, idx)))
+else:
+    Fp8RowLayer = None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Modules (names as in the checkpoint: model.layers.{i}.self_attn.q_proj, ..., index_q_proj, lm_head)
 
@@ -447,7 +485,8 @@ class M3CompileModel(M3CompilePreTrainedModel):
 
 
 class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
-    """Causal LM with MSA layers: input_ids [B, T] -> logits [B, T, vocab]; `generate()` with a DynamicCache."""
+    """Causal LM with MSA layers: input_ids [B, T] -> logits [B, T, vocab]; `generate()` with a DynamicCache, or
+    with kv_cache="fp8" an fp8 one."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -459,6 +498,41 @@ class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
+
+    def generate(self, *args, kv_cache: str = "auto", **kwargs):
+        """transformers' generate(), after m3compile's memory check where m3compile is installed: the cache of every
+        sequence at its prompt + new tokens and the prompts' forward, counted as `m3c generate` counts them
+        (m3compile.memory, the contiguous layout), against the device's free memory, before anything is
+        allocated; an error says how much it needs and what would fit. kv_cache: "auto" (transformers' default
+        cache, the model's dtype) or "fp8" (transformers' QuantizedCache(backend="fp8") with `Fp8RowLayer`s: e4m3
+        keys, index keys and values with one scale per position and head; where this transformers has it)."""
+        if kv_cache not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache must be 'auto' or 'fp8', got {kv_cache!r}")
+        if kv_cache == "fp8":
+            if Fp8RowLayer is None:
+                raise ValueError("kv_cache='fp8' needs a transformers with QuantizedCache(backend='fp8')")
+            cache = QuantizedCache(backend="fp8", config=self.config)
+            cache.layers = [Fp8RowLayer() for _ in cache.layers]
+            kwargs[CACHE_FIELD] = cache
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if m3c_memory is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self._check_memory(ids, kwargs, torch.float8_e4m3fn if kv_cache == "fp8" else self.dtype)
+        return super().generate(*args, **kwargs)
+
+    def _check_memory(self, ids: torch.Tensor, kwargs: dict, kv_dtype: torch.dtype) -> None:
+        config = kwargs.get("generation_config") or self.generation_config
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        total = ids.shape[1] + new if new is not None else max(ids.shape[1] + 1,
+                                                                kwargs.get("max_length", config.max_length or 0))
+        batch = ids.shape[0] * kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) \
+            * kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
+        s = self.model.settings
+        shape = m3c_memory.ModelShape(s.n_layers, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate,
+                                      s.vocab, sum(s.sparse), s.index_heads, s.index_dim, s.topk, s.block_size)
+        plan = m3c_memory.plan_memory(shape, batch, total, kv_dtype=kv_dtype, index_dtype=kv_dtype,
+                                      model_dtype=self.dtype, chunk=ids.shape[1], layout="contiguous",
+                                      weights=m3c_memory.weight_bytes(self))
+        m3c_memory.check_memory(plan, m3c_memory.available_bytes(self.device), str(self.device))
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value

@@ -1,19 +1,23 @@
 """The paged decode runtime: caches, prefill, one decode step, the decode step as a CUDA graph.
 
-Every layer keeps a paged KV cache; every MSA layer also keeps a paged index-key cache (one shared index key per
-token, bf16 or fp8 e4m3 with one scale per page, as the prefill's fp8 scoring quantises a key block). Pages hold
-`block_size` tokens: the MSA key block is the page, so a selected block id is a logical page of the block table.
-Prefill runs the fused indexer and the gather-Q sparse kernel (SDPA for dense layers and for prompts whose blocks
-all fit in the top-k); decode runs `kernels.decode`'s paged selection and split-K attention for every layer (a dense
-layer selects every page). On CPU the same code runs the torch references. On a GPU the decode step is captured once
-as a CUDA graph and replayed per token (`DecodeStep`: static token buffer, the cache's tensors, block tables
-preallocated to the longest sequence), so per-token Python and kernel-launch overhead does not set the speed; the
-eager step is the same function on the same buffers. On a GPU the backbone runs its fused kernels
-(Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels instead of the modules' 5-12 elementwise ops
-each; a decode layer's dispatches, views included, halve).
+Every layer keeps a paged KV cache (the model's dtype, bf16, or fp8 e4m3 with one scale per token and head);
+every MSA layer also keeps a paged index-key cache (one shared index key per token, bf16 or fp8 e4m3 with one scale
+per page, as the prefill's fp8 scoring quantises a key block). Pages hold `block_size` tokens: the MSA key block is
+the page, so a selected block id is a logical page of the block table.
+Prefill runs a prompt whole or in chunks: each chunk's keys go to the caches, then its queries attend to the keys as
+the caches hold them, with the fused indexer over the cached index keys and the gather-Q sparse kernel (SDPA for
+dense layers and while the keys fit in the top-k); decode runs `kernels.decode`'s paged selection and split-K
+attention for every layer (a dense layer selects every page). What the caches and a prefill chunk need is counted
+before anything is allocated (m3compile.memory), against the device's free memory. On CPU the same code runs the torch
+references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
+static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
+and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers. On a
+GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels
+instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
     paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
-    forward.py      prefill (one prompt into the caches), decode_step (one token per sequence), kernels_default
+    forward.py      prefill (one prompt into the caches, in chunks), prefill_nll (its next-token losses),
+                    decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
     selection.py    the MSA layers' block choice besides the index branch (oracle, dense, recent window), to judge a
                     selection against its bounds (m3c eval --task ruler)
@@ -21,7 +25,7 @@ each; a decode layer's dispatches, views included, halve).
 m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
-from m3compile.runtime.forward import decode_step, kernels_default, prefill
+from m3compile.runtime.forward import decode_step, kernels_default, prefill, prefill_nll
 from m3compile.runtime.paged_cache import PagedCache
 
-__all__ = ["PagedCache", "prefill", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable"]
+__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable"]

@@ -1,19 +1,20 @@
-"""The model's forward over the paged caches: a prompt into them (prefill), then one token per sequence from them
-(decode_step); kernels_default says whether both run the model's fused backbone kernels."""
+"""The model's forward over the paged caches: a prompt into them (prefill, whole or in chunks), then one token per
+sequence from them (decode_step); kernels_default says whether both run the model's fused backbone kernels."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from m3compile.kernels import decode as paged
-from m3compile.kernels.indexer import quantize_index_keys, select_blocks
+from m3compile.kernels.indexer import select_blocks
 from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.models.decoder import Attention, Decoder
 from m3compile.ops import scope
 from m3compile.runtime.paged_cache import PagedCache
 from m3compile.runtime.selection import decode_blocks, prefill_blocks
 
-__all__ = ["prefill", "decode_step", "kernels_default"]
+__all__ = ["prefill", "prefill_nll", "decode_step", "kernels_default"]
 
 
 def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
@@ -26,37 +27,91 @@ def _dense_blocks(cache: PagedCache, n_kv: int) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, backend: str,
-            selection: str = "index") -> torch.Tensor:
+            chunk: int | None = None, selection: str = "index") -> torch.Tensor:
     """Run one prompt [T] through the model, filling sequence b of the caches; returns the last logits [vocab].
-    selection: how MSA layers pick their blocks (runtime.selection: "index", "oracle", "dense", "recent")."""
-    bb = model.model
+
+    chunk: tokens per pass (None: the whole prompt in one). A pass runs its tokens through every layer: their keys,
+    values and index keys go to the cache first, then their queries attend to the keys and values as the cache
+    holds them (every earlier pass's and their own; an fp8 cache's dequantised), an MSA layer selecting over the
+    cached index keys (fp8: one scale per page, as the decode reads them). So the logits do not depend on the chunk,
+    and the activations of one chunk, not of the whole prompt, bound the memory (m3compile.memory.prefill_chunk).
+    selection: how MSA layers pick their blocks (runtime.selection: "index", "oracle", "dense", "recent"); the
+    oracle and recent selections rank a prompt's own blocks, so they need it in one pass (chunk None or >= T)."""
     T = prompt.shape[0]
-    x = bb.embed_tokens(prompt[None])
-    cos, sin = bb.rotary_emb(x, torch.arange(T, device=x.device)[None])
+    chunk = T if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if selection in ("oracle", "recent") and chunk < T:
+        raise ValueError(f"selection {selection!r} ranks the prompt's own blocks: prefill it in one pass "
+                         f"(chunk {chunk} < {T} tokens)")
+    for t0 in range(0, T, chunk):
+        x = _prefill_chunk(model, cache, b, prompt[t0:t0 + chunk], t0, backend, selection)
+    return model.lm_head(model.model.norm(x[:, -1])).float()[0]
+
+
+@torch.no_grad()
+def prefill_nll(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tensor, backend: str,
+                chunk: int | None = None, rows: int = 4096) -> torch.Tensor:
+    """The next-token losses [T - 1] (fp32) of a text [T] prefilled as `prefill` does it (the same chunks, each
+    attending to the keys as the cache holds them): the loss a cache's dtype (an fp8 KV cache) costs, measured at
+    any length. The logits are made `rows` positions at a time (never [T, vocab])."""
+    T = tokens.shape[0]
+    chunk = T if chunk is None else chunk
+    out = torch.empty(T - 1, dtype=torch.float32, device=tokens.device)
+    for t0 in range(0, T, chunk):
+        x = model.model.norm(_prefill_chunk(model, cache, b, tokens[t0:t0 + chunk], t0, backend)[0])
+        for r0 in range(0, min(x.shape[0], T - 1 - t0), rows):
+            r1 = min(r0 + rows, x.shape[0], T - 1 - t0)
+            out[t0 + r0:t0 + r1] = F.cross_entropy(model.lm_head(x[r0:r1]).float(), tokens[t0 + r0 + 1:t0 + r1 + 1],
+                                                   reduction="none")
+    return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of the last Tq of Tk positions (Tq = Tk: the whole prompt): q [1, Hq, Tq, D], k/v
+    [1, Hkv, Tk, D]; SDPA, bottom-right aligned for a chunk over its cached prefix."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    mask = None if Tq == Tk else causal_lower_right(Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)
+
+
+def _prefill_chunk(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tensor, t0: int,
+                   backend: str, selection: str = "index") -> torch.Tensor:
+    """Tokens [C] at positions t0 .. t0 + C - 1 of sequence b through every layer -> hidden states [1, C, hidden]."""
+    bb = model.model
+    C = tokens.shape[0]
+    t1 = t0 + C
+    x = bb.embed_tokens(tokens[None])
+    cos, sin = bb.rotary_emb(x, torch.arange(t0, t1, device=x.device)[None])
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = attn.project(h, cos, sin)
-        k_idx = None
+        q_idx = k_idx = None
         m = attn.msa
-        if m is not None and attn.sparse and selection != "dense" and -(-T // m.block_size) > m.topk:
-            q_idx, k_idx = attn.index_branch(h, cos, sin)
+        if m is not None:
+            with scope("m3c.index_branch"):
+                q_idx, k_idx = attn.index_branch(h, cos, sin)  # [1, C, Hi, Di], [1, C, Di]
+        cache.write_tokens(i, b, t0, k[0].transpose(0, 1), v[0].transpose(0, 1), None if k_idx is None else k_idx[0],
+                           backend=backend)
+        k, v = cache.keys_values(i, b, t1)  # [1, Hkv, t1, D]: every key so far, as the cache holds it
+        if m is not None and attn.sparse and selection != "dense" and -(-t1 // m.block_size) > m.topk:
             if selection == "index":
-                keys, k_scale = quantize_index_keys(k_idx, m.block_size) if m.index_dtype == "fp8" else (k_idx, None)
-                blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk,
-                                       init_blocks=m.init_blocks, local_blocks=m.local_blocks, k_scale=k_scale,
-                                       backend=backend)
+                keys, k_scale = cache.index_keys(i, b, t1)
+                with scope("m3c.msa_select"):
+                    blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk,
+                                           init_blocks=m.init_blocks, local_blocks=m.local_blocks, k_scale=k_scale,
+                                           backend=backend)
             else:
                 blocks = prefill_blocks(selection, q, k, m, attn.scale, backend)
-            o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
-        else:  # dense layer, or an MSA layer whose prompt fits in the top-k: dense causal is exact
-            if m is not None:
-                k_idx = attn.index_branch(h, cos, sin)[1]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale, enable_gqa=True)
-        cache.write_prompt(i, b, k[0].transpose(0, 1), v[0].transpose(0, 1), None if k_idx is None else k_idx[0])
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+            with scope("m3c.msa_attention"):
+                o = sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=backend)
+        else:  # dense layer, or an MSA layer whose keys fit in the top-k: dense causal is exact
+            o = _causal(q, k, v, attn.scale)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(1, C, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(bb.norm(x[:, -1])).float()[0]
+    return x
 
 
 @torch.no_grad()
@@ -85,7 +140,7 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
             q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots, backend=backend)
         else:
-            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots)
+            cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots, backend=backend)
         if m is not None and attn.sparse and selection == "index":
             with scope("m3c.decode_select"):
                 blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
@@ -99,7 +154,8 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
             blocks = dense[attn.n_kv_heads]
         with scope("m3c.decode_attention"):
             o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
-                                      cache.seq_lens, scale=attn.scale, backend=backend)  # [B, Hq, D]
+                                      cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],
+                                      v_scale=cache.v_scale[i], backend=backend)  # [B, Hq, D]
         x = x + attn.o_proj(o.reshape(B, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(bb.norm(x[:, 0])).float()

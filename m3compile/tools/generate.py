@@ -25,8 +25,9 @@ from m3compile.models.decoder import Decoder
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 from m3compile.runtime.selection import RUNTIME_SELECTIONS
+from m3compile import memory
 
-__all__ = ["generate", "GenerationResult", "TextCodec"]
+__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES"]
 
 
 @dataclass
@@ -61,13 +62,21 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
              eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool | None = None, kernels: bool | None = None, timings: bool = False,
+             cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
+             prefill_chunk: int | None = None, timings: bool = False,
              selection: str = "index") -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
     index_cache_dtype: "auto" (the model's dtype; fp8 when the model scores its index in fp8, index_dtype "fp8") or
-    "fp8" (e4m3 index keys, per-token fp32 scale).
+    "fp8" (e4m3 index keys, one fp32 scale per page).
+    kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", or "fp8" (e4m3, one fp32 scale per token
+    and head: half the bytes of bf16, read by the decode kernels and dequantised in registers).
+    prefill_chunk: tokens per prefill pass (runtime.prefill). None (default): the whole prompt where its activations
+    fit beside the caches, else the largest chunk that does (m3compile.memory.prefill_chunk).
+    Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
+    the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
+    and what would fit (an fp8 KV cache, a smaller batch or chunk, fewer positions).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
@@ -113,25 +122,35 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     page = block or page_size or 128
     if index_cache_dtype not in ("auto", "fp8"):
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
     fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
     index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
     B = len(prompts)
     longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
     check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
                     f"{longest:,} prompt tokens + {max_new_tokens:,} new tokens ({longest + max_new_tokens - 1:,} "
                     f"positions)")
-    _check_cache_fits(a, B, longest + max_new_tokens, page, device, dtype, index_dtype)
+    max_len = longest + max_new_tokens
+    chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
+    if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
+        chunk = None
     timer = Timings(device) if timings else NULL_TIMINGS
     timer.mark("cache")
-    cache = PagedCache(model, B, max(len(p) for p in prompts) + max_new_tokens, page, device, dtype, index_dtype)
+    cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
     kernels = kernels_default(device, backend) if kernels is None else kernels
     with model.using_kernels(kernels), timer.watch():  # the fused backbone kernels (CUDA by default)
         timer.mark("prefill")
         prefill_logits = []
         for b, p in enumerate(prompts):
-            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, selection))
+            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, chunk,
+                                          selection))
             cache.seq_lens[b] = len(p)
         auto = cuda_graph is None
         if auto:
@@ -172,25 +191,21 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
-def _check_cache_fits(a, batch: int, length: int, page: int, device: torch.device, dtype: torch.dtype,
-                      index_dtype: torch.dtype) -> None:
-    """Refuse caches (PagedCache: K, V and index keys for `length` tokens of every sequence, allocated up front) that
-    need more memory than the device has free, before allocating them."""
-    pages = batch * -(-length // page)
-    per_token = sum(2 * a.n_kv_heads * a.head_dim * dtype.itemsize
-                    + (a.msa.index_dim * index_dtype.itemsize + 4 if a.is_sparse(i) else 0) for i in range(a.n_layers))
-    need = pages * page * per_token
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:  # Linux: what can be allocated without swapping
-            free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                        if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration, ValueError, IndexError):
-            return
-    if need > free:
-        raise M3CompileError(f"the caches for {batch} x {length:,} tokens need {need / 1e9:,.1f} GB, more than the "
-                             f"{free / 1e9:,.1f} GB free on {device}; ask for fewer --max-new-tokens")
+# kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,
+                          chunk: int | None) -> int:
+    """The prefill chunk (`chunk`, or the one that fits), after checking that the caches of `batch` sequences of
+    `max_len` positions and that chunk's activations fit in the model's device's free memory (m3compile.memory)."""
+    p0 = next(model.parameters())
+    free = memory.available_bytes(p0.device)
+    plan = memory.fitted_plan(memory.ModelShape.from_args(model.args), batch, max_len, longest, free,
+                              kv_dtype=kv_dtype, index_dtype=index_dtype, model_dtype=p0.dtype, chunk=chunk,
+                              page=page, weights=memory.weight_bytes(model))
+    memory.check_memory(plan, free, str(p0.device), auto_chunk=chunk is None)
+    return plan.chunk
 
 
 class TextCodec:

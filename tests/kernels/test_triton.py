@@ -460,6 +460,91 @@ def test_paged_decode_equals_prefill_last_token(fp8):
     assert rel_err(out, full[:, :, -1]) < 1e-5
 
 
+PREFIX_CASES = [  # B, Hkv, G, T, bs, k, first query row: the queries of the last T - first positions
+    (1, 1, 1, 37, 8, 3, 36),  # one query, group 1
+    (1, 2, 7, 45, 8, 2, 19),  # group 7, queries from mid-block
+    (1, 1, 3, 40, 4, 1, 17),  # top-1: the reference gathers (its reach is below T)
+]
+
+
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=lambda c: "B{}-Hkv{}-G{}-T{}-bs{}-k{}-from{}".format(*c))
+def test_prompt_chunk_over_a_cached_prefix(case):
+    """Fewer queries than keys (a prefill chunk over the keys cached before it): the selection (bf16 and fp8
+    keys with one scale per block) and the sparse attention of the last queries, kernel and reference, equal those
+    rows of the whole prompt's."""
+    B, Hkv, G, T, bs, k, t0 = case
+    q_idx, k_idx = torch.randn(B, T, Hkv, 16), torch.randn(B, T, 16)
+    k8, k_scale = indexer.quantize_index_keys(k_idx, bs)
+    for keys, scale in ((k_idx, None), (k8, k_scale)):
+        blocks = indexer.select_blocks_reference(q_idx, keys, block_size=bs, topk=k, init_blocks=1, k_scale=scale)
+        for backend in ("triton", "torch"):
+            got = indexer.select_blocks(q_idx[:, t0:], keys, block_size=bs, topk=k, init_blocks=1, k_scale=scale,
+                                        backend=backend)
+            assert got.shape == (B, Hkv, T - t0, k)
+            assert_same_selection(got, blocks[:, :, t0:])
+    q, kk, v = torch.randn(B, Hkv * G, T, 16), torch.randn(B, Hkv, T, 16), torch.randn(B, Hkv, T, 16)
+    whole = sparse_attention(q, kk, v, blocks, block_size=bs)
+    for backend in ("triton", "torch"):
+        got = sa.sparse_attention(q[:, :, t0:], kk, v, blocks[:, :, t0:], block_size=bs, backend=backend)
+        assert rel_err(got, whole[:, :, t0:]) < 1e-5
+
+
+FP8_KV_CASES = [  # lens, block, Hkv, G, D, topk
+    ([1], 16, 1, 1, 16, 4),  # one token, group 1
+    ([37, 5, 64], 8, 2, 7, 24, 4),  # group 7, lengths off the page, D not a power of two
+]
+
+
+@pytest.mark.parametrize("case", FP8_KV_CASES, ids=lambda c: "lens{}-bs{}-Hkv{}-G{}-D{}-k{}".format(
+    "_".join(map(str, c[0])), *c[1:]))
+def test_paged_attention_fp8_kv_cache(case):
+    """An fp8 K/V cache (one scale per token and head) dequantised in the kernel: the same as the reference over
+    the dequantised cache, with -1 slots among the blocks, and within e4m3's precision of the unquantised cache."""
+    lens, bs, Hkv, G, D, k = case
+    k_cache, v_cache, idx_cache, table, seq_lens = _paged(lens, bs, Hkv, D, 16)
+    k_cache = k_cache * torch.logspace(-1, 1, bs)[None, :, None, None]  # rows of different magnitudes
+    (k8, ks), (v8, vs) = dk.quantize_kv(k_cache), dk.quantize_kv(v_cache)
+    assert k8.dtype == torch.float8_e4m3fn and ks.shape == k_cache.shape[:3]
+    B = len(lens)
+    q = torch.randn(B, Hkv * G, D)
+    blocks = dk.paged_select_reference(torch.randn(B, Hkv, 16), idx_cache, table, seq_lens, topk=k)
+    assert (blocks == -1).any() and (blocks >= 0).any()
+    got = dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, backend="triton")
+    want = dk.paged_attention_reference(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs)
+    assert rel_err(got, want) < 1e-5
+    exact = dk.paged_attention_reference(q, k_cache, v_cache, blocks, table, seq_lens)
+    assert rel_err(want, exact) < 0.06  # e4m3 keeps 3 mantissa bits: ~2-3% per value
+
+
+def test_paged_kv_write_quantises_each_token_and_head():
+    """fp8 K/V rows written for scattered slots: the kernel writes the reference's bytes and scales, each row the
+    e4m3 of its own largest magnitude -> 448; other slots keep their contents; a bf16 cache takes the values."""
+    P, bs, H, D, N = 6, 8, 3, 24, 13
+    k = torch.randn(N, H, D) * torch.logspace(-3, 2, N)[:, None, None]
+    v = torch.randn(N, H, D)
+    slots = torch.randperm(P * bs)[:N]
+    page, off = slots // bs, slots % bs
+    caches = [(torch.zeros(P, bs, H, D, dtype=torch.float8_e4m3fn), torch.zeros(P, bs, H, D, dtype=torch.float8_e4m3fn),
+               torch.ones(P, bs, H), torch.ones(P, bs, H)) for _ in range(2)]
+    dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off, k_scale=caches[0][2], v_scale=caches[0][3],
+                      backend="triton")
+    dk.paged_kv_write_reference(caches[1][0], caches[1][1], k, v, page, off, caches[1][2], caches[1][3])
+    for got, want in zip(*caches):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+    k8, ks = caches[0][0][page, off].float(), caches[0][2][page, off]
+    assert torch.equal(k8.abs().amax(-1), torch.full((N, H), 448.0))
+    assert rel_err(k8 * ks[..., None], k) < 0.05
+    untouched = torch.ones(P * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[0][2].view(-1, H)[untouched] == 1).all()
+    bf16 = torch.zeros(P, bs, H, D, dtype=torch.bfloat16)
+    dk.paged_kv_write(bf16, bf16.clone(), k, v, page, off)
+    assert torch.equal(bf16[page, off], k.bfloat16())
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off)
+
+
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="q_idx must be"):
         indexer.select_blocks(torch.randn(1, 4, 16), torch.randn(1, 4, 16), block_size=8, topk=2)
