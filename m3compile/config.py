@@ -183,3 +183,14 @@ class EvalConfig:
             if value < 1:
                 extra = " (leave it out to evaluate every window)" if name == "max_windows" else ""
                 raise M3CompileError(f"{name} must be >= 1, got {value}{extra}")
+
+
+def max_positions(cfg: dict | None) -> int | None:
+    """The positions a model was trained for (config.json's max_position_embeddings; a minimax_m3_vl model's text
+    model's), or None when the config does not say."""
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("model_type") == "minimax_m3_vl" and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    value = cfg.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

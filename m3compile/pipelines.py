@@ -29,7 +29,7 @@ from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
 from m3compile.passes import (
     FuseIndexBranch, FuseMSA, GQAToMSA, KLDistill, LowerNorms, LowerTriton, StripKLDistill, ViT3DWindow,
 )
-from m3compile.io.hf_config import max_positions
+from m3compile.config import max_positions
 from m3compile.passes.calibration import Calibration, CalibrationInfo
 
 __all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]

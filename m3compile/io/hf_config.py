@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES, check_msa_ranges
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES, check_msa_ranges, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.io.remote_code import REMOTE_MODEL_TYPE, source_config
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
@@ -139,17 +139,6 @@ def _check_rope_scaling(scaling: dict | None, where: str) -> None:
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise M3CompileError(f"config.json {where}: high_freq_factor ({scaling['high_freq_factor']}) must exceed "
                              f"low_freq_factor ({scaling['low_freq_factor']})")
-
-
-def max_positions(cfg: dict | None) -> int | None:
-    """The positions a model was trained for (config.json's max_position_embeddings; a minimax_m3_vl model's text
-    model's), or None when the config does not say."""
-    if not isinstance(cfg, dict):
-        return None
-    if cfg.get("model_type") == "minimax_m3_vl" and isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
-    value = cfg.get("max_position_embeddings")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_positions(length: int, cfg: dict | None, what: str) -> None:
