@@ -502,7 +502,7 @@ CASES.update({
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
     "context-map": (lambda b, t: (["attention-map", b / "msa", "--data", _ids(t, "long.npy", 1000), "--layer", 1, "--seq-len", 600, "--out", t / "m.png"], t / "m.png"), "past the model's 512 positions"),
-    "context-generate-no-positions": (lambda b, t: (["generate", _without_positions(_model(b, t)), "--prompt", "def x", "--max-new-tokens", 10**9], None), "GB free on cpu"),
+    "context-generate-no-positions": (lambda b, t: (["generate", _without_positions(_model(b, t)), "--prompt", "def x", "--max-new-tokens", 10**9], None), "GB free; it would fit with at most"),
     "context-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x ( ) :", "--max-new-tokens", 510], None), "past the model's 512 positions"),
     # what used to escape the command line's handler as a traceback
     "generation-config-garbage": (_generation_config(b"{bad"), "generation_config.json: not valid JSON"),
