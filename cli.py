@@ -1150,6 +1150,9 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
               help="The MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
                    "(kernels/sparse_attention/tile.py; opt-in: on the H200 it ties gather-Q at best, BENCHMARKS.md; "
                    "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
+@click.option("--profile-max", default=None,
+              help="Longest prefill also run once under the profiler for its per-stage breakdown; longer ones are "
+                   "timed only (a long prefill's profiled run costs as much as a timed one) [default: every length].")
 @click.option("--steps", default=5, show_default=True, help="Timed prefill runs per figure, at most.")
 @click.option("--decode-steps", default=32, show_default=True, help="Decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
@@ -1157,8 +1160,8 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @_bench_device
 @_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
 def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, dense_max, msa_max, dtype,
-                index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, steps, decode_steps,
-                figure_seconds, device, out_dir):
+                index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, profile_max, steps,
+                decode_steps, figure_seconds, device, out_dir):
     """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
 
     MODEL_DIR|PRESET is a checkpoint directory, or a preset with random weights built on the device (llama3-8b,
@@ -1182,6 +1185,7 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
             _fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
     cfg = _run(ModelBenchConfig, model=model, batch=batch, block=block, topk=topk,
                dense_max=_parse_lengths(dense_max)[0], msa_max=_parse_lengths(msa_max)[0], dtype=dtype,
+               profile_max=None if profile_max is None else _parse_lengths(profile_max)[0],
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
                steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds, device=device,
                kv_cache=kv_cache, prefill_chunk=None if prefill_chunk is None else _parse_chunk(prefill_chunk),
@@ -1213,7 +1217,8 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
         for s in result["prefill_summary"]:
             star = lambda k: "*" if s[k] == "extrapolated" else ""  # noqa: E731
             t.add_row(f"{s['T']:,}", f(s["dense_ms"]) + star("dense"), f(s["msa_ms"]) + star("msa"),
-                      f"{s['speedup']:.2f}x", f"{s['ceiling']:.2f}x", f"{s['dense_attention_share']:.0%}")
+                      f"{s['speedup']:.2f}x", "-" if s["ceiling"] is None else f"{s['ceiling']:.2f}x",
+                      "-" if s["dense_attention_share"] is None else f"{s['dense_attention_share']:.0%}")
         console.print(t)
         console.print("* extrapolated per stage from the longest timed length (attention and selection as T^2, "
                       "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside "

@@ -109,6 +109,7 @@ class ModelBenchConfig:
     topk: int = 16
     dense_max: int = 131072  # longest prefill timed on the dense model; longer ones are extrapolated
     msa_max: int = 131072  # the same for the MSA model
+    profile_max: int | None = None  # longest prefill also run under the profiler for its stages (None: every one)
     dtype: str = "bfloat16"
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
     kv_cache: str = "auto"  # the K/V cache (decode, chunked prefill): "auto" (the model's dtype), "bf16" or "fp8"
@@ -125,6 +126,8 @@ class ModelBenchConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.profile_max is not None and self.profile_max < 1:
+            raise M3CompileError(f"profile_max must be >= 1, got {self.profile_max}")
         for name in ("batch", "block", "topk", "steps", "decode_steps", "dense_max", "msa_max"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -218,6 +221,17 @@ def _prefill_row(name: str, fn, model: torch.nn.Module, T: int, cfg: ModelBenchC
         fn(ids[:, :warmup_tokens])  # warm-up: compiles kernels, grows the allocator (chunked: its first chunks)
         sync(cfg.device)
         first = (time.perf_counter() - t0) * 1e3
+        if cfg.profile_max is not None and T > cfg.profile_max:  # timed only: a run of its own, then as many more
+            one, peak = median_ms(lambda: fn(ids), steps=1, warmup=0, device=cfg.device)  # as the figure allows
+            runs = max(1, min(cfg.steps, int(cfg.figure_seconds * 1e3 // max(one, 1e-3))))
+            ms, peak2 = (one, peak) if runs == 1 else median_ms(lambda: fn(ids), steps=runs, warmup=0,
+                                                                device=cfg.device)
+            row = {"T": T, "model": name, "measured": "timed", "from_T": None, "ms": round(ms, 3), "runs": runs,
+                   "first_ms": round(first, 3), "first_tokens": warmup_tokens or T,
+                   "peak_gb": round(max(peak, peak2), 2), "profiled_ms": None, "attribution": None, "stages": None,
+                   "breakdown": None, "note": f"not profiled (longer than --profile-max {cfg.profile_max:,})"}
+            log(f"prefill T={T:,} {name}: {ms:.1f} ms ({runs} runs; not profiled)")
+            return row
         with module_ranges(model, _classify):
             prof = profile_run(lambda: fn(ids), cfg.device)
         runs = max(1, min(cfg.steps, int(cfg.figure_seconds * 1e3 // max(prof.wall_ms, 1e-3))))
@@ -312,7 +326,13 @@ def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tup
                              "stages": None, "breakdown": None,
                              "note": f"no length <= {limit:,} was timed to extrapolate from"})
                 continue
-            ref = timed[-1]
+            profiled = [r for r in timed if r["stages"] is not None]
+            if not profiled:
+                rows.append({"T": T, "model": name, "measured": "not run", "from_T": None, "ms": None,
+                             "stages": None, "breakdown": None,
+                             "note": f"no length <= {cfg.profile_max:,} was profiled to extrapolate from"})
+                continue
+            ref = profiled[-1]
             stages = extrapolate(ref["stages"], ref["T"], T, keys)
             how, plan = _prefill_plan(model, sparse, T, cfg)
             rows.append({"T": T, "model": name, "measured": "extrapolated", "from_T": ref["T"],
@@ -336,11 +356,11 @@ def _prefill_summary(rows: list[dict]) -> list[dict]:
         d, m = by.get((T, "dense")), by.get((T, "msa"))
         if not d or not m or d["ms"] is None or m["ms"] is None:
             continue
-        attention = d["breakdown"]["attention"]
+        attention = d["breakdown"]["attention"] if d["breakdown"] else None
         out.append({"T": T, "dense_ms": d["ms"], "msa_ms": m["ms"], "dense": d["measured"], "msa": m["measured"],
                     "speedup": round(d["ms"] / m["ms"], 3),
-                    "ceiling": round(d["ms"] / max(d["ms"] - attention, 1e-9), 3),
-                    "dense_attention_share": round(attention / d["ms"], 3)})
+                    "ceiling": None if attention is None else round(d["ms"] / max(d["ms"] - attention, 1e-9), 3),
+                    "dense_attention_share": None if attention is None else round(attention / d["ms"], 3)})
     return out
 
 
@@ -702,7 +722,7 @@ def _plot(results: list[dict], png: Path) -> None:
             for s in rows:
                 timed = s["dense"] == "timed" and s["msa"] == "timed"
                 ax.plot([s["T"]], [s["speedup"]], "o", color=c, markerfacecolor=c if timed else "white")
-            ax.plot(xs, [s["ceiling"] for s in rows], ":", color=c, label=f"{r['name']}: ceiling (attention free)")
+            ax.plot(xs, [float("nan") if s["ceiling"] is None else s["ceiling"] for s in rows], ":", color=c, label=f"{r['name']}: ceiling (attention free)")
         dec = [d for d in r.get("decode") or [] if d.get("speedup") or d.get("speedup_eager")]
         if dec:
             xs = [d["T"] for d in dec]
