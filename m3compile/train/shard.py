@@ -36,6 +36,7 @@ import torch.fx
 
 from m3compile.errors import M3CompileError
 from m3compile.io.load import check_device
+from m3compile.memory import available_bytes
 
 __all__ = ["ShardedGraph", "process_group", "shard_groups", "shard_graph", "materialize", "copy_rows",
            "full_tensor", "local_bytes", "needs_sharding"]
@@ -226,11 +227,4 @@ def needs_sharding(model: torch.nn.Module, trained: dict[str, torch.nn.Parameter
 
 
 def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available_bytes("cpu") or 0)  # the one reading of the system's available memory
