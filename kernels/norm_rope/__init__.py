@@ -41,15 +41,27 @@ def _tables(cos, sin, x, width):
     return cos, sin, (cos.stride(0) * b, cos.stride(1), sin.stride(0) * b, sin.stride(1))
 
 
-def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm):
-    """Rows of D channels: x and out hold B * T * heads of them, (token, head) major."""
+def _token_stride(x: torch.Tensor, heads: int, D: int) -> int | None:
+    """Elements between consecutive tokens of x [B, T, ...] whose `heads` rows of D channels sit side by side in
+    each token (a contiguous tensor, or a slice of the last dim of one: a fused projection's part); None otherwise."""
+    B, T = x.shape[:2]
+    if x.stride(-1) != 1 or (x.dim() == 4 and heads > 1 and x.stride(2) != D):
+        return None
+    if T == 1:
+        return x.stride(0)
+    return x.stride(1) if B == 1 or x.stride(0) == T * x.stride(1) else None
+
+
+def _launch_fwd(x, wq, wk, cos, sin, out, D, heads, q_heads, width, eps, norm, stride_t=None):
+    """Rows of D channels: out holds B * T * heads of them, (token, head) major; x the same rows, its tokens
+    stride_t elements apart (None: heads * D, contiguous)."""
     from m3compile.kernels.norm_rope._tl_norm_rope import norm_rope_fwd_kernel
 
     B, T = x.shape[:2]
     cos, sin, cs = _tables(cos, sin, x, width)
     n = B * T * heads
     norm_rope_fwd_kernel[(-(-n // _ROWS),)](
-        x, wq, wk, cos, sin, out, *cs, n, T, heads, q_heads, eps,
+        x, wq, wk, cos, sin, out, heads * D if stride_t is None else stride_t, *cs, n, T, heads, q_heads, eps,
         D=D, DP=next_pow2(D), W=width, NORM=norm, ROWS=_ROWS,
     )
     return out
@@ -75,11 +87,11 @@ def _launch_bwd(g, g_k, x, wq, wk, cos, sin, dx, D, heads, q_heads, width, eps, 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, width):
+    def forward(ctx, x, cos, sin, width, stride_t):
         ctx.save_for_backward(cos, sin)
         ctx.width = width
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return _launch_fwd(x, x, x, cos, sin, out, x.shape[3], x.shape[2], x.shape[2], width, 0.0, False)
+        return _launch_fwd(x, x, x, cos, sin, out, x.shape[3], x.shape[2], x.shape[2], width, 0.0, False, stride_t)
 
     @staticmethod
     def backward(ctx, g):
@@ -87,30 +99,32 @@ class _Rope(torch.autograd.Function):
         g = g if g.stride(-1) == 1 else g.contiguous()
         dx = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         _launch_bwd(g, None, g, g, g, cos, sin, dx, g.shape[3], g.shape[2], g.shape[2], ctx.width, 0.0, False)
-        return dx, None, None, None
+        return dx, None, None, None, None
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, width: int | None = None,
          backend: str = "auto") -> torch.Tensor:
-    """NeoX RoPE on the first `width` (default R) channels of each head, in x's dtype: x [B, T, H, D],
-    cos/sin [B | 1, T, R] -> [B, T, H, D]; differentiable in x (the tables get no gradient)."""
+    """NeoX RoPE on the first `width` (default R) channels of each head, in x's dtype: x [B, T, H, D] (contiguous,
+    or a slice of a wider last dim: read in place), cos/sin [B | 1, T, R] -> [B, T, H, D] (contiguous);
+    differentiable in x (the tables get no gradient)."""
     width = cos.shape[-1] if width is None else width
     if x.dim() != 4:
         raise ValueError(f"x must be [B, T, H, D], got {tuple(x.shape)}")
     if not use_triton(x, cos, sin, backend=backend) or cos.requires_grad or sin.requires_grad:
         return naive.rope(x, cos, sin, width=width)
-    if x.stride(-1) != 1 or x.stride(2) != x.shape[-1] or x.stride(1) != x.shape[-1] * x.shape[2]:
+    stride_t = _token_stride(x, x.shape[2], x.shape[3])
+    if stride_t is None:
         x = x.contiguous()  # rows of D channels, (token, head) major
-    return _Rope.apply(x, cos, sin, width)
+    return _Rope.apply(x, cos, sin, width, stride_t)
 
 
 class _IndexNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, wq, wk, cos, sin, heads, width, eps):
+    def forward(ctx, y, wq, wk, cos, sin, heads, width, eps, stride_t):
         B, T = y.shape[:2]
         D = wq.shape[0]
         out = torch.empty(B, T, heads, D, dtype=y.dtype, device=y.device)
-        _launch_fwd(y, wq, wk, cos, sin, out, D, heads, heads - 1, width, eps, True)
+        _launch_fwd(y, wq, wk, cos, sin, out, D, heads, heads - 1, width, eps, True, stride_t)
         ctx.save_for_backward(y, wq, wk, cos, sin)
         ctx.args = (heads, width, eps)
         return out[:, :, : heads - 1], out[:, :, heads - 1]
@@ -118,6 +132,7 @@ class _IndexNormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_q, g_k):
         y, wq, wk, cos, sin = ctx.saved_tensors
+        y = y if y.is_contiguous() else y.contiguous()  # the backward reads rows (token, head) major
         heads, width, eps = ctx.args
         B, T = y.shape[:2]
         D = wq.shape[0]
@@ -125,13 +140,13 @@ class _IndexNormRope(torch.autograd.Function):
         g_k = g_k if g_k.stride(-1) == 1 else g_k.contiguous()
         dy = torch.empty(B, T, heads * D, dtype=y.dtype, device=y.device)
         dw = _launch_bwd(g_q, g_k, y, wq, wk, cos, sin, dy, D, heads, heads - 1, width, eps, True)
-        return dy, dw[0].to(wq.dtype), dw[1].to(wk.dtype), None, None, None, None, None
+        return dy, dw[0].to(wq.dtype), dw[1].to(wk.dtype), None, None, None, None, None, None
 
 
 def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, *, eps: float, width: int | None = None, backend: str = "auto"):
-    """The index branch after its projections: y [B, T, (Hi + 1) * Di] (index query heads, then the index key head)
-    -> Gemma RMSNorm per head (q_weight [Di] for the query heads, k_weight [Di] for the key head), RoPE on the
+    """The index branch after its projections: y [B, T, (Hi + 1) * Di] (index query heads, then the index key head;
+    contiguous, or a slice of a wider last dim: read in place) -> Gemma RMSNorm per head (q_weight [Di] for the query heads, k_weight [Di] for the key head), RoPE on the
     first `width` (default min(R, Di)) channels -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]), views of one
     buffer; differentiable in y and both weights."""
     D = q_weight.shape[0]
@@ -141,8 +156,10 @@ def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
     width = min(cos.shape[-1], D) if width is None else width
     if not use_triton(y, cos, sin, backend=backend):
         return naive.index_norm_rope(y, q_weight, k_weight, cos, sin, eps=eps, width=width)
-    y = y if y.is_contiguous() else y.contiguous()
-    return _IndexNormRope.apply(y, q_weight, k_weight, cos, sin, heads, width, eps)
+    stride_t = _token_stride(y, heads, D)
+    if stride_t is None:
+        y = y.contiguous()
+    return _IndexNormRope.apply(y, q_weight, k_weight, cos, sin, heads, width, eps, stride_t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = "rms",

@@ -37,14 +37,15 @@ def _norm_scale(b_x, b_xp, w_q, w_k, is_q, o_d, partner, m, eps, D: tl.constexpr
 
 @triton.jit(do_not_specialize=["n_rows", "T"])
 def norm_rope_fwd_kernel(
-    x, w_q, w_k, cos, sin, out, stride_cb, stride_ct, stride_sb, stride_st, n_rows, T, heads, q_heads, eps,
+    x, w_q, w_k, cos, sin, out, stride_xt, stride_cb, stride_ct, stride_sb, stride_st, n_rows, T, heads, q_heads, eps,
     D: tl.constexpr, DP: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: ROWS (token, head) rows; [Gemma RMSNorm, rounded to the dtype,] then RoPE with the reference's
-    # roundings: each product, then their sum
+    # roundings: each product, then their sum. x: a token's heads side by side, tokens stride_xt apart (a slice of
+    # a wider projection); out: contiguous
     o_r, m_r, i_b, i_t, head, is_q, o_d, rotated, partner, sign, m = _rows(n_rows, T, heads, q_heads, D, DP, W, ROWS)
     dt = out.dtype.element_ty
-    p_x = x + o_r[:, None] * D
+    p_x = x + ((i_b * T + i_t) * stride_xt + head * D)[:, None]
     b_x = tl.load(p_x + o_d[None, :], mask=m, other=0.0)
     b_xp = tl.load(p_x + partner[None, :], mask=m, other=0.0)
     if NORM:

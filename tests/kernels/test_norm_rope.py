@@ -38,6 +38,14 @@ def test_rope_and_index_norm_rope_match_the_reference(case):
     gq, gk = torch.randn_like(got[0]), torch.randn_like(got[1])
     for a, b in zip(torch.autograd.grad(got, (y, wq, wk), (gq, gk)), torch.autograd.grad(want, (y, wq, wk), (gq, gk))):
         assert (a - b).norm().item() <= 1e-5 * max(1.0, b.norm().item())
+    with torch.no_grad():  # slices of a wider projection (a fused matmul's parts) are read in place, same results
+        wide = torch.randn(B, T, (H + 3) * D)
+        xs, ys = wide[..., D:(H + 1) * D].view(B, T, H, D), wide[..., 2 * D:]
+        assert torch.equal(nr.rope(xs, cos, sin, width=w, backend="triton"), naive.rope(xs, cos, sin, width=w))
+        got = nr.index_norm_rope(ys, wq, wk, cos, sin, eps=1e-6, width=w, backend="triton")
+        for a, b in zip(got, nr.index_norm_rope(ys.contiguous(), wq, wk, cos, sin, eps=1e-6, width=w,
+                                                backend="triton")):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("style", ["rms", "gemma"])
