@@ -146,9 +146,9 @@ class _IndexNormRope(torch.autograd.Function):
 def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, *, eps: float, width: int | None = None, backend: str = "auto"):
     """The index branch after its projections: y [B, T, (Hi + 1) * Di] (index query heads, then the index key head;
-    contiguous, or a slice of a wider last dim: read in place) -> Gemma RMSNorm per head (q_weight [Di] for the query heads, k_weight [Di] for the key head), RoPE on the
-    first `width` (default min(R, Di)) channels -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]), views of one
-    buffer; differentiable in y and both weights."""
+    contiguous, or a slice of a wider last dim: read in place) -> Gemma RMSNorm per head (q_weight [Di] for the
+    query heads, k_weight [Di] for the key head), RoPE on the first `width` (default min(R, Di)) channels ->
+    (q_idx [B, T, Hi, Di], k_idx [B, T, Di]), views of one buffer; differentiable in y and both weights."""
     D = q_weight.shape[0]
     if y.dim() != 3 or y.shape[-1] % D or y.shape[-1] // D < 2 or k_weight.shape != q_weight.shape:
         raise ValueError(f"y must be [B, T, (Hi + 1) * Di] with Di = {D}, got {tuple(y.shape)}")
