@@ -1157,11 +1157,14 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @click.option("--decode-steps", default=32, show_default=True, help="Decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="Fewer than --steps timed prefill runs where one run is long (at least one).")
+@click.option("--separate-projections", is_flag=True,
+              help="Run q/k/v (and index q/k), gate and up as separate matmuls [default: fused per layer, as m3c "
+                   "generate runs them].")
 @_bench_device
 @_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
 def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, dense_max, msa_max, dtype,
                 index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, profile_max, steps,
-                decode_steps, figure_seconds, device, out_dir):
+                decode_steps, figure_seconds, separate_projections, device, out_dir):
     """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
 
     MODEL_DIR|PRESET is a checkpoint directory, or a preset with random weights built on the device (llama3-8b,
@@ -1189,7 +1192,7 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
                index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim, sparse_kernel=sparse_kernel,
                steps=steps, decode_steps=decode_steps, figure_seconds=figure_seconds, device=device,
                kv_cache=kv_cache, prefill_chunk=None if prefill_chunk is None else _parse_chunk(prefill_chunk),
-               bandwidth_tbs=bandwidth, **lengths)
+               bandwidth_tbs=bandwidth, fuse_projections=not separate_projections, **lengths)
     console = _console()
     result = _run(run_model_bench, cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     path, png = write_model_outputs(result, out_dir)

@@ -6,6 +6,8 @@ lowering beside it, and access to its arguments by name.
     apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
                                                                     apply_index_rope_triton
     (index projections, Gemma norms, RoPE of one layer)            index_branch_triton (fuse_index_branch)
+                                                                    index_norm_rope_triton (the same after a
+                                                                    fused q/k/v/index matmul: Decoder)
     (an RMSNorm module)                                             rms_norm_triton (lower_norms)
     split_heads        [B, T, H*D] -> [B, T, H, D]                  -
     msa_select         kernels.indexer.naive.select_blocks          msa_select_triton (fused scores + top-k)
@@ -56,7 +58,7 @@ __all__ = [
     "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
     "RECALL_ROWS", "BLOCK_LOSS_ROWS", "block_loss_rows", "visible_blocks", "dense_support", "scope",
     "recording_scopes", "apply_rope_triton",
-    "apply_index_rope_triton", "index_branch_triton", "rms_norm_triton",
+    "apply_index_rope_triton", "index_branch_triton", "index_norm_rope_triton", "rms_norm_triton",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
@@ -521,7 +523,25 @@ def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos
         k = gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
         return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
     y = F.linear(x, torch.cat((q_weight, k_weight)) if qk_weight is None else qk_weight)
-    cos, sin = index_rope_tables(cos, sin, Di, rope)
+    return _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps, rope)
+
+
+@_scoped("index_branch")
+def index_norm_rope_triton(y, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str = "m3"):
+    """index_branch_triton after its matmul, for a caller that computed the index projections in a wider one (the
+    fused projections of Decoder.fuse_projections): y [B, T, (Hi + 1) * Di] (the index query heads, then the key;
+    a slice of the wider output is read in place) -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Per head the Gemma
+    RMSNorm and the index RoPE in one kernel; elsewhere the reference ops, in order."""
+    Di = q_norm_weight.shape[0]
+    if not use_triton(y, cos, sin):
+        q = gemma_rms_norm(split_heads(y[..., :-Di], y.shape[-1] // Di - 1, Di), q_norm_weight, eps)
+        k = gemma_rms_norm(split_heads(y[..., -Di:], 1, Di), k_norm_weight, eps)
+        return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
+    return _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps, rope)
+
+
+def _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str):
+    cos, sin = index_rope_tables(cos, sin, q_norm_weight.shape[0], rope)
     return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps, width=cos.shape[-1])
 
 

@@ -27,9 +27,10 @@ from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import use_triton
 from m3compile.kernels.causal_lse import oracle_blocks
-from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton, msa_attention,
-                           msa_attention_lse_triton, msa_attention_triton, msa_select, msa_select_triton,
-                           rms_norm_triton, split_heads)
+from m3compile.models.fused import Fusable
+from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton,
+                           index_norm_rope_triton, msa_attention, msa_attention_lse_triton, msa_attention_triton,
+                           msa_select, msa_select_triton, rms_norm_triton, scope, split_heads)
 
 __all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "Selection", "SELECTIONS"]
 
@@ -216,8 +217,10 @@ def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
 
 
-class Attention(nn.Module):
-    """GQA attention; with `msa` it is an MSA layer: index branch (selection only) + block-sparse attention."""
+class Attention(Fusable):
+    """GQA attention; with `msa` it is an MSA layer: index branch (selection only) + block-sparse attention.
+    Fused (Decoder.fuse_projections): q/k/v (and an MSA layer's index q/k) as one matmul where no gradient is
+    needed."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -250,24 +253,55 @@ class Attention(nn.Module):
             self.index_q_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
             self.index_k_norm = RMSNorm(m.index_dim, args.rms_norm_eps, "gemma")
 
+    def projections(self) -> dict[str, nn.Linear]:
+        """The Linears reading the layer's input, in their fused order: q, k, v (, index q, index k)."""
+        out = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj}
+        if self.msa is not None:
+            out.update(index_q_proj=self.index_q_proj, index_k_proj=self.index_k_proj)
+        return out
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [B, Hq, T, D], k/v [B, Hkv, T, D]: projections, QK norm and RoPE (also used by the decode path)."""
+        return self._project(x, cos, sin, False)[:3]
+
+    def project_with_index(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v, q_idx, k_idx): `project` and, for an MSA layer, `index_branch` of the same input (else None,
+        None); fused, one matmul computes q, k, v and the index projections."""
+        q, k, v, y_idx = self._project(x, cos, sin, self.msa is not None)
+        if self.msa is None:
+            return q, k, v, None, None
+        return (q, k, v, *self.index_branch(x, cos, sin, y_idx))
+
+    def _project(self, x, cos, sin, index: bool):
+        """(q, k, v, y_idx): y_idx the index projections [B, T, (Hi + 1) * Di] where `index` and fused, else None."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        f = self.fused(x)
+        if f is None:
+            q, k, v, y_idx = self.q_proj(x), self.k_proj(x), self.v_proj(x), None
+        else:  # [q | k | v (| index q | index k)] from one matmul, each part read in place
+            weight, bias = (f.weight, f.bias) if index or self.msa is None else f.rows(3)  # (oracle / dense)
+            with scope("m3c.proj_mlp"):
+                y = F.linear(x, weight, bias)
+            q, k, v, *rest = y.split(f.sizes[:3] + ((sum(f.sizes[3:]),) if index else ()), dim=-1)
+            y_idx = rest[0] if rest else None
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, Hq, D]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         rope = apply_rope_triton if self.kernels else apply_rope
         q = rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
         k = rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
-        return q, k, v.transpose(1, 2)
+        return q, k, v.transpose(1, 2), y_idx
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        # an MSA layer's index branch runs unless dense attention (with the kernels) or oracle selection replace it
+        index = self.msa is not None and not (self.kernels and not self.sparse) and not (
+            self.selection == "oracle" and self.sparse)
+        q, k, v, *idx = self.project_with_index(x, cos, sin) if index else self.project(x, cos, sin)
         if self.msa is not None:
-            o = self._msa(x, q, k, v, cos, sin)
+            o = self._msa(q, k, v, idx)
         elif self.attn_impl == "sdpa_gqa":
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif self.attn_impl == "sdpa_repeat":
@@ -281,28 +315,41 @@ class Attention(nn.Module):
             o = torch.matmul(p, repeat_kv(v, n_rep))
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def index_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q_idx [B, T, Hi, Di], k_idx [B, T, Di]; input detached (the index branch never trains the backbone)."""
+    def index_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     projected: torch.Tensor | None = None):
+        """q_idx [B, T, Hi, Di], k_idx [B, T, Di]; input detached (the index branch never trains the backbone).
+        projected: x's index projections [B, T, (Hi + 1) * Di] where the caller computed them (project_with_index's
+        fused matmul, no gradient); then only the norms and RoPE run here."""
         x = x.detach()
         qn, kn = self.index_q_norm, self.index_k_norm
+        m = self.msa
         if self.kernels and qn.eps == kn.eps and qn.style == kn.style == "gemma":  # one matmul, one norm + RoPE kernel
+            if projected is not None:
+                return index_norm_rope_triton(projected, qn.weight, kn.weight, cos, sin, qn.eps, rope=m.index_rope)
             return index_branch_triton(x, self.index_q_proj.weight, self.index_k_proj.weight, qn.weight, kn.weight,
                                        cos, sin, qn.eps, qk_weight=self.fused_index_weight() if use_triton(x) else None,
-                                       rope=self.msa.index_rope)
-        q_idx = self.index_q_norm(split_heads(self.index_q_proj(x), self.msa.index_heads, self.msa.index_dim))
-        k_idx = self.index_k_norm(split_heads(self.index_k_proj(x), 1, self.msa.index_dim))
-        rope = self.msa.index_rope
+                                       rope=m.index_rope)
+        width = m.index_heads * m.index_dim
+        yq = self.index_q_proj(x) if projected is None else projected[..., :width]
+        yk = self.index_k_proj(x) if projected is None else projected[..., width:]
+        q_idx = self.index_q_norm(split_heads(yq, m.index_heads, m.index_dim))
+        k_idx = self.index_k_norm(split_heads(yk, 1, m.index_dim))
+        rope = m.index_rope
         return apply_index_rope(q_idx, cos, sin, rope), apply_index_rope(k_idx, cos, sin, rope)[:, :, 0]
 
     def fused_index_weight(self) -> torch.Tensor | None:
         """[W_qi; W_ki] [(Hi + 1) * Di, hidden], the two index projections' weights as index_branch_triton's one
-        matmul reads them: concatenated once and kept while both weights are the same tensors with the same
-        in-place version and storage (an optimizer step, load_state_dict or .to() rebuilds it on the next call).
+        matmul reads them: with the projections fused, the fused weight's last rows (no copy); else concatenated
+        once and kept while both weights are the same tensors with the same in-place version and storage (an
+        optimizer step, load_state_dict or .to() rebuilds it on the next call).
         None (the op then concatenates per call) for a dense layer, where a gradient is needed (a kept
         concatenation would carry a spent autograd graph) and for inference-mode weights (no version counter: an
         in-place change would go unseen). A CUDA graph that read it keeps reading the tensor it had."""
         if self.msa is None:
             return None
+        f = self.fused()
+        if f is not None:
+            return f.weight[sum(f.sizes[:3]):]
         wq, wk = self.index_q_proj.weight, self.index_k_proj.weight
         grad = torch.is_grad_enabled() and (wq.requires_grad or wk.requires_grad)
         if grad or wq.is_inference() or wk.is_inference():
@@ -314,7 +361,8 @@ class Attention(nn.Module):
                 kept = self._index_weight = (wq, wk, key, torch.cat((wq, wk)))
         return kept[3]
 
-    def _msa(self, x, q, k, v, cos, sin):
+    def _msa(self, q, k, v, idx):
+        """idx: (q_idx, k_idx), the index branch's output (empty where dense attention or oracle selection run)."""
         m = self.msa
         if self.kernels and not self.sparse:  # dense: no selection to compute (the reference path still runs it)
             return msa_attention(q, k, v, None, block_size=m.block_size, scale=self.scale, sparse=False)
@@ -323,7 +371,7 @@ class Attention(nn.Module):
                                    local_blocks=m.local_blocks, scale=self.scale,
                                    backend="auto" if self.kernels else "torch")
         else:
-            q_idx, k_idx = self.index_branch(x, cos, sin)
+            q_idx, k_idx = idx
             select = msa_select_triton if self.kernels else msa_select
             blocks = select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
                             local_blocks=m.local_blocks, index_dtype=m.index_dtype)
@@ -341,8 +389,9 @@ class Attention(nn.Module):
         return o
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x)); "swiglu_oai" is M3's clamped variant (up + 1) * g * sigmoid(alpha g)."""
+class MLP(Fusable):
+    """SwiGLU: down(act(gate(x)) * up(x)); "swiglu_oai" is M3's clamped variant (up + 1) * g * sigmoid(alpha g).
+    Fused (Decoder.fuse_projections): gate and up as one matmul where no gradient is needed."""
 
     def __init__(self, args: ModelArgs, intermediate_size: int):
         super().__init__()
@@ -351,8 +400,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, args.hidden_size, bias=False)
 
+    def projections(self) -> dict[str, nn.Linear]:
+        return {"gate_proj": self.gate_proj, "up_proj": self.up_proj}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self.act, self.alpha, self.limit))
+        f = self.fused(x)
+        if f is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            with scope("m3c.proj_mlp"):
+                gate, up = F.linear(x, f.weight).split(f.sizes, dim=-1)
+        return self.down_proj(_glu(gate, up, self.act, self.alpha, self.limit))
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
@@ -467,6 +525,40 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(input_ids))
+
+    def fuse_projections(self, *twins: "Decoder") -> None:
+        """For inference: per layer, one contiguous weight [q; k; v (; index q; index k in an MSA layer)] (and one
+        bias where the model has q/k/v biases) and one [gate; up] (MoE layers keep theirs), each Linear's
+        parameters re-pointed to their rows (models/fused.py): one matmul instead of three to five, no weight held
+        twice, the state dict unchanged; extra memory while converting: one layer's weights. The fused matmuls run
+        where no gradient is needed and until a parameter is re-pointed (`.to()`, load_state_dict(assign=True)),
+        the separate Linears elsewhere, so training, tracing and export see the model as before.
+        twins: models holding the same weight tensors for some layers (m3compile.bench's dense twin of a converted
+        model): their Linears that shared a tensor are re-pointed to this model's fused rows and fused in place,
+        so the weights stay shared. A no-op for what is already fused."""
+        for i, layer in enumerate(self.model.layers):
+            for name in ("self_attn", "mlp"):
+                module = getattr(layer, name)
+                if not isinstance(module, (Attention, MLP)):
+                    continue
+                before = {n: (lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr())
+                          for n, lin in module.projections().items()}
+                module.fuse()
+                for twin in twins:
+                    other = getattr(twin.model.layers[i], name) if i < len(twin.model.layers) else None
+                    if type(other) is not type(module) or other is module:
+                        continue
+                    mine = module.projections()
+                    for n, lin in other.projections().items():
+                        src = mine.get(n)
+                        if src is None or lin.weight.data_ptr() != before[n][0] \
+                                or (lin.weight.shape, lin.weight.dtype) != (src.weight.shape, src.weight.dtype):
+                            continue
+                        lin.weight.data = src.weight.data
+                        if lin.bias is not None and lin.bias.data_ptr() == before[n][1] \
+                                and (lin.bias.shape, lin.bias.dtype) == (src.bias.shape, src.bias.dtype):
+                            lin.bias.data = src.bias.data
+                    other.fuse()
 
     def set_sparse(self, enabled: bool) -> None:
         """Run MSA layers sparsely (True) or with dense causal attention (False)."""

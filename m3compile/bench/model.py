@@ -42,12 +42,16 @@ the first L1 and L2 layers of both models (`shallow`: the same modules; L2 the d
 and extrapolates every time linearly in the depth to the whole model, marked "extrapolated" (`extrapolate_depth`:
 each layer past layer 0 does the same work, so a step's time is linear in the layer count).
 Both models run the step on the same fused backbone kernels on CUDA (Decoder.set_kernels, as `m3c generate` does:
-RMSNorm, RoPE and, for MSA, the index branch as one matmul + one norm/RoPE kernel). Stages as for prefill, from one
+RMSNorm, RoPE and, for MSA, the index branch's norms + RoPE as one kernel) and, as `m3c generate` does, with fused
+projections (Decoder.fuse_projections, both models, their weights still shared: one matmul per layer for q/k/v and,
+in MSA layers, the index q/k, counted in projections_mlp; one for gate/up); --separate-projections runs the
+separate Linears instead (the index projections then count in index_projections). Stages as for prefill, from one
 profiled eager step (attention = m3c.decode_attention, indexer = the index branch (m3c.index_branch; with the
 reference ops the index projections and norms, the index RoPE then counting in rest) + m3c.decode_select).
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -124,6 +128,7 @@ class ModelBenchConfig:
     reserve_gb: float = 4.0  # device memory kept free beside the decode caches
     device: str = "cuda"
     seed: int = 0
+    fuse_projections: bool = True  # Decoder.fuse_projections on both models (False: the separate Linears)
 
     def __post_init__(self):
         if self.profile_max is not None and self.profile_max < 1:
@@ -629,6 +634,9 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else \
         f"MISMATCH {check['mismatched'][:3]}"
     log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")
+    if cfg.fuse_projections:  # as generate runs them; the dense twin keeps sharing the weights
+        sparse.fuse_projections(dense)
+        gc.collect()  # the conversion's graph held the index weights as they were before fusing
     args = sparse.args
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
            "date": time.strftime("%Y-%m-%d")}

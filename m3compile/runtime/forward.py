@@ -87,12 +87,8 @@ def _prefill_chunk(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tens
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
         h = layer.input_layernorm(x)
-        q, k, v = attn.project(h, cos, sin)
-        q_idx = k_idx = None
+        q, k, v, q_idx, k_idx = attn.project_with_index(h, cos, sin)  # index [1, C, Hi, Di], [1, C, Di] (MSA)
         m = attn.msa
-        if m is not None:
-            with scope("m3c.index_branch"):
-                q_idx, k_idx = attn.index_branch(h, cos, sin)  # [1, C, Hi, Di], [1, C, Di]
         cache.write_tokens(i, b, t0, k[0].transpose(0, 1), v[0].transpose(0, 1), None if k_idx is None else k_idx[0],
                            backend=backend)
         k, v = cache.keys_values(i, b, t1)  # [1, Hkv, t1, D]: every key so far, as the cache holds it
@@ -134,10 +130,9 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
         h = layer.input_layernorm(x)
-        q, k, v = attn.project(h, cos, sin)  # [B, H, 1, D]
+        q, k, v, q_idx, k_idx = attn.project_with_index(h, cos, sin)  # [B, H, 1, D]; [B, 1, Hi, Di], [B, 1, Di]
         m = attn.msa
         if m is not None:
-            q_idx, k_idx = attn.index_branch(h, cos, sin)  # [B, 1, Hi, Di], [B, 1, Di]
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots, backend=backend)
         else:
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots, backend=backend)

@@ -87,7 +87,9 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
     decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
     launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
-    traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels).
+    traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels),
+    and its projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
+    index q/k, one for gate/up; the same parameters and state dict, no memory added).
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
     selection: how MSA layers pick their blocks in prefill and decode (m3compile.runtime.selection): "index" (the
     model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
@@ -144,6 +146,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     timer = Timings(device) if timings else NULL_TIMINGS
     timer.mark("cache")
     cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
+    model.fuse_projections()
     kernels = kernels_default(device, backend) if kernels is None else kernels
     with model.using_kernels(kernels), timer.watch():  # the fused backbone kernels (CUDA by default)
         timer.mark("prefill")
