@@ -57,7 +57,7 @@ def test_oracle_loss_equals_masked_dense_attention(monkeypatch):
     report = evaluate(model, tokens, seq_len=64)
     assert report.oracle_loss is not None and report.sparse_loss is not None
 
-    def masked_dense(self, x, q, k, v, cos, sin):  # the independent path: SDPA with an explicit boolean mask
+    def masked_dense(self, q, k, v, idx):  # the independent path: SDPA with an explicit boolean mask
         m = self.msa
         mask = _naive_oracle_mask(q, k, m.block_size, m.topk, m.init_blocks)
         G = self.n_heads // self.n_kv_heads
