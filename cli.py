@@ -389,6 +389,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     """
     if task not in ("loss", "retrieval", "ruler"):
         _fail(f"unknown --task {task!r} (use loss, retrieval or ruler)")
+    if task == "retrieval" and kv_cache != "auto":
+        _fail(f"--kv-cache {kv_cache} applies to the loss and ruler tasks (retrieval scores the model's own forward)")
     if task == "ruler":
         _eval_ruler(model_dir, data, batch, seed, lengths, ruler_tasks, samples, selections, plot, dtype,
                     index_dtype, device, as_json, kv_cache)

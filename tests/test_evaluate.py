@@ -210,8 +210,9 @@ def test_eval_losses_through_a_kv_cache(byte_msa, monkeypatch):
         assert got["bf16"][row] == pytest.approx(getattr(want, row), rel=0.01), row
         assert got["fp8"][row] == pytest.approx(got["bf16"][row], rel=0.03) and got["fp8"][row] != got["bf16"][row]
     assert got["bf16"]["tail_share"] is not None and want.to_dict()["kv_cache"] is None
-    code, output = run(*args, "--kv-cache", "fp8", "--no-oracle")
+    code, output = run(*args[:4], "--seq-len", 64, "--max-windows", 1, "--kv-cache", "fp8", "--no-oracle")
     assert code == 0 and "losses through a fp8 K/V cache" in output and "oracle loss" not in output, output
+    assert_clean_failure(*run(*args, "--kv-cache", "fp8", "--task", "retrieval"), None, "applies to the loss and ruler")
     to = torch.Tensor.to
 
     def no_float8(self, *a, **k):  # a build whose CPU tensors cannot be cast to float8
