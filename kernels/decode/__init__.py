@@ -64,10 +64,12 @@ def _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale) -> bool:
     return fp8
 
 
-# pages per program of the top-k's first stage. 256: at 1M tokens (8192 pages of 128) batch 1 with 4 index heads
-# runs 4 x 32 = 128 programs (132 SMs), batch 8 runs 1024, each 16 maxima over 256 values; the merge then takes
-# 32 x 16 = 512 candidates per row, one register tile. 512 would leave half the SMs idle at batch 1 and double
-# each program's serial reductions; 128 would double the merge's candidates (1024 per row, its one-program work).
+# Pages per program of the top-k's first stage (a power of two; tests set it small to reach the merge). 256: at 1M
+# tokens (8192 pages of 128) batch 1 with 4 index heads runs 4 x 32 = 128 programs (132 SMs), batch 8 runs 1024,
+# each 16 maxima over 256 values in one warp; the merge then takes 32 x 16 = 512 candidates per row, within its
+# register tile (4 x TOPK_CHUNK). 512 would leave half the SMs idle at batch 1 and make every maximum twice as wide;
+# 128 would double the merge's candidates, and the merge is one program per row. At 128K (1024 pages) a row is 4
+# chunks: 128 programs at batch 8, then 64 candidates.
 TOPK_CHUNK = 256
 
 
@@ -84,7 +86,9 @@ def _top_blocks_launches(scores: torch.Tensor, seq_lens: torch.Tensor, out: torc
         raise ValueError(f"TOPK_CHUNK must be a power of two, got {chunk}")
     n_chunks = -(-max_pages // chunk)
     common = dict(BS=block_size, CHUNK=chunk, TOPK=topk, INIT=init_blocks, LOCAL=local_blocks)
-    stage1_warps = max(1, min(8, chunk // 128))
+    # one warp per 256 pages: a chunk's reductions then stay in warp shuffles (no shared-memory round trip between
+    # warps), which is what each of its TOPK serial maxima waits on
+    stage1_warps = max(1, min(8, chunk // 256))
     if n_chunks == 1:
         return [("topk", lambda: topk_chunk_kernel[(B, H, 1)](
             scores, seq_lens, out, out, max_pages, scores.stride(0), scores.stride(1), 0, 0, out.stride(0),
