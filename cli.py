@@ -319,6 +319,16 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
                   f"{report.seconds:.1f} s")
 
 
+def _kv_cache(help: str = "K/V cache dtype: auto (the model's), bf16, or fp8 (e4m3 with one scale per token and "
+                          "head: half of bf16's bytes)."):
+    """The --kv-cache option (m3compile.tools.generate.KV_CACHE_DTYPES), with a command's own help text."""
+    return click.option("--kv-cache", type=click.Choice(["auto", "bf16", "fp8"]), default="auto", show_default=True,
+                        help=help)
+
+
+_kv_cache_option = _kv_cache()
+
+
 @main.command(name="eval")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=click.Path(path_type=Path),
@@ -351,9 +361,13 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 @click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default=None,
               help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute dtype; fp8: e4m3).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@_kv_cache(help="K/V cache dtype. Loss: auto scores the model's own forward (no cache); bf16 or fp8 score each "
+                "window through the paged prefill over a cache of that dtype (dense, MSA and oracle rows, no recall, "
+                "one window at a time): `--kv-cache bf16` and `--kv-cache fp8` give the loss fp8 costs. Ruler: the "
+                "cache of every prefill and decode (auto: the model's dtype).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distances, probes, seed, lengths, ruler_tasks,
-          samples, selections, plot, dtype, index_dtype, device, as_json):
+          samples, selections, plot, dtype, index_dtype, device, kv_cache, as_json):
     """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data; or, with
     --task retrieval, dense vs sparse accuracy at copying a value planted --distances tokens earlier; or, with
     --task ruler, the RULER-style suite: greedy answers to long prompts built from --data, scored per task, length
@@ -367,12 +381,19 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     The ruler score of a task is the share of its expected answers found in the generated text (RULER's
     string_match_all), x 100, over --samples prompts; a task the dense model scores below 50 at the shortest
     length is reported and kept out of the averages.
+
+    --kv-cache bf16|fp8 measures what a K/V cache of that dtype costs: the loss rows come from prefilling each
+    window into a paged cache of that dtype (the queries read the keys and values as the cache holds them), and
+    the ruler suite generates over it. Run it twice, e.g. --kv-cache bf16 --json and --kv-cache fp8 --json, and
+    compare the losses (the JSON's kv_cache names the dtype).
     """
     if task not in ("loss", "retrieval", "ruler"):
         _fail(f"unknown --task {task!r} (use loss, retrieval or ruler)")
+    if task == "retrieval" and kv_cache != "auto":
+        _fail(f"--kv-cache {kv_cache} applies to the loss and ruler tasks (retrieval scores the model's own forward)")
     if task == "ruler":
         _eval_ruler(model_dir, data, batch, seed, lengths, ruler_tasks, samples, selections, plot, dtype,
-                    index_dtype, device, as_json)
+                    index_dtype, device, as_json, kv_cache)
         return
     batch = 1 if batch is None else batch
     if seq_len < 1:
@@ -418,7 +439,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     with Progress(transient=True, disable=as_json) as bar:
         task_id = bar.add_task("evaluating", total=None)
         report = _run(evaluate, model, tokens, seq_len, max_windows,
-                      progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle, batch=batch)
+                      progress=lambda i, n: bar.update(task_id, completed=i, total=n), oracle=not no_oracle, batch=batch,
+                      kv_cache=kv_cache)
     if not report.finite:
         _fail(f"{model_dir}: the loss is not finite (dense {report.dense_loss}, sparse {report.sparse_loss}): the "
               f"model holds NaN/Inf weights or overflows {dtype}")
@@ -427,7 +449,8 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
         return
 
     console = _console()
-    console.print(f"{report.windows} windows x {report.seq_len} tokens = {report.tokens:,} tokens, {report.seconds:.1f} s")
+    console.print(f"{report.windows} windows x {report.seq_len} tokens = {report.tokens:,} tokens, {report.seconds:.1f} s"
+                  + ("" if report.kv_cache is None else f"; losses through a {report.kv_cache} K/V cache"))
     console.print(f"dense loss  {report.dense_loss:.4f} nats/token")
     if report.sparse_loss is None:
         console.print("the model has no MSA layers (not converted): no sparse loss or recall")
@@ -437,6 +460,9 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     if report.oracle_loss is not None:
         console.print(f"oracle loss {report.oracle_loss:.4f} nats/token ({100 * report.oracle_loss_increase:+.2f}%), "
                       f"tail {100 * report.oracle_tail_share:.2f}% (blocks chosen by dense attention)")
+    if not report.recall:
+        console.print("block recall: measured in the model's own forward (--kv-cache auto)")
+        return
     table = Table(title="block recall per MSA layer")
     table.add_column("layer", justify="right")
     table.add_column("recall", justify="right")
@@ -450,7 +476,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
 
 
 def _eval_ruler(model_dir, data, batch, seed, lengths, tasks, samples, selections, plot, dtype, index_dtype, device,
-                as_json):
+                as_json, kv_cache):
     """m3c eval --task ruler: parse, run the suite, render its table (and JSON, heatmap)."""
     if samples < 1:
         _fail(f"--samples must be >= 1, got {samples}")
@@ -469,7 +495,7 @@ def _eval_ruler(model_dir, data, batch, seed, lengths, tasks, samples, selection
         task_id = bar.add_task("ruler", total=None)
         report = _run(run_ruler, model, codec, text, tasks=names, samples=samples, seed=seed, selections=chosen,
                       lengths=None if lengths is None else list(_parse_lengths(lengths)), batch=batch,
-                      context=context, data_name=str(data),
+                      context=context, data_name=str(data), kv_cache=kv_cache,
                       progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
     if plot is not None:
         _run(draw_heatmap, report, plot)
@@ -479,7 +505,8 @@ def _eval_ruler(model_dir, data, batch, seed, lengths, tasks, samples, selection
     console = _console()
     fmt = lambda n: f"{n // 1024}K" if n % 1024 == 0 else str(n)  # noqa: E731
     console.print(f"{report.samples} samples per task and length, seed {report.seed}, "
-                  f"{'chat template' if report.chat else 'plain prompts (no chat template)'}, {report.seconds:.1f} s")
+                  f"{'chat template' if report.chat else 'plain prompts (no chat template)'}, "
+                  f"{'the model dtype' if kv_cache == 'auto' else kv_cache} K/V cache, {report.seconds:.1f} s")
     table = Table(title=f"ruler scores ({' / '.join(report.selections)}; share of answers found, %)")
     table.add_column("task")
     for n in report.lengths:
@@ -688,10 +715,6 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     console.print(f"layer {layer}, group {group}: recall {amap.group_recall:.3f}; wrote {out}")
 
 
-_kv_cache_option = click.option(
-    "--kv-cache", type=click.Choice(["auto", "bf16", "fp8"]), default="auto", show_default=True,
-    help="K/V cache dtype: auto (the model's), bf16, or fp8 (e4m3 with one scale per token and head: half of bf16's "
-         "bytes).")
 _prefill_chunk_option = click.option(
     "--prefill-chunk", default="auto", show_default=True,
     help="Tokens per prefill pass, e.g. 32K; auto: the whole prompt where its activations fit beside the caches, "
@@ -719,7 +742,9 @@ def _parse_chunk(text: str) -> int | None:
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples from softmax(logits / T).")
 @click.option("--top-p", default=1.0, show_default=True, help="With --temperature: sample from the smallest set of tokens holding this probability.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
-@click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="Compute dtype: float32, bfloat16 or float16; auto: the checkpoint's own on a GPU (config.json "
+                   "torch_dtype, else its tensors'), float32 on a CPU (its bf16 matmuls are slow).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--eager", is_flag=True,
               help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")

@@ -13,6 +13,11 @@ msa_block_loss_triton, kernels/block_stats/), returned as a fourth output; the d
 (DistillConfig.block_loss). Running the pass again with the other mode switches the mode
 (also on a lowered training graph); the `strip_kl_distill` pass undoes it exactly: the graph's code is again the
 inference graph's.
+
+`drop_logits` is for a graph whose logits nobody reads (distillation trains the index branch on the hooks' outputs
+alone): the output's logits become None and dead code is removed, so the step no longer runs the lm head (at 32K
+tokens with a 151,936-token vocabulary: 8.9 TFLOP and a 10 GB bf16 logits tensor per sequence for Qwen2.5-0.5B's
+width), the final norm, or the last layer's o_proj and MLP. Such a graph cannot be stripped back.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.ops import is_op, msa_block_loss, msa_index_kl, msa_select, op_args, set_op_arg
 
-__all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES"]
+__all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES", "drop_logits"]
 
 MODES = ("warmup", "sparse")
 
@@ -50,6 +55,7 @@ class DistillGraph:
     layers: list[int]
     output_before: tuple
     block_loss: bool = False  # the output carries the block-ranking loss per layer
+    logits: bool = True  # False after drop_logits: the output's first item is None and the lm head is gone
 
 
 @register_pass
@@ -143,6 +149,28 @@ class KLDistill(Pass):
         assert all((hook.block_node is not None) == state.block_loss for _, hook, _ in hooks), "block-loss nodes"
 
 
+def drop_logits(gm: torch.fx.GraphModule) -> int:
+    """Return None instead of the logits from a hooked graph and remove the code that only they needed (the lm head,
+    the final norm, the last layer's o_proj and MLP); returns how many nodes went. The hooks' outputs (KL, recall,
+    block loss) and their gradients are unchanged. Irreversible: strip_kl_distill refuses the graph afterwards."""
+    state: DistillGraph | None = gm.meta.get("m3_kl_distill")
+    if state is None:
+        raise M3CompileError("drop_logits needs a graph with distillation hooks (run kl_distill first)")
+    if not state.logits:
+        return 0
+    g = gm.graph
+    out = g.output_node()
+    before = len(g.nodes)
+    out.args = ((None, *out.args[0][1:]),)
+    for n in reversed(g.nodes):  # dead-code elimination that keeps the hooked attention nodes (their records)
+        if n.op not in ("placeholder", "output") and not n.users and not n.is_impure() and "m3_kl_hook" not in n.meta:
+            g.erase_node(n)
+    g.lint()
+    gm.recompile()
+    state.logits = False
+    return before - len(g.nodes)
+
+
 def _hooks(gm: torch.fx.GraphModule):
     """(msa_attention node, its KLHook, its msa_index_kl node) for every hooked layer."""
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -169,9 +197,13 @@ class StripKLDistill(Pass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassReport:
         report = PassReport(self.name)
-        state: DistillGraph | None = gm.meta.pop("m3_kl_distill", None)
+        state: DistillGraph | None = gm.meta.get("m3_kl_distill")
         if state is None:
             return report
+        if not state.logits:
+            raise M3CompileError("the graph's logits were dropped (drop_logits): its inference graph cannot be "
+                                 "restored; trace the model again")
+        del gm.meta["m3_kl_distill"]
         g = gm.graph
         out = g.output_node()
         stacks = list(out.args[0][1:])

@@ -25,7 +25,7 @@ OPTIONS = {
                 "--query-chunk-sweep", "--rep-ms", "--device", "--out"},
     "model": {"--prefill-lengths", "--decode-lengths", "--batch", "--block", "--topk", "--index-dim", "--dense-max",
               "--msa-max", "--dtype", "--index-cache", "--index-dtype", "--sparse-kernel", "--steps", "--decode-steps",
-              "--figure-seconds", "--device", "--out", "--kv-cache", "--prefill-chunk", "--bandwidth"},
+              "--figure-seconds", "--device", "--out", "--kv-cache", "--prefill-chunk", "--bandwidth", "--profile-max"},
     "distill": {"--seq-len", "--batch", "--dtype", "--autocast", "--block-loss", "--no-train", "--no-eval", "--shard",
                 "--layers", "--count-ops", "--cuda-graph", "--steps", "--block", "--topk", "--device", "--out"},
     "backward": {"--heads", "--kv-heads", "--head-dim", "--index-dim", "--block", "--topk", "--lengths", "--dense-max",

@@ -7,6 +7,8 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from m3compile import cli, generate, load
+from m3compile.io.load import auto_dtype
+from m3compile.io.weights import read_checkpoint
 from m3compile.tools.generate import _pick
 
 from tests.conftest import LLAMA_BYTE
@@ -80,3 +82,19 @@ def test_bad_generate_input(args, needle):
         pytest.skip("needs a machine without CUDA")
     code, out, err = _invoke("generate", LLAMA_BYTE, *args)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_dtype_auto_is_float32_on_cpu_and_the_checkpoints_on_a_gpu():
+    """--dtype auto (the default): float32 on a CPU; where a CUDA device would run it, config.json's torch_dtype
+    (or dtype), else the dtype the tensors are stored in. The byte model is stored in bf16."""
+    ck = read_checkpoint(LLAMA_BYTE)
+    assert ck.config["torch_dtype"] == "bfloat16" and ck.dtype == torch.bfloat16
+    assert auto_dtype(ck.config, ck.dtype, "cpu") == torch.float32
+    assert auto_dtype(ck.config, ck.dtype, "cuda:1") == torch.bfloat16
+    assert auto_dtype({"dtype": "float16"}, torch.bfloat16, "cuda") == torch.float16
+    assert auto_dtype({"torch_dtype": "auto"}, torch.float32, torch.device("cuda", 0)) == torch.float32
+    assert auto_dtype({}, torch.bfloat16, "cuda") == torch.bfloat16
+    dtype = lambda model: next(model.parameters()).dtype  # noqa: E731
+    assert dtype(load(LLAMA_BYTE, dtype="auto")) == torch.float32  # stored in bf16, run in float32 on a CPU
+    code, out, err = _invoke("generate", "--help")
+    assert code == 0 and "[default: auto]" in " ".join(out.split()), out

@@ -132,3 +132,38 @@ def test_mode_switch_on_a_lowered_training_graph(converted):
     run_pipeline("lower", fresh)
     with pytest.raises(M3CompileError, match="before lowering|distil passes come first"):
         run_pipeline("distill", fresh, mode="sparse")
+
+
+def test_drop_logits_keeps_the_hooks_outputs_and_gradients_and_removes_the_head(converted):
+    """Distillation reads only the hooks' outputs: drop_logits returns None for the logits and removes the lm head,
+    the final norm and the last layer's MLP, with KL, recall, block loss and the index gradients unchanged in both
+    modes; the pruned graph cannot be stripped back."""
+    import copy
+
+    from m3compile.passes.kl_distill import drop_logits
+    from m3compile.pipelines import run_pipeline
+
+    _, full = converted
+    pruned = torch.fx.GraphModule(full, copy.deepcopy(full.graph))  # the same parameters, a graph of its own
+    pruned.meta = copy.deepcopy(full.meta)
+    for gm in (full, pruned):
+        run_pipeline("distill", gm, mode="warmup", block_loss=True)
+    assert drop_logits(pruned) > 0 and drop_logits(pruned) == 0  # idempotent
+    used = {n.target for n in pruned.graph.nodes if n.op in ("call_module", "get_attr")}
+    assert not {"lm_head", "model.norm", "model.layers.3.mlp", "model.layers.3.self_attn.o_proj"} & used
+    assert "model.layers.2.mlp" in used  # earlier layers' MLPs feed later layers' attention
+    x = torch.randint(0, 256, (2, 23))
+    for mode in ("warmup", "sparse"):
+        run_pipeline("distill", full, mode=mode, block_loss=True)
+        run_pipeline("distill", pruned, mode=mode, block_loss=True)
+        want, got = full(x), pruned(x)
+        assert got[0] is None and want[0].shape == (2, 23, 256)
+        for a, b in zip(got[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        grads = [torch.autograd.grad(out[1].sum() + out[3].sum(), [p for n, p in gm.named_parameters()
+                                                                   if ".index_" in n])
+                 for gm, out in ((full, want), (pruned, got))]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(M3CompileError, match="logits were dropped"):
+        PassManager([StripKLDistill()]).run(pruned)

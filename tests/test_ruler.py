@@ -279,3 +279,26 @@ def test_ruler_bad_input(qwen_like, tmp_path, monkeypatch, extra, needle):
     code, out, err = _invoke("eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", *extra)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert needle in err, err
+
+
+def test_ruler_over_an_fp8_kv_cache(qwen_like, monkeypatch):
+    """--kv-cache fp8: every prefill and decode of the suite runs over an fp8 K/V cache and the JSON says so."""
+    from m3compile.tools import generate as generate_module
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(TASKS, "niah_single_1", dataclasses.replace(TASKS["niah_single_1"], max_new_tokens=4))
+    made = []
+
+    class Spy(generate_module.PagedCache):
+        def __init__(self, model, batch, max_len, page, device, dtype, index_dtype):
+            made.append(dtype)
+            super().__init__(model, batch, max_len, page, device, dtype, index_dtype)
+
+    monkeypatch.setattr(generate_module, "PagedCache", Spy)
+    path, data = qwen_like
+    code, out, err = _invoke("eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "msa", "--kv-cache", "fp8", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["kv_cache"] == "fp8" and d["selections"] == ["msa"] and 0 <= d["scores"]["niah_single_1"]["msa"]["1024"]
+    assert made == [torch.float8_e4m3fn]

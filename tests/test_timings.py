@@ -36,8 +36,8 @@ def _prefill_and_decode(T: int, page: int = 4, topk: int = 2):
 
 def test_a_prompt_length_adds_no_kernel_variant():
     """Two contexts of different lengths (in blocks and pages, odd and even) launch the same specialisations: on a
-    GPU a new prompt length compiles nothing (the decode's top-k alone is built per power of two of pages, 5 and 8
-    here). A dense layer's decode (every page) shares the sparse one's binary."""
+    GPU a new prompt length compiles nothing. A dense layer's decode (every page) shares the sparse one's
+    binary."""
     runs = []
     for T in (19, 30):
         with kernel_census() as census:

@@ -1,12 +1,15 @@
-"""Where the decode selection's time goes: block scoring against the top-k, bf16 and fp8 index keys.
+"""Where the decode selection's time goes: block scoring against the two top-k stages, bf16 and fp8 index keys.
 
-`paged_select` (kernels/decode) runs two kernels: `paged_index_scores` reads every cached index key of each
-sequence and writes one score per (sequence, index head, page); `topk_rows_kernel` then takes the top-k of each row.
-This script times each alone and the pair, as CUDA graph replays, at M3's decode shapes (batch 8, 4 index heads x
-128 dims, block 128, top-16 by default), against the bytes the scoring must read (index keys, their scales) over
-the device-to-device copy rate measured in the same run. Prints one JSON object.
+`paged_select` (kernels/decode) runs the scores kernel (`paged_index_scores`: every cached index key of each
+sequence read, one score per (sequence, index head, page)), then the top-k: `topk_chunk_kernel` (the best blocks of
+each TOPK_CHUNK pages) and `topk_merge_kernel` (one program per row), or the first alone where a row is one chunk.
+This script times each launch alone and the whole selection, as CUDA graph replays, at M3's decode shapes (batch 8,
+4 index heads x 128 dims, block 128, top-16 by default), the top-k for each chunk size of --chunks and as one
+chunk per row (a single pass, one program per row), torch.topk over the same scores, and the bytes the scoring must
+read (index keys, their scales) over the device-to-device copy rate measured in the same run. Prints one JSON
+object per row, then one with all rows.
 
-    python benchmarks/experiments/decode_select_split.py [--lengths 131072,1048576] [--batch 8]
+    python benchmarks/experiments/decode_select_split.py [--lengths 131072,1048576] [--batch 8] [--chunks 128,256,512]
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import json
 import torch
 import triton.testing as tt
 
+from m3compile.kernels import decode as dk
 from m3compile.kernels._common import next_pow2
-from m3compile.kernels.decode import paged_select, quantize_pages
 
 
 def _graph_ms(fn) -> float:
@@ -33,6 +36,17 @@ def copy_tbps() -> float:
     return 2 * x.numel() / ms / 1e9
 
 
+def stage_ms(q, cache, table, lens, topk, scale, chunk, scores: bool) -> tuple[dict, torch.Tensor]:
+    """{launch name: ms} of paged_select's launches with TOPK_CHUNK = chunk (each timed alone, after one run of
+    all in order so that each reads what the ones before it wrote; the scores kernel only if `scores`), and the
+    selection."""
+    dk.TOPK_CHUNK = chunk
+    out, launches = dk.paged_select_launches(q, cache, table, lens, topk=topk, idx_scale=scale)
+    for _, launch in launches:
+        launch()
+    return {name: round(_graph_ms(launch), 4) for name, launch in launches if scores or name != "scores"}, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="131072,1048576")
@@ -41,8 +55,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--chunks", default="128,256,512", help="top-k chunk sizes (pages, powers of two) to time")
     a = ap.parse_args()
-    from m3compile.kernels.decode._tl_decode import topk_rows_kernel
+    default_chunk = dk.TOPK_CHUNK
 
     dev = "cuda"
     tbps = copy_tbps()
@@ -58,22 +73,25 @@ def main() -> None:
         for name in ("bf16", "fp8"):
             scale = None
             if name == "fp8":
-                cache, scale = quantize_pages(cache)
+                cache, scale = dk.quantize_pages(cache)
+            stages, want = stage_ms(q, cache, table, lens, a.topk, scale, default_chunk, scores=True)
+            scores_ms = stages.pop("scores")
+            by_chunk = {default_chunk: dict(stages, topk_ms=round(sum(stages.values()), 4))}
+            for chunk in sorted({int(c) for c in a.chunks.split(",")} | {next_pow2(pages)} - {default_chunk}):
+                stages, sel = stage_ms(q, cache, table, lens, a.topk, scale, chunk, scores=False)
+                assert torch.equal(sel, want), f"chunk {chunk} selects other blocks than chunk {default_chunk}"
+                by_chunk[chunk] = dict(stages, topk_ms=round(sum(stages.values()), 4))
+            dk.TOPK_CHUNK = default_chunk
+            select_ms = _graph_ms(lambda: dk.paged_select(q, cache, table, lens, topk=a.topk, idx_scale=scale))
             scores = torch.randn(B, H, pages, device=dev, dtype=torch.float32, generator=g)
-            out = torch.empty(B, H, a.topk, dtype=torch.int32, device=dev)
-
-            def topk_only():
-                topk_rows_kernel[(B, H)](scores, lens, out, scores.stride(0), scores.stride(1), out.stride(0),
-                                         out.stride(1), BS=bs, NBP=next_pow2(pages), TOPK=a.topk, INIT=0, LOCAL=1,
-                                         num_warps=8 if pages >= 2048 else 4)
-
-            select_ms = _graph_ms(lambda: paged_select(q, cache, table, lens, topk=a.topk, idx_scale=scale))
-            topk_ms = _graph_ms(topk_only)
             torch_topk_ms = _graph_ms(lambda: torch.topk(scores, a.topk, dim=-1))
             key_bytes = cache.numel() * cache.element_size() + (0 if scale is None else scale.numel() * 4)
             floor_ms = key_bytes / tbps / 1e9
-            row = dict(T=T, batch=B, keys=name, select_ms=round(select_ms, 4), topk_ms=round(topk_ms, 4),
-                       scores_ms_by_difference=round(select_ms - topk_ms, 4), torch_topk_ms=round(torch_topk_ms, 4),
+            default = by_chunk[default_chunk]
+            row = dict(T=T, batch=B, keys=name, chunk=default_chunk, select_ms=round(select_ms, 4),
+                       scores_ms=scores_ms, topk_ms=default["topk_ms"],
+                       single_pass_topk_ms=by_chunk[next_pow2(pages)]["topk_ms"],
+                       topk_by_chunk={str(c): by_chunk[c] for c in sorted(by_chunk)}, torch_topk_ms=round(torch_topk_ms, 4),
                        key_gb=round(key_bytes / 1e9, 3), scale_share=0 if scale is None else
                        round(scale.numel() * 4 / key_bytes, 4),
                        floor_ms=round(floor_ms, 4), share_of_floor=round(floor_ms / select_ms, 3))

@@ -14,6 +14,9 @@ silently selects tokens instead of blocks, so the page size *is* the block size 
 Each sequence decodes one token. `paged_select` scores every cached page of each sequence (split over pages, one
 block score per page and index head), then takes the top-k per (sequence, index head) with the local block (the
 page holding the newest token) and the first `init_blocks` blocks forced; -1 fills slots short sequences cannot.
+The top-k (`top_blocks`) runs in two stages past TOPK_CHUNK pages: the best blocks of each chunk of pages, one
+program per chunk, then one merge per row, so a 1M-token row is not 16 serial reductions of 8192 values in one
+program.
 `paged_attention` runs one program per (sequence, KV group, split of the selected slots), each an online softmax over
 its pages, and merges the partials by log-sum-exp. Sequences of different lengths share one launch. An fp8 (e4m3) KV
 cache is dequantised in registers as its pages are loaded (each row times its scale, then the query's dtype), so a
@@ -25,15 +28,18 @@ does not cost the other rows of its page their precision; the scales add 4 bytes
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
 from m3compile.kernels.decode.naive import (dequantize_kv, paged_attention_reference, paged_block_scores_reference,
                                             paged_index_write_reference, paged_kv_write_reference,
-                                            paged_select_reference, quantize_kv, quantize_pages)
+                                            paged_select_reference, quantize_kv, quantize_pages,
+                                            top_blocks_reference)
 
-__all__ = ["paged_select", "paged_attention", "paged_select_reference", "paged_attention_reference",
+__all__ = ["paged_select", "paged_select_launches", "top_blocks", "top_blocks_reference", "TOPK_CHUNK",
+           "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages",
            "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv"]
 
@@ -46,10 +52,8 @@ def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
         raise ValueError("block_table and seq_lens must be integer tensors")
 
 
-def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-                 topk: int, init_blocks: int = 0, local_blocks: int = 1, idx_scale: torch.Tensor | None = None,
-                 backend: str = "auto") -> torch.Tensor:
-    """q_idx [B, Hi, Di] of the newest token of each sequence -> selected blocks [B, Hi, topk] int32 (-1 = empty)."""
+def _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale) -> bool:
+    """Whether the index cache is fp8 (then with idx_scale [P, BS])."""
     _check_cache(block_table, seq_lens, idx_cache.shape[1])
     if q_idx.dim() != 3 or idx_cache.dim() != 3 or q_idx.shape[-1] != idx_cache.shape[-1]:
         raise ValueError(f"q_idx must be [B, Hi, Di] and idx_cache [P, BS, Di]; got {tuple(q_idx.shape)}, "
@@ -57,11 +61,78 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
     fp8 = idx_cache.dtype == torch.float8_e4m3fn
     if fp8 and (idx_scale is None or idx_scale.shape != idx_cache.shape[:2]):
         raise ValueError("an fp8 index cache needs idx_scale [P, BS]")
-    if not use_triton(q_idx, idx_cache, backend=backend):
-        return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
-                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
-    from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel, paged_index_scores_kernel,
-                                              topk_rows_kernel)
+    return fp8
+
+
+# Pages per program of the top-k's first stage (a power of two; tests set it small to reach the merge). 256: at 1M
+# tokens (8192 pages of 128) batch 1 with 4 index heads runs 4 x 32 = 128 programs (132 SMs), batch 8 runs 1024,
+# each 16 maxima over 256 values in one warp; the merge then takes 32 x 16 = 512 candidates per row, within its
+# register tile (4 x TOPK_CHUNK). 512 would leave half the SMs idle at batch 1 and make every maximum twice as wide;
+# 128 would double the merge's candidates, and the merge is one program per row. At 128K (1024 pages) a row is 4
+# chunks: 128 programs at batch 8, then 64 candidates.
+TOPK_CHUNK = 256
+
+
+def _top_blocks_launches(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, block_size: int,
+                         topk: int, init_blocks: int, local_blocks: int) -> list[tuple[str, Callable[[], None]]]:
+    """The launches that write the top-k of each row of `scores` [B, H, max_pages] into out [B, H, topk]: one
+    (stage 1 as the final pass) where max_pages <= TOPK_CHUNK, else stage 1 over chunks then the merge. Scratch is
+    allocated here, per call (a CUDA graph captures it as its own)."""
+    from m3compile.kernels.decode._tl_decode import topk_chunk_kernel, topk_merge_kernel
+
+    B, H, max_pages = scores.shape
+    chunk = TOPK_CHUNK
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"TOPK_CHUNK must be a power of two, got {chunk}")
+    n_chunks = -(-max_pages // chunk)
+    common = dict(BS=block_size, CHUNK=chunk, TOPK=topk, INIT=init_blocks, LOCAL=local_blocks)
+    # one warp per 256 pages: a chunk's reductions then stay in warp shuffles (no shared-memory round trip between
+    # warps), which is what each of its TOPK serial maxima waits on
+    stage1_warps = max(1, min(8, chunk // 256))
+    if n_chunks == 1:
+        return [("topk", lambda: topk_chunk_kernel[(B, H, 1)](
+            scores, seq_lens, out, out, max_pages, scores.stride(0), scores.stride(1), 0, 0, out.stride(0),
+            out.stride(1), KC=topk, FINAL=True, num_warps=stage1_warps, **common))]
+    kc = min(topk, chunk)
+    cand = torch.empty(B, H, n_chunks * kc, dtype=torch.int64, device=scores.device)
+    return [
+        ("topk_chunks", lambda: topk_chunk_kernel[(B, H, n_chunks)](
+            scores, seq_lens, cand, out, max_pages, scores.stride(0), scores.stride(1), cand.stride(0),
+            cand.stride(1), out.stride(0), out.stride(1), KC=kc, FINAL=False, num_warps=stage1_warps, **common)),
+        ("topk_merge", lambda: topk_merge_kernel[(B, H)](
+            cand, seq_lens, out, cand.stride(0), cand.stride(1), out.stride(0), out.stride(1),
+            BS=block_size, CHUNK=chunk, KC=kc, TOPK=topk, MT=4 * chunk, num_warps=4)),
+    ]
+
+
+def top_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, topk: int, init_blocks: int = 0,
+               local_blocks: int = 1, backend: str = "auto") -> torch.Tensor:
+    """Block scores [B, Hi, max_pages] (entries past each sequence's last page are not read) -> the `topk` best
+    blocks [B, Hi, topk] int32, best first, equal scores to the lower page, with the local blocks (the newest
+    token's) and the first `init_blocks` forced; -1 where a sequence has fewer blocks. The top-k half of
+    `paged_select`."""
+    if scores.dim() != 3 or scores.dtype != torch.float32 or seq_lens.shape != scores.shape[:1]:
+        raise ValueError(f"scores must be fp32 [B, Hi, max_pages] and seq_lens [B]; got {tuple(scores.shape)} "
+                         f"{scores.dtype}, {tuple(seq_lens.shape)}")
+    if not use_triton(scores, backend=backend):
+        return top_blocks_reference(scores, seq_lens, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                    local_blocks=local_blocks)
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    out = torch.empty(*scores.shape[:2], topk, dtype=torch.int32, device=scores.device)
+    for _, launch in _top_blocks_launches(scores, seq_lens, out, block_size=block_size, topk=topk,
+                                          init_blocks=init_blocks, local_blocks=local_blocks):
+        launch()
+    return out
+
+
+def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+                          idx_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[str, Callable]]]:
+    """`paged_select`'s Triton launches, unrun: (the output [B, Hi, topk] they fill, [(name, launch)] in order:
+    "scores", then "topk" or "topk_chunks" + "topk_merge"). Each launch can be timed alone (it reads only what the
+    launches before it wrote); paged_select runs them all."""
+    fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
+    from m3compile.kernels.decode._tl_decode import paged_index_scores_fp8_kernel, paged_index_scores_kernel
 
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
@@ -84,13 +155,24 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
             HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
         )
 
-    launch_fp8(launch, fp8)
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
-    topk_rows_kernel[(B, H)](
-        scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        BS=bs, NBP=next_pow2(max_pages), TOPK=topk, INIT=init_blocks, LOCAL=local_blocks,
-        num_warps=8 if max_pages >= 2048 else 4,
-    )
+    return out, [("scores", lambda: launch_fp8(launch, fp8))] + _top_blocks_launches(
+        scores, seq_lens, out, block_size=bs, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+
+
+def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 topk: int, init_blocks: int = 0, local_blocks: int = 1, idx_scale: torch.Tensor | None = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """q_idx [B, Hi, Di] of the newest token of each sequence -> selected blocks [B, Hi, topk] int32 (-1 = empty),
+    best first, equal scores to the lower page."""
+    if not use_triton(q_idx, idx_cache, backend=backend):
+        fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
+        return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
+                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
+    out, launches = paged_select_launches(q_idx, idx_cache, block_table, seq_lens, topk=topk,
+                                          init_blocks=init_blocks, local_blocks=local_blocks, idx_scale=idx_scale)
+    for _, launch in launches:
+        launch()
     return out
 
 

@@ -73,27 +73,100 @@ paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_st
 paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
 
 
-@triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
-def topk_rows_kernel(
-    scores, seq_lens, out, stride_sb, stride_sh, stride_ob, stride_oh,
-    BS: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+# The top-k of each (sequence, index head) row of block scores, in two stages. One program per row, as a single pass
+# over the whole row, is TOPK serial reductions over every page: at 1M tokens (8192 pages) and batch 8 that is 32
+# programs on 132 SMs, each reducing 8192 values 16 times. Stage 1 (`topk_chunk_kernel`) gives each program one
+# chunk of CHUNK pages and keeps its best min(TOPK, CHUNK) blocks; stage 2 (`topk_merge_kernel`, one program per row)
+# takes the best TOPK of those candidates. A row's top TOPK lies among its chunks' top TOPKs, so the result is the
+# single pass's. Rows of at most CHUNK pages run stage 1 alone, writing the selection (FINAL).
+# Scores travel as int64 keys (`_page_keys`): one max picks the best block and, among equal scores, the lowest page
+# (tl.argmax's and torch.topk's tie rule), where a (value, index) pair would need a max and an argmax, and a
+# candidate carries its page with it. Keys are distinct (one page each), so the taken one is masked out by equality.
+_NINF_HI = tl.constexpr(-2139095041)  # the high word of the key of a -inf score (`_page_keys` of 0xFF800000)
+_EMPTY = tl.constexpr(-(2**63))  # below every key: a slot taken or past the row
+
+
+@triton.jit
+def _page_keys(x, page):
+    # fp32 scores and their pages -> int64 keys ordered as (score, then the lower page): the high word holds the
+    # score's bits made order-preserving as a signed int (negative floats: magnitude bits flipped), the low word
+    # 2^31 - 1 - page. NaN ranks above +inf, as in torch.topk
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as it compares
+    b = x.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) + (2147483647 - page).to(tl.int64)
+
+
+@triton.jit
+def _key_page(key):
+    # the page of a key; -1 for a -inf score (a page past the sequence) or a slot no block filled
+    page = 2147483647 - (key - ((key >> 32) << 32))
+    return tl.where((key >> 32) <= _NINF_HI, -1, page).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["max_pages", "stride_sb", "stride_sh", "stride_cb", "stride_ch"])
+def topk_chunk_kernel(
+    scores, seq_lens, cand, out, max_pages, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
+    BS: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr, TOPK: tl.constexpr, INIT: tl.constexpr,
+    LOCAL: tl.constexpr, FINAL: tl.constexpr,
 ):
-    # one program: one (sequence, index head) row of block scores; forced blocks first, then the best TOPK - forced
+    # one program: pages [i_c * CHUNK, (i_c + 1) * CHUNK) of one (sequence, index head) row, with the forced blocks
+    # applied (init blocks -> FLT_MAX, local blocks -> +inf: when they outnumber the slots, local blocks win, then
+    # the lower pages), pages past the sequence -> -inf. Not FINAL: its best KC keys to cand [B, H, n_chunks * KC];
+    # chunks past the sequence write nothing (stage 2 reads only the sequence's chunks). FINAL (the row is one
+    # chunk): its best TOPK pages to out [B, H, TOPK], -1 where no visible block is left
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_c = tl.program_id(2)
+    seq_len = tl.load(seq_lens + i_b)
+    q_block = (seq_len - 1) // BS
+    if i_c * CHUNK <= q_block:
+        o_p = i_c * CHUNK + tl.arange(0, CHUNK)
+        visible = (o_p <= q_block) & (o_p < max_pages)
+        x = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_p, mask=visible, other=float("-inf"))
+        x = tl.where(visible & (o_p < INIT), 3.4028234663852886e38, x)
+        x = tl.where(visible & (o_p > q_block - LOCAL), float("inf"), x)
+        keys = _page_keys(x, o_p)
+        for i in range(KC):
+            best = tl.max(keys, 0)
+            if FINAL:
+                tl.store(out + i_b * stride_ob + i_h * stride_oh + i, _key_page(best))
+            else:
+                tl.store(cand + i_b * stride_cb + i_h * stride_ch + i_c * KC + i, best)
+            keys = tl.where(keys == best, _EMPTY, keys)
+
+
+@triton.jit(do_not_specialize=["stride_cb", "stride_ch"])
+def topk_merge_kernel(
+    cand, seq_lens, out, stride_cb, stride_ch, stride_ob, stride_oh,
+    BS: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr, TOPK: tl.constexpr, MT: tl.constexpr,
+):
+    # one program: one row's candidates (KC keys from each chunk holding a visible page) -> its TOPK pages, best
+    # first, -1 where fewer blocks are visible. Up to MT candidates (a fixed tile, so no context length compiles a
+    # new binary): held in registers, TOPK maxima over them. More: each slot re-reads them in MT-wide tiles
+    # (from L1/L2) for the largest key below the slot before's
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     seq_len = tl.load(seq_lens + i_b)
-    q_block = (seq_len - 1) // BS
-    o_p = tl.arange(0, NBP)
-    visible = o_p <= q_block
-    x = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_p, mask=visible, other=float("-inf"))
-    # forced blocks win; when they outnumber the slots, local blocks win over init blocks
-    x = tl.where(visible & (o_p < INIT), 3.4028234663852886e38, x)
-    x = tl.where(visible & (o_p > q_block - LOCAL), float("inf"), x)
-    for i in range(TOPK):
-        best = tl.max(x, 0)
-        arg = tl.argmax(x, 0)
-        tl.store(out + i_b * stride_ob + i_h * stride_oh + i, tl.where(best == float("-inf"), -1, arg))
-        x = tl.where(o_p == arg, float("-inf"), x)
+    n = tl.cdiv((seq_len - 1) // BS + 1, CHUNK) * KC
+    p_c = cand + i_b * stride_cb + i_h * stride_ch
+    p_o = out + i_b * stride_ob + i_h * stride_oh
+    o_m = tl.arange(0, MT)
+    if n <= MT:
+        keys = tl.load(p_c + o_m, mask=o_m < n, other=_EMPTY)
+        for i in range(TOPK):
+            best = tl.max(keys, 0)
+            tl.store(p_o + i, _key_page(best))
+            keys = tl.where(keys == best, _EMPTY, keys)
+    else:
+        prev = tl.full([], 2**63 - 1, tl.int64)
+        for i in range(TOPK):
+            best = tl.full([], _EMPTY, tl.int64)
+            for t in range(0, n, MT):
+                keys = tl.load(p_c + t + o_m, mask=t + o_m < n, other=_EMPTY)
+                best = tl.maximum(best, tl.max(tl.where(keys < prev, keys, _EMPTY), 0))
+            tl.store(p_o + i, _key_page(best))
+            prev = best
 
 
 @triton.jit

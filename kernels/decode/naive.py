@@ -8,11 +8,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from m3compile.kernels.indexer.naive import select_from_scores
+from m3compile.kernels.indexer.naive import block_masks
 from m3compile.kernels.naive_common import quantize_index_keys
 
-__all__ = ["paged_block_scores_reference", "paged_select_reference", "paged_attention_reference", "quantize_pages",
-           "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
+__all__ = ["paged_block_scores_reference", "paged_select_reference", "top_blocks_reference",
+           "paged_attention_reference", "quantize_pages", "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
@@ -44,12 +44,25 @@ def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, ini
                            idx_scale=None):
     """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k."""
     scores = paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale)
-    out = torch.full((*q_idx.shape[:2], topk), -1, dtype=torch.int32, device=q_idx.device)
-    for b in range(q_idx.shape[0]):
-        n_blocks = -(-int(seq_lens[b]) // idx_cache.shape[1])
-        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=q_idx.device)
-        out[b] = select_from_scores(scores[b, :, None, :n_blocks][None], t_pos, idx_cache.shape[1], topk,
-                                    init_blocks, local_blocks)[0, :, 0]
+    return top_blocks_reference(scores, seq_lens, block_size=idx_cache.shape[1], topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks)
+
+
+def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, local_blocks=1):
+    """Plain-torch `top_blocks`: per sequence, its row of block scores [B, Hi, max_pages] (its first
+    ceil(seq_len / block_size) pages) with the forced blocks as the prefill's selection keeps them (local: +inf, init:
+    FLT_MAX), in a stable descending sort: best first, equal scores (forced blocks too) to the lower page
+    -> [B, Hi, topk] int32, -1 past the sequence's blocks."""
+    out = torch.full((*scores.shape[:2], topk), -1, dtype=torch.int32, device=scores.device)
+    for b in range(scores.shape[0]):
+        n_blocks = -(-int(seq_lens[b]) // block_size)
+        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=scores.device)
+        visible, local, init = block_masks(t_pos, n_blocks, block_size, init_blocks, local_blocks)  # [1, n_blocks]
+        s = scores[b, :, :n_blocks].float().masked_fill(~visible, float("-inf"))
+        s = s.masked_fill(init, torch.finfo(torch.float32).max).masked_fill(local, float("inf"))
+        top = s.sort(dim=-1, descending=True, stable=True)
+        k = min(topk, n_blocks)
+        out[b, :, :k] = top.indices[:, :k].masked_fill(top.values[:, :k] == float("-inf"), -1).int()
     return out
 
 

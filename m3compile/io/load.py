@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from m3compile.config import parse_dtype
+from m3compile.config import DTYPES, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import args_from_config, read_config
 from m3compile.io.streaming import SourceTensors
@@ -16,7 +16,7 @@ from m3compile.io.weights import check_state, checkpoint_dtype, load_state_dict,
 from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding
 from m3compile.models.vision import MultimodalDecoder, VisionRotary, apply_window
 
-__all__ = ["load", "load_meta", "weights_by_layer", "from_preset", "check_device"]
+__all__ = ["load", "load_meta", "weights_by_layer", "from_preset", "check_device", "auto_dtype"]
 
 
 def check_device(device) -> torch.device:
@@ -35,12 +35,27 @@ def check_device(device) -> torch.device:
     return dev
 
 
+def auto_dtype(config: dict, stored: torch.dtype, device) -> torch.dtype:
+    """The compute dtype "auto" picks for a checkpoint on `device`: float32 on a CPU (its bf16 matmuls are slow);
+    elsewhere the checkpoint's floating dtype: config.json's torch_dtype (or dtype), else `stored`, the dtype its
+    tensors are stored in (bf16 if any is)."""
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    for key in ("torch_dtype", "dtype"):
+        name = config.get(key) if isinstance(config, dict) else None
+        if isinstance(name, str) and name.replace("torch.", "") in DTYPES:
+            return parse_dtype(name.replace("torch.", ""))
+    return stored
+
+
 def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
          attn_impl: str = "sdpa_gqa") -> Decoder:
-    """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder."""
+    """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder. dtype: a name
+    ("bfloat16", "fp32", ...) or torch dtype; None: the dtype its tensors are stored in; "auto": `auto_dtype`
+    (float32 on a CPU, the checkpoint's own elsewhere)."""
     check_device(device)
     ck = read_checkpoint(path, attn_impl)
-    target = parse_dtype(dtype) or ck.dtype
+    target = auto_dtype(ck.config, ck.dtype, device) if dtype == "auto" else parse_dtype(dtype) or ck.dtype
     with torch.device("meta"):
         model = Decoder(ck.args)
     # the checkpoint's tensors become the parameters (assign): no empty model to allocate, fill and copy into; each

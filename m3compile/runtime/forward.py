@@ -51,15 +51,19 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, bac
 
 @torch.no_grad()
 def prefill_nll(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tensor, backend: str,
-                chunk: int | None = None, rows: int = 4096) -> torch.Tensor:
+                chunk: int | None = None, rows: int = 4096, selection: str = "index") -> torch.Tensor:
     """The next-token losses [T - 1] (fp32) of a text [T] prefilled as `prefill` does it (the same chunks, each
     attending to the keys as the cache holds them): the loss a cache's dtype (an fp8 KV cache) costs, measured at
-    any length. The logits are made `rows` positions at a time (never [T, vocab])."""
+    any length. The logits are made `rows` positions at a time (never [T, vocab]). selection: as in `prefill`
+    ("dense": every MSA layer attends to every cached key, the dense baseline under the same cache)."""
     T = tokens.shape[0]
     chunk = T if chunk is None else chunk
+    if selection in ("oracle", "recent") and chunk < T:
+        raise ValueError(f"selection {selection!r} ranks the text's own blocks: prefill it in one pass "
+                         f"(chunk {chunk} < {T} tokens)")
     out = torch.empty(T - 1, dtype=torch.float32, device=tokens.device)
     for t0 in range(0, T, chunk):
-        x = model.model.norm(_prefill_chunk(model, cache, b, tokens[t0:t0 + chunk], t0, backend)[0])
+        x = model.model.norm(_prefill_chunk(model, cache, b, tokens[t0:t0 + chunk], t0, backend, selection)[0])
         for r0 in range(0, min(x.shape[0], T - 1 - t0), rows):
             r1 = min(r0 + rows, x.shape[0], T - 1 - t0)
             out[t0 + r0:t0 + r1] = F.cross_entropy(model.lm_head(x[r0:r1]).float(), tokens[t0 + r0 + 1:t0 + r1 + 1],

@@ -1,5 +1,6 @@
 """Evaluation: next-token loss with dense attention, with MSA active and under oracle selection; block recall and
-its tail per layer; the share of tokens that sparse attention hurts badly."""
+its tail per layer; the share of tokens that sparse attention hurts badly. With a K/V cache dtype (bf16, fp8) the
+losses are those of the paged prefill over a cache of that dtype (runtime.prefill_nll): what the cache costs."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,8 @@ from m3compile.io.hf_config import check_positions
 from m3compile.kernels import causal_lse
 from m3compile.kernels.causal_lse import naive as reference
 from m3compile.models.decoder import Attention, Decoder
+from m3compile.runtime import PagedCache, prefill_nll
+from m3compile.tools.generate import resolve_kv_cache
 
 __all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
 
@@ -56,6 +59,10 @@ class EvalReport:
     mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer, measured in the
                                oracle forward (each layer's q/k there; equal to causal_lse.naive.oracle_recall of them);
                                null / {} when oracle_loss is (oracle=False, `--no-oracle`: no oracle pass runs)
+    kv_cache                   null: the losses come from the model's own forward (no cache); "bf16" / "fp8": from
+                               the paged prefill over a K/V cache of that dtype, each window's queries attending to
+                               the keys and values as the cache holds them (runtime.prefill_nll; dense row: every
+                               MSA layer attends to every cached key); block recall is then not measured (null / {})
     seconds                    wall time
     """
 
@@ -71,6 +78,7 @@ class EvalReport:
     tail_share: float | None = None
     oracle_tail_share: float | None = None
     recall_p10: dict[int, float] = field(default_factory=dict)  # layer -> 10th percentile of per-token recall
+    kv_cache: str | None = None  # None: the model's forward; "bf16" / "fp8": the paged prefill over that cache
 
     @property
     def mean_oracle_recall(self) -> float | None:
@@ -108,7 +116,7 @@ class EvalReport:
             "recall": per_layer(self.recall), "recall_p10": per_layer(self.recall_p10),
             "min_recall_p10": _finite(self.min_recall_p10), "mean_oracle_recall": _finite(self.mean_oracle_recall),
             "oracle_recall": per_layer(self.oracle_recall) if self.oracle_recall else None,
-            "seconds": round(self.seconds, 2),
+            "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
         }
 
 
@@ -192,14 +200,18 @@ def _kernels_default(model: Decoder) -> bool:
 @torch.no_grad()
 def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: int | None = None,
              progress: Callable[[int, int], None] | None = None, oracle: bool = True, batch: int = 1,
-             kernels: bool | None = None) -> EvalReport:
+             kernels: bool | None = None, kv_cache: str = "auto") -> EvalReport:
     """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
     per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport.
 
     batch: windows per forward. kernels: run the model with the lowered ops (Decoder.set_kernels: fused RMSNorm,
     RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
     causal_lse.dense_recall); default (None) on CUDA. The losses and
-    counts stay on the device until the end (no host synchronisation per window)."""
+    counts stay on the device until the end (no host synchronisation per window).
+    kv_cache: "auto" (default): the model's own forward, which keeps no cache. "bf16" or "fp8" (a K/V cache dtype of
+    m3compile.generate): each window is prefilled in one pass into a PagedCache of that dtype and its losses are
+    runtime.prefill_nll's, the queries attending to the keys and values as the cache holds them: dense (selection
+    "dense"), MSA (the index branch) and oracle rows, one window at a time (`batch` does not apply); no recall."""
     EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)  # each in its range (one-line errors)
     check_positions(seq_len, getattr(model, "source_config", None), f"--seq-len {seq_len}")
     start = time.perf_counter()
@@ -208,6 +220,8 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
     oracle = oracle and bool(sparse_layers)
     kernels = _kernels_default(model) if kernels is None else kernels
+    if kv_cache != "auto":
+        return _cached(model, data, seq_len, kv_cache, sparse_layers, oracle, kernels, progress, start)
     probe, oracle_probe = _RecallProbe(hist=True), _RecallProbe(hist=False)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     dense_sum = sparse_sum = oracle_sum = zero
@@ -242,3 +256,37 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
         time.perf_counter() - start, oracle_probe.result(), oracle_loss=sums[2] / n if oracle else None,
         tail_share=sums[3] / n if sparse_layers else None, oracle_tail_share=sums[4] / n if oracle else None,
         recall_p10=probe.quantile(RECALL_QUANTILE))
+
+
+def _cached(model: Decoder, data: torch.Tensor, seq_len: int, kv_cache: str, sparse_layers: list[int], oracle: bool,
+            kernels: bool, progress: Callable[[int, int], None] | None, start: float) -> EvalReport:
+    """`evaluate` with a K/V cache of dtype `kv_cache`: per window [seq_len + 1] the losses of prefill_nll over one
+    reused PagedCache (each prefill overwrites every position it reads), once per row's selection."""
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
+    kv_dtype = resolve_kv_cache(kv_cache, dtype, device)
+    a = model.args
+    page = a.msa.block_size if sparse_layers else 128
+    index_dtype = torch.float8_e4m3fn if a.msa is not None and a.msa.index_dtype == "fp8" else dtype
+    cache = PagedCache(model, 1, seq_len + 1, page, device, kv_dtype, index_dtype)
+    backend = "auto" if kernels else "torch"
+    rows = ["dense"] + (["index"] if sparse_layers else []) + (["oracle"] if oracle else [])
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = dict.fromkeys(rows, zero)
+    tails = dict.fromkeys(rows, zero.long())
+    with _eval_mode(model, kernels):
+        model.set_sparse(True)
+        for w in range(data.shape[0]):
+            losses = {r: prefill_nll(model, cache, 0, data[w], backend, selection=r) for r in rows}
+            for r in rows:
+                sums[r] = sums[r] + losses[r].sum(dtype=torch.float64)
+                tails[r] = tails[r] + (losses[r] - losses["dense"] > TAIL_NATS).sum()
+            if progress:
+                progress(w + 1, data.shape[0])
+    n = data.shape[0] * seq_len
+    values = torch.stack([sums[r] for r in rows] + [tails[r].double() for r in rows]).tolist()  # one sync
+    got = {r: v / n for r, v in zip(rows, values[:len(rows)])}
+    shares = {r: v / n for r, v in zip(rows, values[len(rows):])}
+    return EvalReport(seq_len, data.shape[0], n, got["dense"], got.get("index"), seconds=time.perf_counter() - start,
+                      oracle_loss=got.get("oracle"), tail_share=shares.get("index"),
+                      oracle_tail_share=shares.get("oracle"), kv_cache=kv_cache)

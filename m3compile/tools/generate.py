@@ -27,7 +27,7 @@ from m3compile.runtime.timings import NULL_TIMINGS, Timings
 from m3compile.runtime.selection import RUNTIME_SELECTIONS
 from m3compile import memory
 
-__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES"]
+__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES", "resolve_kv_cache"]
 
 
 @dataclass
@@ -124,8 +124,6 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     page = block or page_size or 128
     if index_cache_dtype not in ("auto", "fp8"):
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 1):
         raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
@@ -133,7 +131,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     device, dtype = p0.device, p0.dtype
     fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
     index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
-    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+    kv_dtype = resolve_kv_cache(kv_cache_dtype, dtype, device)
     B = len(prompts)
     longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
     check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
@@ -196,6 +194,24 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
 
 # kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
 KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype:
+    """The K/V cache's torch dtype for a kv_cache_dtype name ("auto": `model_dtype`), checked before any cache is
+    allocated: an unknown name, or a dtype this torch build cannot hold on `device` (fp8 without float8 support),
+    is a one-line M3CompileError."""
+    if name not in KV_CACHE_DTYPES:
+        raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype is None:
+        return model_dtype
+    try:
+        torch.zeros(1, device=device).to(dtype)
+    except (RuntimeError, TypeError) as e:
+        raise M3CompileError(f"a {name} K/V cache needs {str(dtype).replace('torch.', '')} tensors on "
+                             f"{torch.device(device)}, which this torch build does not support "
+                             f"({str(e).splitlines()[0][:100]}); use bf16") from None
+    return dtype
 
 
 def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,

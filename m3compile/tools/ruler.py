@@ -4,8 +4,8 @@ RULER scores (string_match_all).
 
 For each length, each task's samples are built once (ruler_tasks.build_samples: seeded, the same for every
 selection) and generated in batches through m3compile.generate: one prefill per prompt, then the paged cached
-decode, the MSA layers selecting as asked (runtime.selection), up to the task's max_new_tokens or the end of the
-answer. A sample scores the share of its expected answers found in the generated text (case-insensitive, control
+decode, the MSA layers selecting as asked (runtime.selection), over a K/V cache of the dtype asked (kv_cache:
+the model's, bf16 or fp8), up to the task's max_new_tokens or the end of the answer. A sample scores the share of its expected answers found in the generated text (case-insensitive, control
 characters read as newlines); a task's score is its samples' mean x 100.
 
     selections   dense (every MSA layer attends to every key), msa (the index branch: the converted model),
@@ -25,7 +25,7 @@ from typing import Callable
 
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Decoder
-from m3compile.tools.generate import generate
+from m3compile.tools.generate import generate, resolve_kv_cache
 from m3compile.tools.prompt import PromptCodec
 from m3compile.tools.ruler_tasks import TASKS, Haystacks, Sample, build_samples
 
@@ -75,6 +75,7 @@ class RulerReport:
     excluded        tasks the dense model scores below 50 at the shortest length: kept out of `average`
     average         {selection: {length: mean score over the tasks not excluded}}, and "all" over the lengths
     prompt_tokens   {length: mean prompt tokens over every sample}
+    kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16" or "fp8"
     seconds         wall time
     """
 
@@ -88,6 +89,7 @@ class RulerReport:
     scores: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
     prompt_tokens: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    kv_cache: str = "auto"
 
     @property
     def excluded(self) -> list[str]:
@@ -113,7 +115,7 @@ class RulerReport:
             "average": {s: {**{str(n): _round(self.average(s, n)) for n in self.lengths},
                             "all": _round(self.average(s))} for s in self.selections},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
-            "seconds": round(self.seconds, 2),
+            "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
         }
 
 
@@ -123,16 +125,18 @@ def _round(x: float | None) -> float | None:
 
 def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, decode: Callable[[list[int]], str], *,
                 stop_ids: list[int], selection: str = "index", batch: int | None = None,
-                progress: Callable[[int], None] | None = None, backend: str = "auto") -> list[float]:
+                progress: Callable[[int], None] | None = None, backend: str = "auto",
+                kv_cache: str = "auto") -> list[float]:
     """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
     the paged cached decode) with the MSA layers selecting as `selection` (runtime.selection); per sample the
-    share of its answers found in the decoded text (`score`). progress(n): n more samples done."""
+    share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
+    cache dtype (m3compile.generate's kv_cache_dtype)."""
     out = []
     step = batch or len(samples)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
         result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
-                          backend=backend)
+                          backend=backend, kv_cache_dtype=kv_cache)
         for s, tokens in zip(chunk, result.tokens):
             out.append(score(decode([t for t in tokens if t not in stop_ids]), s.answers))
         if progress:
@@ -144,16 +148,19 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
           lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
           context: int | None = None, data_name: str = "the data file", backend: str = "auto",
-          progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
+          kv_cache: str = "auto", progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
     within `context` (the model's max_position_embeddings; a length above it is an error). A model without MSA
-    layers runs dense only. progress(done, total, what): samples generated so far of all."""
+    layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
+    "fp8"). progress(done, total, what): samples generated so far of all."""
     if samples < 1:
         raise M3CompileError(f"samples must be >= 1, got {samples}")
     if batch is not None and batch < 1:
         raise M3CompileError(f"batch must be >= 1, got {batch}")
+    p0 = next(model.parameters())
+    resolve_kv_cache(kv_cache, p0.dtype, p0.device)  # an unknown or unsupported dtype stops before any prompt
     tasks = list(TASKS) if tasks is None else list(tasks)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
@@ -175,7 +182,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
         selections = ["dense"]  # no MSA layer: every selection is dense attention
     selections = list(dict.fromkeys(selections))
     start = time.perf_counter()
-    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context)
+    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
     total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
@@ -198,7 +205,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 if progress:
                     progress(done, total, f"{name} at {length}: {sel}")
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
-                                  selection=SELECTIONS[sel], batch=batch, progress=advance, backend=backend)
+                                  selection=SELECTIONS[sel], batch=batch, progress=advance, backend=backend,
+                                  kv_cache=kv_cache)
                 report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)
     report.seconds = time.perf_counter() - start

@@ -43,6 +43,7 @@ from m3compile.io.tensor_names import to_release_names
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import scope
+from m3compile.passes.kl_distill import drop_logits
 from m3compile.pipelines import run_pipeline
 from m3compile.train.holdout import HeldOut, split_holdout
 from m3compile.train.shard import (
@@ -307,6 +308,10 @@ class DistillStep:
         # sharded: without the norm / index-branch fusions (they read weights outside their modules' FSDP calls)
         self.block_loss = config.block_loss > 0
         run_pipeline("distill", self.gm, mode=mode, lowered=lowered, fused=not shard, block_loss=self.block_loss)
+        if not self.training and not shard:
+            # the index branch learns from the hooks' outputs alone: no lm head, final norm or last o_proj / MLP.
+            # (A sharded run keeps them: its held-out loss runs this graph, train/holdout.py.)
+            drop_logits(self.gm)
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)

@@ -16,6 +16,7 @@ from m3compile.kernels.naive_common import fp8_round, quantize_index_keys
 from m3compile.kernels.sparse_attention.naive import sparse_attention
 from m3compile.kernels import sparse_attention as sa
 from m3compile.kernels._tl_common import quantize_rows_e4m3
+from m3compile.runtime.timings import kernel_census
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -393,6 +394,66 @@ def test_paged_decode_fp8_index_cache():
     assert_same_selection(got, want)
 
 
+TOP_BLOCKS_CASES = [  # chunk, lens, block, index heads, topk, init, local, scores
+    (4, [1, 13, 70, 30], 4, 3, 5, 1, 1, "randn"),  # one token, -1 slots, topk > chunk, > 16 candidates: tiled merge
+    (4, [49], 4, 1, 3, 3, 2, "randn"),  # 5 forced blocks for 3 slots, the local ones across two chunks
+    (4, [61, 22], 4, 2, 4, 0, 1, "one-chunk"),  # the best blocks all in one chunk
+    (4, [37, 9], 4, 3, 6, 1, 1, "ties"),  # equal scores across and inside chunks: the lower page first
+    (256, [30, 7], 4, 3, 4, 2, 1, "ties"),  # one chunk: the single pass
+]
+
+
+@pytest.mark.parametrize("case", TOP_BLOCKS_CASES, ids=lambda c: "chunk{}-lens{}-bs{}-Hi{}-k{}-init{}-local{}-{}".format(
+    c[0], "_".join(map(str, c[1])), *c[2:]))
+def test_top_blocks_two_stages_match_reference(case, monkeypatch):
+    """The top-k over chunks then a merge equals the reference slot for slot (best first, equal scores to the lower
+    page), with small chunks so that rows span several, and the page past the sequences' last one never read."""
+    chunk, lens, bs, H, k, init, local, kind = case
+    monkeypatch.setattr(dk, "TOPK_CHUNK", chunk)
+    max_pages = max(-(-L // bs) for L in lens) + 1
+    scores = torch.randn(len(lens), H, max_pages)
+    if kind == "ties":
+        scores = torch.randint(0, 3, scores.shape).float()
+    elif kind == "one-chunk":
+        scores[:, :, 8:12] += 10.0
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    seq_ends = (seq_lens + bs - 1) // bs
+    scores = scores.masked_fill(torch.arange(max_pages) >= seq_ends[:, None, None], float("nan"))  # never read
+    got = dk.top_blocks(scores, seq_lens, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
+                        backend="triton")
+    want = dk.top_blocks_reference(scores, seq_lens, block_size=bs, topk=k, init_blocks=init, local_blocks=local)
+    assert torch.equal(got, want), (got, want)
+    assert ((got == -1).sum(-1) == (k - seq_ends.clamp(max=k))[:, None]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_paged_select_two_stages(dtype, monkeypatch):
+    """paged_select with 4-page chunks on 16-bit and fp8 index caches, 3 index heads, sequences of 1 token to 14
+    pages (one shorter than topk), matches the reference; and a longer block table (more chunks) launches the same
+    kernel specialisations. (fp16 stands for bf16 here: the interpreter's tl.dot multiplies bf16 operands' raw bits;
+    bf16 caches are checked on a GPU by benchmarks/check_kernels.py.)"""
+    monkeypatch.setattr(dk, "TOPK_CHUNK", 4)
+    lens, bs, Di, k = [1, 54, 19], 4, 16, 6
+    _, _, idx_cache, table, seq_lens = _paged(lens, bs, 1, 16, Di, dtype=torch.float16)
+    scale = None
+    if dtype == torch.float8_e4m3fn:
+        idx_cache, scale = dk.quantize_pages(idx_cache)
+    q_idx = torch.randn(3, 3, Di, dtype=torch.float16 if scale is None else torch.bfloat16)
+    runs = []
+    for pages in (table.shape[1], table.shape[1] + 9):
+        wide = torch.cat([table, table[:, :1].expand(-1, pages - table.shape[1])], 1)
+        with kernel_census() as census:
+            got = dk.paged_select(q_idx, idx_cache, wide, seq_lens, topk=k, init_blocks=1, local_blocks=2,
+                                  idx_scale=scale, backend="triton")
+        runs.append(dict(census.variants))
+        want = dk.paged_select_reference(q_idx, idx_cache, wide, seq_lens, topk=k, init_blocks=1, local_blocks=2,
+                                         idx_scale=scale)
+        scores = dk.paged_block_scores_reference(q_idx, idx_cache, wide, seq_lens, scale)
+        assert_same_selection(got, want, scores, tol=1e-2)
+        assert (got[0, :, 1:] == -1).all() and (got[2, :, 5:] == -1).all() and (got[1] >= 0).all()
+    assert runs[0] == runs[1] and {"topk_chunk_kernel", "topk_merge_kernel"} <= set(runs[0])
+
+
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_paged_index_write_fills_pages_as_the_prefill_quantises(backend, key_dtype):
@@ -554,6 +615,8 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="blocks must be"):
         sa.sparse_attention(torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                             torch.zeros(1, 2, 8, 2, dtype=torch.int32), block_size=8)
+    with pytest.raises(ValueError, match="scores must be fp32"):
+        dk.top_blocks(torch.randn(1, 2, 4).half(), torch.tensor([5], dtype=torch.int32), block_size=4, topk=2)
     with pytest.raises(ValueError, match="idx_scale"):
         dk.paged_select(torch.randn(1, 2, 16), torch.randn(3, 8, 16).to(torch.float8_e4m3fn),
                         torch.zeros(1, 3, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), topk=2)
