@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                                            index_dtype=a.index_dtype, index_dim=a.index_dim)
     if check is not None and not check["ok"]:
         raise M3CompileError(f"conversion put tensors off the model's device or dtype: {check['mismatched'][:3]}")
+    msa.fuse_projections(dense)  # as generate would fuse each, but with the weights still shared by both models
     vocab = dense.args.vocab_size
     prompt = torch.randint(0, vocab, (a.length,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     rows = {name: measure(model, prompt, a.new, a.kv_cache, min(a.warmup, a.length))

@@ -269,6 +269,7 @@ def _cached(model: Decoder, data: torch.Tensor, seq_len: int, kv_cache: str, spa
     page = a.msa.block_size if sparse_layers else 128
     index_dtype = torch.float8_e4m3fn if a.msa is not None and a.msa.index_dtype == "fp8" else dtype
     cache = PagedCache(model, 1, seq_len + 1, page, device, kv_dtype, index_dtype)
+    model.fuse_projections()  # the projections as generate runs them: one matmul per group, in place
     backend = "auto" if kernels else "torch"
     rows = ["dense"] + (["index"] if sparse_layers else []) + (["oracle"] if oracle else [])
     zero = torch.zeros((), dtype=torch.float64, device=device)
