@@ -1,6 +1,7 @@
 """The paged decode runtime: caches, prefill, one decode step, the decode step as a CUDA graph.
 
-Every layer keeps a paged KV cache (the model's dtype, bf16, or fp8 e4m3 with one scale per token and head);
+Every layer keeps a paged KV cache (the model's dtype, bf16, or fp8 e4m3 with one scale per token and head, the
+keys less a constant that softmax ignores: key_shift.py);
 every MSA layer also keeps a paged index-key cache (one shared index key per token, bf16 or fp8 e4m3 with one scale
 per page, as the prefill's fp8 scoring quantises a key block). Pages hold `block_size` tokens: the MSA key block is
 the page, so a selected block id is a logical page of the block table.
@@ -16,6 +17,7 @@ GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the
 instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
     paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
+    key_shift.py    key_shifts: what an fp8 K cache subtracts from each key (the mean rotated K bias) before rounding
     forward.py      prefill (one prompt into the caches, in chunks), prefill_nll (its next-token losses),
                     decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable

@@ -8,6 +8,7 @@ from m3compile.kernels.indexer import quantize_index_keys
 from m3compile.kernels.naive_common import expand_block_scale
 from m3compile.memory import DEQUANTIZE_ROWS
 from m3compile.models.decoder import Decoder
+from m3compile.runtime.key_shift import key_shifts
 
 __all__ = ["PagedCache"]
 
@@ -16,8 +17,10 @@ class PagedCache:
     """Paged KV + index-key caches of one batch: pages [P, page, ...] per layer, one block table for all layers.
 
     dtype: the KV cache's dtype: the model's, another floating dtype, or torch.float8_e4m3fn (e4m3 with one fp32
-    scale per token and head in k_scale / v_scale [P, page, Hkv]: kernels.decode.paged_kv_write). index_dtype: the
-    index-key cache's (fp8: one scale per page, the newest page's keys also kept unquantised in `tail`).
+    scale per token and head in k_scale / v_scale [P, page, Hkv]: kernels.decode.paged_kv_write), each key less its
+    layer's k_shift [Hkv, D] (runtime.key_shift: exact for attention, it keeps a K bias's constant out of the fp8
+    rounding). index_dtype: the index-key cache's (fp8: one scale per page, the newest page's keys also kept
+    unquantised in `tail`).
     Each sequence's pages are consecutive (block_table row b = pages b * per_seq ...), so a sequence's keys read
     back as one strided view (`keys_values`, `index_keys`: what a chunked prefill attends to)."""
 
@@ -33,6 +36,9 @@ class PagedCache:
         P = batch * per_seq
         kv_fp8 = dtype == torch.float8_e4m3fn
         self.k, self.v, self.k_scale, self.v_scale = {}, {}, {}, {}
+        # fp8 only: per layer [Hkv, D] fp32 or None (a model constant, not counted by nbytes)
+        self.k_shift = {i: None if mu is None else mu.to(device)
+                        for i, mu in key_shifts(model, max_len).items()} if kv_fp8 else dict.fromkeys(range(a.n_layers))
         self.idx, self.idx_scale, self.tail = {}, {}, {}
         for i in range(a.n_layers):
             self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
@@ -65,7 +71,8 @@ class PagedCache:
         cache stores each (token, head) row quantised with its own scale (kernels.decode.paged_kv_write); an fp8
         index cache requantises each sequence's newest page with the new key (kernels.decode.paged_index_write)."""
         page, off = self.slots(b, pos) if slots is None else slots
-        paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
+        paged.paged_kv_write(self.k[layer], self.v[layer], self._shifted(layer, k), v, page, off,
+                             k_scale=self.k_scale[layer],
                              v_scale=self.v_scale[layer], backend=backend)
         if k_idx is not None:
             if self.idx_scale[layer] is not None:
@@ -83,7 +90,8 @@ class PagedCache:
         T = k.shape[0]
         dev = k.device
         page, off = self.slots(torch.full((T,), b, device=dev), torch.arange(start, start + T, device=dev))
-        paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
+        paged.paged_kv_write(self.k[layer], self.v[layer], self._shifted(layer, k), v, page, off,
+                             k_scale=self.k_scale[layer],
                              v_scale=self.v_scale[layer], backend=backend)
         if k_idx is None:
             return
@@ -99,6 +107,11 @@ class PagedCache:
         last = end - end % self.page
         self.tail[layer][b, : end - last] = keys[last - first:]
 
+    def _shifted(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Keys [N, Hkv, D] as the cache stores them: less the layer's k_shift (fp32) where it has one."""
+        shift = self.k_shift[layer]
+        return k if shift is None else k.float() - shift
+
     def _rows(self, t: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """Sequence b's first `length` rows of a per-layer tensor [P, page, ...] -> [length, ...], a view."""
         per_seq = self.block_table.shape[1]
@@ -107,7 +120,9 @@ class PagedCache:
     def keys_values(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's first `length` keys and values as attention reads them: [1, Hkv, length, D] in the model's
         dtype; views of the pages, or of an fp8 cache the values dequantised into new tensors (in pieces of
-        DEQUANTIZE_ROWS tokens, so the fp32 scratch stays bounded at any length)."""
+        DEQUANTIZE_ROWS tokens, so the fp32 scratch stays bounded at any length), the keys less k_shift: softmax
+        attention reads them as it would the keys themselves (every score of a query moves by the same q . shift),
+        and so does a selection ranking a query's scores."""
         out = []
         for cache, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
             x = self._rows(cache[layer], b, length)
