@@ -41,13 +41,22 @@ def round_e4m3(xf):
 
 @triton.jit
 def online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, s_mask, scale_log2, MASKED: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, k_fac=None, v_fac=None, KV_FACTORS: tl.constexpr = False):
     """One key block of an online softmax (base 2): scores of b_q [M, D] against b_k [N, D], keys outside s_mask
-    [M, N] (when MASKED) dropped; returns the updated running max, sum and un-normalised output."""
+    [M, N] (when MASKED) dropped; returns the updated running max, sum and un-normalised output.
+
+    KV_FACTORS: key j's row of b_k and of b_v stands for k_fac[j] * b_k[j] and v_fac[j] * b_v[j] (k_fac, v_fac [N]
+    fp32: the scales of fp8 rows cast to the query's dtype as they are). The factors scale the scores [M, N] and the
+    probabilities [M, N] instead of the [N, D] tiles: (s_k k) . q = s_k (k . q) and sum_j p_j (s_vj v_j) =
+    sum_j (p_j s_vj) v_j, so no dequantised fp32 tile is held in registers."""
     if IEEE:
-        s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale_log2
+        s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
     else:
-        s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
+        s = tl.dot(b_q, tl.trans(b_k))
+    if KV_FACTORS:
+        s = s * (k_fac * scale_log2)[None, :]
+    else:
+        s = s * scale_log2
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -55,6 +64,8 @@ def online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, s_mask, scale_log2, MASKE
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_FACTORS:
+        p = p * v_fac[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
     else:

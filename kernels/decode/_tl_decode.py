@@ -169,10 +169,10 @@ def topk_merge_kernel(
             prev = best
 
 
-@triton.jit
-def _dequantize_rows(b_x, p_scale, m_key, dtype: tl.constexpr):
-    # fp8 rows [BN, DP] of one page and head times their scales (one per token): in fp32, then the query's dtype
-    return (b_x.to(tl.float32) * tl.load(p_scale, mask=m_key, other=0.0)[:, None]).to(dtype)
+# fp16 queries over an fp8 cache: the value scales are applied as _V_UNIT * v_scale (a power of two: exact), as a
+# scale is a row's largest magnitude / 448 and p * v_scale could fall below fp16's smallest normal (6e-5); times 2^8
+# it stays below fp16's largest for any row an fp16 model holds (65504 / 448 * 2^8 < 65504). bf16 needs no unit.
+_V_UNIT = tl.constexpr(256.0)
 
 
 @triton.jit(do_not_specialize=["K", "PPS", "stride_bb", "stride_bh", "stride_tb"])
@@ -186,7 +186,8 @@ def paged_attention_split_kernel(
 ):
     # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE.
     # HAS_SCALE: fp8 K/V pages with one fp32 scale per (token, head) (k_scale / v_scale [P, BS, Hkv], strides
-    # stride_sp, stride_st, 1), dequantised in registers as they are loaded
+    # stride_sp, stride_st, 1): the fp8 tiles are cast to the query's dtype as they are (exact) and the scales applied
+    # to the [G, BN] scores and probabilities (online_softmax_block's KV_FACTORS), not to [BN, D] tiles in fp32
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -213,10 +214,18 @@ def paged_attention_split_kernel(
                           mask=m_kd, other=0.0)
             if HAS_SCALE:
                 o_s = phys * stride_sp + o_n * stride_st + i_h
-                b_k = _dequantize_rows(b_k, k_scale + o_s, m_key, b_q.dtype)
-                b_v = _dequantize_rows(b_v, v_scale + o_s, m_key, b_q.dtype)
-            m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, m_key[None, :], scale_log2, True,
-                                                 IEEE)
+                v_fac = tl.load(v_scale + o_s, mask=m_key, other=0.0)
+                if b_q.dtype == tl.float16:
+                    v_fac = v_fac * _V_UNIT  # undone below
+                m_i, l_i, acc = online_softmax_block(
+                    b_q, b_k.to(b_q.dtype), b_v.to(b_q.dtype), m_i, l_i, acc, m_key[None, :], scale_log2, True, IEEE,
+                    tl.load(k_scale + o_s, mask=m_key, other=0.0), v_fac, KV_FACTORS=True)
+            else:
+                m_i, l_i, acc = online_softmax_block(b_q, b_k, b_v, m_i, l_i, acc, m_key[None, :], scale_log2, True,
+                                                     IEEE)
+    if HAS_SCALE:
+        if b_q.dtype == tl.float16:
+            acc = acc * (1.0 / _V_UNIT)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(part_o + i_b * stride_pb + i_h * stride_ph + i_s * stride_ps + o_g[:, None] * DP + o_d[None, :],
              acc / l_safe[:, None])
