@@ -577,6 +577,26 @@ def test_paged_attention_fp8_kv_cache(case):
     assert rel_err(want, exact) < 0.06  # e4m3 keeps 3 mantissa bits: ~2-3% per value
 
 
+def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
+    """fp16 queries over an fp8 K/V cache, a dense call (every page, several per split, -1 past the shorter
+    sequence), group 3: the kernel casts the fp8 tiles to fp16 as they are and applies the scales to the scores
+    and probabilities; with value rows down to 1e-4 in magnitude (p * v_scale near fp16's subnormals) the output
+    stays within twice its own fp16 rounding of the fp32 reference over the dequantised cache."""
+    lens, bs, Hkv, G, D = [266, 29], 4, 1, 3, 16
+    k_cache, v_cache, _, table, seq_lens = _paged(lens, bs, Hkv, D, 16)
+    k_cache = k_cache * torch.logspace(-1, 1, bs)[None, :, None, None]
+    v_cache = v_cache * torch.logspace(-4, 0, bs)[None, :, None, None]
+    (k8, ks), (v8, vs) = dk.quantize_kv(k_cache), dk.quantize_kv(v_cache)
+    ids = torch.arange(table.shape[1], dtype=torch.int32)
+    every = torch.where(ids[None] < ((seq_lens + bs - 1) // bs)[:, None], ids[None], -1)[:, None].expand(-1, Hkv, -1)
+    assert every.shape[-1] > 64 and (every == -1).any()
+    q = (torch.randn(len(lens), Hkv * G, D) * 2).half()
+    got = dk.paged_attention(q, k8, v8, every, table, seq_lens, k_scale=ks, v_scale=vs, backend="triton")
+    want = dk.paged_attention_reference(q.float(), k8, v8, every, table, seq_lens, k_scale=ks, v_scale=vs)
+    assert got.dtype == torch.float16
+    assert rel_err(got, want) < 2 * rel_err(want.half(), want)
+
+
 def test_paged_kv_write_quantises_each_token_and_head():
     """fp8 K/V rows written for scattered slots: the kernel writes the reference's bytes and scales, each row the
     e4m3 of its own largest magnitude -> 448; other slots keep their contents; a bf16 cache takes the values."""
