@@ -269,3 +269,22 @@ def test_key_shift_cuts_the_fp8_loss_of_large_k_channels():
     with torch.no_grad():
         k = bb.layers[0].self_attn.project(bb.layers[0].input_layernorm(x), cos, sin)[1]  # [1, Hkv, T, D]
     assert torch.equal(bf16.k[0].flatten(0, 1)[:40], k[0].transpose(0, 1).to(torch.bfloat16))
+
+
+def test_paged_oracle_reads_an_fp8_cache_through_its_scales():
+    """The decode oracle ranks the keys an fp8 cache holds (each row times its scale), as it ranks those keys in
+    fp32; keys far from 1 in magnitude make a scale-blind ranking differ."""
+    from m3compile.kernels.decode import dequantize_kv, quantize_kv
+    from m3compile.runtime.selection import paged_oracle_select
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, bs, pages = 2, 6, 2, 16, 4, 5
+    k = torch.randn(B * pages, bs, Hkv, D, generator=g) * torch.rand(B * pages, bs, Hkv, 1, generator=g) * 50
+    k8, scale = quantize_kv(k)
+    q = torch.randn(B, Hq, D, generator=g)
+    table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+    lens = torch.tensor([pages * bs, 2 * bs + 1], dtype=torch.int32)
+    kw = dict(topk=2, init_blocks=0, local_blocks=1)
+    want = paged_oracle_select(q, dequantize_kv(k8, scale), table, lens, **kw)
+    assert torch.equal(paged_oracle_select(q, k8, table, lens, k_scale=scale, **kw), want)
+    assert not torch.equal(paged_oracle_select(q, k8, table, lens, **kw), want)

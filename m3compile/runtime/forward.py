@@ -146,7 +146,8 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
                                             topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
                                             idx_scale=cache.idx_scale[i], backend=backend)
         elif m is not None and attn.sparse and selection != "dense":
-            blocks = decode_blocks(selection, q[:, :, 0], cache.k[i], cache.block_table, cache.seq_lens, m, attn.scale)
+            blocks = decode_blocks(selection, q[:, :, 0], cache.k[i], cache.block_table, cache.seq_lens, m, attn.scale,
+                                   cache.k_scale[i])
         else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
             if attn.n_kv_heads not in dense:
                 dense[attn.n_kv_heads] = _dense_blocks(cache, attn.n_kv_heads)

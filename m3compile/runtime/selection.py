@@ -42,12 +42,14 @@ def prefill_blocks(selection: str, q: torch.Tensor, k: torch.Tensor, m: MSALayer
 
 
 def decode_blocks(selection: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, m: MSALayerArgs, scale: float) -> torch.Tensor:
+                  seq_lens: torch.Tensor, m: MSALayerArgs, scale: float,
+                  k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks [B, Hkv, topk] (int32, -1 = empty) of selection "oracle" or "recent" for one new token per
-    sequence: q [B, Hq, D], k_cache [P, page, Hkv, D] (page = block), seq_lens counting the new token."""
+    sequence: q [B, Hq, D], k_cache [P, page, Hkv, D] (page = block; fp8 with k_scale [P, page, Hkv]), seq_lens
+    counting the new token."""
     if selection == "oracle":
         return paged_oracle_select(q, k_cache, block_table, seq_lens, topk=m.topk, init_blocks=m.init_blocks,
-                                   local_blocks=m.local_blocks, scale=scale)
+                                   local_blocks=m.local_blocks, scale=scale, k_scale=k_scale)
     if selection != "recent":
         raise ValueError(f"no block list for selection {selection!r}")
     age = torch.arange(block_table.shape[1], dtype=torch.float32, device=q.device)
@@ -57,17 +59,20 @@ def decode_blocks(selection: str, q: torch.Tensor, k_cache: torch.Tensor, block_
 
 def paged_oracle_select(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle's blocks for the newest token of each sequence, from the paged KV cache: per KV group, the mean
     over its query heads of their softmax over every cached key (fp32), summed per page (= block), then the
     top-k with the forced blocks as `paged_select` keeps them. Plain torch over every page of the block table (one
     query per sequence: no kernel needed), no host synchronisation, so a CUDA graph captures it.
 
-    q [B, Hq, D], k_cache [P, BS, Hkv, D], block_table [B, max_pages], seq_lens [B] -> [B, Hkv, topk] int32."""
+    q [B, Hq, D], k_cache [P, BS, Hkv, D] (an fp8 cache with its k_scale [P, BS, Hkv]: each key row times its scale),
+    block_table [B, max_pages], seq_lens [B] -> [B, Hkv, topk] int32."""
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = D**-0.5 if scale is None else scale
     keys = k_cache[block_table.long()].float()  # [B, pages, BS, Hkv, D]
+    if k_scale is not None:
+        keys = keys * k_scale[block_table.long()].float()[..., None]
     s = torch.einsum("bhgd,bnthd->bhgnt", q.float().view(B, Hkv, Hq // Hkv, D), keys) * scale
     pos = torch.arange(keys.shape[1] * bs, device=q.device).view(keys.shape[1], bs)
     s = s.masked_fill(pos >= seq_lens.long()[:, None, None, None, None], float("-inf"))
