@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from m3compile.kernels import decode as paged
 from m3compile.kernels.indexer import select_blocks
@@ -75,7 +74,12 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     """Causal GQA attention of the last Tq of Tk positions (Tq = Tk: the whole prompt): q [1, Hq, Tq, D], k/v
     [1, Hkv, Tk, D]; SDPA, bottom-right aligned for a chunk over its cached prefix."""
     Tq, Tk = q.shape[2], k.shape[2]
-    mask = None if Tq == Tk else causal_lower_right(Tq, Tk)
+    if Tq == Tk:
+        mask = None
+    else:  # imported here: torch.nn.attention.bias imports torch._dynamo (1.7 s), which a whole-prompt prefill
+        from torch.nn.attention.bias import causal_lower_right  # and the decode never need
+
+        mask = causal_lower_right(Tq, Tk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=True)
 
