@@ -73,7 +73,7 @@ from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile import memory
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
-from m3compile.tools.generate import KV_CACHE_DTYPES
+from m3compile.tools.generate import KV_CACHE_DTYPES, resolve_index_cache
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]
@@ -264,9 +264,8 @@ def _cache_dtypes(sparse: Decoder, cfg: ModelBenchConfig) -> tuple[torch.dtype, 
     """(model dtype, K/V cache dtype, index-key cache dtype, page) of the bench's caches, as generate sets them."""
     args = sparse.args
     dtype = next(sparse.parameters()).dtype
-    fp8 = cfg.index_cache == "fp8" or (args.msa is not None and args.msa.index_dtype == "fp8")
     page = args.msa.block_size if args.msa is not None else cfg.block
-    return dtype, KV_CACHE_DTYPES[cfg.kv_cache] or dtype, torch.float8_e4m3fn if fp8 else dtype, page
+    return dtype, KV_CACHE_DTYPES[cfg.kv_cache] or dtype, resolve_index_cache(cfg.index_cache, args, dtype), page
 
 
 def _prefill_plan(model: Decoder, sparse: Decoder, T: int, cfg: ModelBenchConfig) -> tuple[str, object]:

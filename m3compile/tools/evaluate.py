@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from m3compile.config import EvalConfig
-from m3compile.errors import M3CompileError
 from m3compile.io.data import windows
 from m3compile.io.hf_config import check_positions
 from m3compile.kernels import causal_lse
 from m3compile.kernels.causal_lse import naive as reference
 from m3compile.models.decoder import Attention, Decoder
 from m3compile.runtime import PagedCache, prefill_nll
-from m3compile.tools.generate import resolve_kv_cache
+from m3compile.tools.generate import resolve_index_cache, resolve_kv_cache
 
 __all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
 
@@ -267,7 +266,7 @@ def _cached(model: Decoder, data: torch.Tensor, seq_len: int, kv_cache: str, spa
     kv_dtype = resolve_kv_cache(kv_cache, dtype, device)
     a = model.args
     page = a.msa.block_size if sparse_layers else 128
-    index_dtype = torch.float8_e4m3fn if a.msa is not None and a.msa.index_dtype == "fp8" else dtype
+    index_dtype = resolve_index_cache("auto", a, dtype)
     cache = PagedCache(model, 1, seq_len + 1, page, device, kv_dtype, index_dtype)
     model.fuse_projections()  # the projections as generate runs them: one matmul per group, in place
     backend = "auto" if kernels else "torch"

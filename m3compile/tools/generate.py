@@ -21,13 +21,14 @@ import torch
 
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
-from m3compile.models.decoder import Decoder
+from m3compile.models.decoder import Decoder, ModelArgs
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 from m3compile.runtime.selection import RUNTIME_SELECTIONS
 from m3compile import memory
 
-__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES", "resolve_kv_cache"]
+__all__ = ["generate", "GenerationResult", "TextCodec", "KV_CACHE_DTYPES", "resolve_kv_cache",
+           "resolve_index_cache"]
 
 
 @dataclass
@@ -122,15 +123,12 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     if block is not None and page_size not in (None, block):
         raise M3CompileError(f"page_size ({page_size}) must equal the MSA block size ({block}): a page is a block")
     page = block or page_size or 128
-    if index_cache_dtype not in ("auto", "fp8"):
-        raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {index_cache_dtype!r}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 1):
         raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
-    fp8_model = a.msa is not None and a.msa.index_dtype == "fp8"
-    index_dtype = torch.float8_e4m3fn if index_cache_dtype == "fp8" or fp8_model else dtype
+    index_dtype = resolve_index_cache(index_cache_dtype, a, dtype)
     kv_dtype = resolve_kv_cache(kv_cache_dtype, dtype, device)
     B = len(prompts)
     longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
@@ -212,6 +210,15 @@ def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype
                              f"{torch.device(device)}, which this torch build does not support "
                              f"({str(e).splitlines()[0][:100]}); use bf16") from None
     return dtype
+
+
+def resolve_index_cache(name: str, args: ModelArgs, model_dtype: torch.dtype) -> torch.dtype:
+    """The index-key cache's torch dtype for an index_cache_dtype name: "fp8", or "auto" (fp8 where the model scores
+    its index in fp8, `args.msa.index_dtype`, else `model_dtype`); any other name is a one-line M3CompileError."""
+    if name not in ("auto", "fp8"):
+        raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {name!r}")
+    fp8_model = args.msa is not None and args.msa.index_dtype == "fp8"
+    return torch.float8_e4m3fn if name == "fp8" or fp8_model else model_dtype
 
 
 def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,
