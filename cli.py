@@ -550,6 +550,18 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
         click.option("--batch", default=1, show_default=True,
                      help="Sequences per process per step (global batch = batch x processes)."),
         click.option("--lr", default=lr, show_default=True, help=lr_help),
+        click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",
+                     show_default=True,
+                     help="The learning rate after --lr-warmup: constant at --lr, or a cosine from --lr down to "
+                          "--lr-min x --lr at step --lr-decay-steps."),
+        click.option("--lr-warmup", "lr_warmup_steps", default=0, show_default=True,
+                     help="First steps whose learning rate ramps linearly up to --lr."),
+        click.option("--lr-decay-steps", type=int, default=None,
+                     help="Step at which the cosine reaches its floor [default: --steps]. A run grown by --resume "
+                          "keeps its curve only with the same value: set it to the final step count when a run "
+                          "goes in stages."),
+        click.option("--lr-min", default=0.1, show_default=True,
+                     help="The cosine's floor, as a fraction of --lr."),
         *after_lr,
         click.option("--checkpoint-every", default=100, show_default=True,
                      help="Write a resumable checkpoint every this many steps."),
@@ -595,8 +607,9 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                           "sequence; 0 = the KL alone (about 30% faster; SmolLM2 at 14.7M tokens: +3.08% against "
                           "+2.25% with 1)."),
     ])
-def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, checkpoint_every, device, dtype, seed,
-            holdout_tokens, resume, force, autocast, cuda_graph, block_loss, as_json, shard):
+def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
+            warmup_steps, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, cuda_graph,
+            block_loss, as_json, shard):
     """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
@@ -609,7 +622,8 @@ def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, warmup_steps, c
 
     config = _run(DistillConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, warmup_steps=warmup_steps,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast, cuda_graph=cuda_graph,
-                  block_loss=block_loss, holdout_tokens=holdout_tokens)
+                  block_loss=block_loss, holdout_tokens=holdout_tokens, lr_schedule=lr_schedule,
+                  lr_warmup_steps=lr_warmup_steps, lr_decay_steps=lr_decay_steps, lr_min=lr_min)
     block = lambda m: f"  block {m['block']:.4f}" if "block" in m else ""  # noqa: E731
     _training_cli("distil", run_distill, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"{m['mode']}  KL {m['kl']:.4f}{block(m)}  recall {m['recall']:.3f}",
@@ -657,8 +671,8 @@ def _training_cli(verb, fn, config, model_dir, data, out_dir, device, resume, fo
     lr=1e-5, lr_help="AdamW learning rate of every parameter.", dtype="Compute and weight dtype.",
     after_lr=[click.option("--loss-coeff", default=1.0, show_default=True,
                            help="Weight of the index KL added to the LM loss.")])
-def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, checkpoint_every, device, dtype, seed,
-          holdout_tokens, resume, force, autocast, as_json, shard):
+def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
+          loss_coeff, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -670,7 +684,8 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, loss_coeff, check
 
     config = _run(TrainConfig, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
                   checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast,
-                  holdout_tokens=holdout_tokens)
+                  holdout_tokens=holdout_tokens, lr_schedule=lr_schedule, lr_warmup_steps=lr_warmup_steps,
+                  lr_decay_steps=lr_decay_steps, lr_min=lr_min)
     _training_cli("train", run_train, config, model_dir, data, out_dir, device, resume, force, shard, as_json,
                   lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
                   lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "

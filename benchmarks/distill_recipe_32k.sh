@@ -5,7 +5,7 @@
 # TOKENS, each stage resuming the last (`m3c distill --resume` semantics: bit for bit, the same data order), and after
 # each stage evaluated: the 32K loss eval with its oracle row on held-out long code (`m3c eval --seq-len 32768
 # --max-windows LOSS_WINDOWS`) and the RULER-style suite with the MSA selection only, at LENGTHS with SAMPLES samples.
-# Every figure is a JSON file under OUT/b{BLOCK}k{TOPK}/:
+# Every figure is a JSON file under OUT/b{BLOCK}k{TOPK}[-TAG]/:
 #     convert.json                      the conversion report
 #     runs.jsonl                        one line per distillation call: steps, tokens, seconds, tokens/s, peak GB
 #     steps-NNNNNN/distill.json         the run report (without its per-step history) when the stage was reached
@@ -20,7 +20,9 @@
 #   benchmarks/distill_recipe_32k.sh HF_QWEN_DIR SHARED_DIR OUT_DIR
 #   env: BLOCK (128), TOPK (16), TOKENS ("0 4M 12M 25M 50M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole
 #        steps), RULER_AT (the TOKENS entries that get the RULER eval; default all), SEQ_LEN (32768), BATCH (1),
-#        LR (1e-3), WARMUP_STEPS (0), CHECKPOINT_EVERY (250: held-out evaluation and checkpoint), HOLDOUT_TOKENS
+#        LR (1e-3), LR_SCHEDULE (constant | cosine), LR_WARMUP (0: steps of linear ramp), LR_MIN (0.1: the cosine's
+#        floor, a fraction of LR; the cosine ends at the last TOKENS entry's step), TAG (none: a name appended to the
+#        budget's folder, to compare recipes), WARMUP_STEPS (0), CHECKPOINT_EVERY (250: held-out evaluation and checkpoint), HOLDOUT_TOKENS
 #        (m3c distill's default: 4 windows), BLOCK_LOSS (1), CUDA_GRAPH (0), LOSS_WINDOWS (8), SAMPLES (5),
 #        LENGTHS (4K,8K,16K,32K), TASKS (all), EVAL_DTYPE (bfloat16), DEVICE (cuda), CALIB_TOKENS (65536),
 #        CALIB_SEQ_LEN (8192), INDEX_DIM (128), TRAIN_CHARS (0: the whole calibration text), DEADLINE (none),
@@ -33,6 +35,7 @@ HF=$1; SHARED=$2; OUT=$3
 M3C=${M3C:-m3c}; PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}
 BLOCK=${BLOCK:-128}; TOPK=${TOPK:-16}; TOKENS=${TOKENS:-0 4M 12M 25M 50M}; RULER_AT=${RULER_AT:-$TOKENS}
 SEQ_LEN=${SEQ_LEN:-32768}; BATCH=${BATCH:-1}; LR=${LR:-1e-3}; WARMUP_STEPS=${WARMUP_STEPS:-0}
+LR_SCHEDULE=${LR_SCHEDULE:-constant}; LR_WARMUP=${LR_WARMUP:-0}; LR_MIN=${LR_MIN:-0.1}; TAG=${TAG:-}
 CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-250}; BLOCK_LOSS=${BLOCK_LOSS:-1}; CUDA_GRAPH=${CUDA_GRAPH:-0}
 LOSS_WINDOWS=${LOSS_WINDOWS:-8}; SAMPLES=${SAMPLES:-5}; LENGTHS=${LENGTHS:-4K,8K,16K,32K}; TASKS=${TASKS:-}
 EVAL_DTYPE=${EVAL_DTYPE:-bfloat16}; CALIB_TOKENS=${CALIB_TOKENS:-65536}; CALIB_SEQ_LEN=${CALIB_SEQ_LEN:-8192}
@@ -40,7 +43,7 @@ INDEX_DIM=${INDEX_DIM:-128}; TRAIN_CHARS=${TRAIN_CHARS:-0}; DEADLINE=${DEADLINE:
 SAVE_MARGIN=${SAVE_MARGIN:-30}; EST_LOSS=${EST_LOSS:-45}; EST_RULER=${EST_RULER:-120}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 HERE=$(cd "$(dirname "$0")" && pwd)
-B=$OUT/b${BLOCK}k${TOPK}
+B=$OUT/b${BLOCK}k${TOPK}${TAG:+-$TAG}
 mkdir -p "$B"
 
 left() { [ -n "$DEADLINE" ] && echo $((DEADLINE - SECONDS)) || echo 999999; }
@@ -69,6 +72,11 @@ if [ ! -f "$B/convert.json" ]; then
     --force --json
 fi
 
+last_steps=0  # the cosine ends at the last stage: every stage's call names the same curve
+for spec in $TOKENS; do last_steps=$(( ($(tokens_of "$spec") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) )); done
+schedule=(--lr-schedule $LR_SCHEDULE --lr-warmup $LR_WARMUP --lr-min $LR_MIN)
+if [ "$LR_SCHEDULE" = cosine ]; then schedule+=(--lr-decay-steps $last_steps); fi
+
 for spec in $TOKENS; do
   steps=$(( ($(tokens_of "$spec") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) ))
   S=$B/steps-$(printf %06d $steps)
@@ -87,7 +95,7 @@ for spec in $TOKENS; do
       rc=0
       timeout -s INT --preserve-status -k 60 $limit $PY "$HERE/recipe_distill.py" distill "$model" \
         "$OUT/train_ids.npy" "$B/distill" --steps $steps --record "$B/runs.jsonl" --seq-len $SEQ_LEN --batch $BATCH \
-        --lr $LR --warmup-steps $WARMUP_STEPS --checkpoint-every $CHECKPOINT_EVERY --block-loss $BLOCK_LOSS \
+        --lr $LR "${schedule[@]}" --warmup-steps $WARMUP_STEPS --checkpoint-every $CHECKPOINT_EVERY --block-loss $BLOCK_LOSS \
         --device "$DEVICE" ${HOLDOUT_TOKENS:+--holdout-tokens $HOLDOUT_TOKENS} \
         $([ "$CUDA_GRAPH" = 1 ] && echo --cuda-graph) >"$S/distill.json.part" || rc=$?
       if [ $rc = 3 ]; then stop_for_time "distillation to $steps steps (now $(state_step))"; fi

@@ -65,7 +65,8 @@ def run_stage(a) -> int:
     resume = (out / "distill_state" / "state.json").is_file()
     config = DistillConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, warmup_steps=a.warmup_steps,
                            checkpoint_every=a.checkpoint_every, dtype=a.dtype, block_loss=a.block_loss,
-                           holdout_tokens=a.holdout_tokens, cuda_graph=a.cuda_graph)
+                           holdout_tokens=a.holdout_tokens, cuda_graph=a.cuda_graph, lr_schedule=a.lr_schedule,
+                           lr_warmup_steps=a.lr_warmup, lr_decay_steps=a.lr_decay_steps, lr_min=a.lr_min)
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -128,6 +129,10 @@ def main() -> int:
     d.add_argument("--seq-len", type=int, default=32768)
     d.add_argument("--batch", type=int, default=1)
     d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    d.add_argument("--lr-warmup", type=int, default=0)
+    d.add_argument("--lr-decay-steps", type=int, default=None)
+    d.add_argument("--lr-min", type=float, default=0.1)
     d.add_argument("--warmup-steps", type=int, default=0)
     d.add_argument("--checkpoint-every", type=int, default=250)
     d.add_argument("--holdout-tokens", type=int, default=None)

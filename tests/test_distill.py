@@ -80,8 +80,11 @@ def test_distillation_lowers_kl_raises_recall_and_keeps_the_backbone(converted, 
 
 
 def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
-    """(With a held-out window: the resumed run takes its evaluations from the state and writes the same output.)"""
-    config = DistillConfig(steps=6, seq_len=128, batch=2, lr=1e-2, warmup_steps=2, holdout_tokens=128)
+    """(With a held-out window: the resumed run takes its evaluations from the state and writes the same output; with
+    a learning-rate ramp and cosine, the resumed run follows the same curve, and a run grown past the curve's end
+    without naming it is refused with the option that keeps it.)"""
+    config = DistillConfig(steps=6, seq_len=128, batch=2, lr=1e-2, warmup_steps=2, holdout_tokens=128,
+                           lr_schedule="cosine", lr_warmup_steps=2)
     distill(converted, CALIB_DATA, tmp_path / "straight", config)
 
     def interrupt_at_3(step, total, metrics):
@@ -93,6 +96,11 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
     assert '"step": 3' in (tmp_path / "resumed" / "distill_state" / "state.json").read_text()
     report = distill(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
     assert report.start_step == 3 and [h["step"] for h in report.history] == [1, 2, 3, 4, 5, 6]
+    lrs = [h["lr"] for h in report.history]
+    assert lrs[:3] == [5e-3, 1e-2, 1e-2] and lrs[2] > lrs[3] > lrs[4] > lrs[5] == pytest.approx(1e-2 * (0.1 + 0.45 * (1 - 2**-0.5)))
+    with pytest.raises(M3CompileError, match="--lr-decay-steps 6"):
+        distill(converted, CALIB_DATA, tmp_path / "resumed", DistillConfig(**{**config.__dict__, "steps": 8}),
+                resume=True)
     for name in ("distill_state/index.safetensors", "distill_state/optimizer.safetensors", "model.safetensors"):
         a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
         assert a.keys() == b.keys()
@@ -201,6 +209,23 @@ def test_block_loss_zero_adds_nothing_and_a_weighted_run_resumes_exactly(convert
     with pytest.raises(M3CompileError, match="block_loss"):
         distill(converted, CALIB_DATA, tmp_path / "kl", DistillConfig(**{**base, "steps": 6}, block_loss=0.5),
                 resume=True)
+
+
+def test_learning_rate_curves():
+    """lr_at: a linear ramp, then constant or a cosine to lr_min x lr at lr_decay_steps (default: steps) and flat
+    after; bad settings are refused by name."""
+    ramp = DistillConfig(steps=10, lr=1e-3, lr_warmup_steps=4)
+    assert [ramp.lr_at(i) for i in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert DistillConfig(steps=10).lr_varies is False and "lr_schedule" not in DistillConfig(steps=10).fingerprint(1)
+    cos = DistillConfig(steps=100, lr=1e-3, lr_schedule="cosine", lr_decay_steps=50, lr_min=0.2)
+    assert cos.lr_at(0) == 1e-3 and cos.lr_at(25) == pytest.approx(6e-4) and cos.lr_at(50) == pytest.approx(2e-4)
+    assert cos.lr_at(99) == pytest.approx(2e-4)
+    assert cos.fingerprint(1)["lr_schedule"] == {"schedule": "cosine", "warmup_steps": 0, "decay_steps": 50, "min": 0.2}
+    for bad, message in [(dict(lr_schedule="linear"), "lr_schedule must be"), (dict(lr_min=1.5), "lr_min"),
+                         (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
+                         (dict(lr_warmup_steps=5, lr_decay_steps=5), "lr_decay_steps must be")]:
+        with pytest.raises(M3CompileError, match=message):
+            DistillConfig(steps=10, **bad)
 
 
 def two_processes_and_one(common: list[str], tmp_path: Path) -> tuple[Path, Path]:

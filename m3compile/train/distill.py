@@ -83,15 +83,22 @@ class DistillConfig:
     # tokens held out from the end of the data (whole windows) to evaluate the run at its start and checkpoints; the
     # output keeps the best state (train/holdout.py). None: 4 windows, at most a tenth of the data; 0: none
     holdout_tokens: int | None = None
+    # the learning rate per step (lr_at): a linear ramp from lr / lr_warmup_steps over the first lr_warmup_steps
+    # steps, then "constant" at lr or "cosine" from lr down to lr_min x lr at step lr_decay_steps (None: `steps`; a run
+    # grown by --resume names it, or the curve would change under it) and lr_min x lr after it
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None
+    lr_min: float = 0.1
 
     def __post_init__(self):
-        for name in ("lr", "weight_decay", "loss_coeff", "block_loss"):
+        for name in ("lr", "weight_decay", "loss_coeff", "block_loss", "lr_min"):
             value = getattr(self, name, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.cuda_graph, bool):
             raise M3CompileError(f"cuda_graph must be a boolean, got {self.cuda_graph!r}")
-        for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed"):
+        for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed", "lr_warmup_steps"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("steps", "seq_len", "batch", "checkpoint_every"):
@@ -99,6 +106,17 @@ class DistillConfig:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise M3CompileError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.lr_warmup_steps < 0:
+            raise M3CompileError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if not 0 <= self.lr_min <= 1:
+            raise M3CompileError(f"lr_min is a fraction of lr, in [0, 1], got {self.lr_min}")
+        if self.lr_decay_steps is not None and (isinstance(self.lr_decay_steps, bool)
+                                                or not isinstance(self.lr_decay_steps, int)
+                                                or self.lr_decay_steps <= self.lr_warmup_steps):
+            raise M3CompileError(f"lr_decay_steps must be an integer above lr_warmup_steps ({self.lr_warmup_steps}), "
+                                 f"got {self.lr_decay_steps!r}")
         if not -SEED_LIMIT < self.seed < SEED_LIMIT:
             raise M3CompileError(f"seed must be in (-2**46, 2**46), got {self.seed}")
         if self.holdout_tokens is not None and (isinstance(self.holdout_tokens, bool)
@@ -126,6 +144,22 @@ class DistillConfig:
     def mode(self, step: int) -> str:
         return "warmup" if step < self.warmup_steps else "sparse"
 
+    @property
+    def lr_varies(self) -> bool:
+        return self.lr_schedule != "constant" or self.lr_warmup_steps > 0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step `step` (0-based)."""
+        if step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        end = self.steps if self.lr_decay_steps is None else self.lr_decay_steps
+        if end <= self.lr_warmup_steps:  # the whole run is the ramp
+            return self.lr
+        t = min(1.0, (step - self.lr_warmup_steps) / (end - self.lr_warmup_steps))
+        return self.lr * (self.lr_min + (1 - self.lr_min) * 0.5 * (1 + math.cos(math.pi * t)))
+
     def fingerprint(self, world_size: int) -> dict:
         """What a resumed run must share with the run it continues (steps may grow). `block_loss` only when set, so
         a state saved before it existed still resumes (the check compares the keys of both)."""
@@ -134,6 +168,12 @@ class DistillConfig:
                "weight_decay": self.weight_decay}
         if self.block_loss:
             out["block_loss"] = self.block_loss
+        if self.lr_varies:  # only when set, as block_loss; the decay's end resolved (a grown run must name it)
+            out["lr_schedule"] = {"schedule": self.lr_schedule, "warmup_steps": self.lr_warmup_steps,
+                                  "decay_steps": self.steps if self.lr_decay_steps is None else self.lr_decay_steps,
+                                  "min": self.lr_min}
+            if self.lr_schedule == "constant":
+                del out["lr_schedule"]["decay_steps"], out["lr_schedule"]["min"]
         return out
 
 
@@ -341,6 +381,18 @@ class DistillStep:
     def mode(self) -> str:
         return self.gm.meta["m3_kl_distill"].mode
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step. Under a CUDA graph with a varying rate it lives in a device tensor
+        (the captured step reads it there; a float would be frozen into the graph)."""
+        for group in self.opt.param_groups:
+            if self.cuda_graph and self.config.lr_varies:
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:  # before the capture (a resumed state brings floats)
+                    group["lr"] = torch.tensor(lr, dtype=torch.float32, device=self.device)
+            else:
+                group["lr"] = lr
+
     def set_mode(self, mode: str) -> None:
         if self.mode != mode:
             # switches the hooks' mode (the graph stays lowered)
@@ -503,12 +555,15 @@ class _Run:
                 while step < cfg.steps:
                     mode = cfg.mode(step)
                     stepper.set_mode(mode)
+                    stepper.set_lr(cfg.lr_at(step))
                     ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                     x = wins[ids, :-1].to(self.device)
                     y = wins[ids, 1:].to(self.device) if self.training else None
                     kl, recall, lm, block = stepper(x, y)
                     step += 1
                     metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
+                    if cfg.lr_varies:
+                        metrics["lr"] = cfg.lr_at(step - 1)
                     report.history.append(metrics)
                     report.tokens += cfg.batch * self.world * cfg.seq_len
                     report.seconds = time.perf_counter() - t0 - self.holdout_seconds
@@ -627,9 +682,11 @@ class _Run:
                 raise M3CompileError(f"--resume: {self.out_dir} continues a run on other tokens than those of "
                                      f"{self.data} (content digest {saved[key]}, these {value})")
             if saved.get(key) != value:
-                raise M3CompileError(
-                    f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, this run has {value!r}"
-                )
+                hint = ""
+                if key == "lr_schedule" and isinstance(saved.get(key), dict) and "decay_steps" in saved[key]:
+                    hint = f" (pass --lr-decay-steps {saved[key]['decay_steps']} to keep the run's learning-rate curve)"
+                raise M3CompileError(f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, "
+                                     f"this run has {value!r}{hint}")
         step = int(state["step"])
         if step >= self.config.steps:
             raise M3CompileError(f"--resume: {self.out_dir} already holds {step} steps; ask for more than {step} with --steps")
@@ -739,8 +796,8 @@ class _Run:
         _write_tensors(folder, "optimizer.safetensors",
                        {f"{i}.{k}": v for i, s in sd["state"].items() for k, v in s.items()})
         if tmp is not None:
-            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]}
-                      for g in sd["param_groups"]]
+            groups = [{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+                      | {"params": g["params"]} for g in sd["param_groups"]]
             (folder / "state.json").write_text(json.dumps(
                 {"step": step, "fingerprint": fingerprint, "param_names": list(params), "param_groups": groups,
                  "holdout": None if self.holdout is None else self.holdout.history}, indent=2))
