@@ -3,8 +3,8 @@
 
     python3 benchmarks/plot_recipe.py OUT [--png OUT/recipe.png] [--reference RULER_JSON] [--exclude TASK,...]
 
-For every budget found in OUT (OUT/b{block}k{topk}/): loss over dense (%) against distillation tokens with the oracle
-selection's as a dashed line, and the RULER-style average (MSA selection) against tokens, one line per prompt length;
+For every budget found in OUT (OUT/b{block}k{topk}/, or OUT/b{block}k{topk}-{TAG}/ from a run with TAG): loss over
+dense (%) against distillation tokens with the oracle selection's as a dashed line, and the RULER-style average (MSA selection) against tokens, one line per prompt length;
 then a markdown table for BENCHMARKS.md: tokens, loss %, oracle %, the RULER average at each length and over all,
 the distillation's tokens/s and peak GPU memory (over the calls that reached the stage).
 
@@ -41,7 +41,7 @@ def collect(out: Path, excluded: set[str]) -> dict[str, list[dict]]:
     """{budget: [stage rows in token order]}: tokens, loss and oracle % over dense, RULER averages, speed."""
     budgets = {}
     for budget in sorted(out.glob("b*k*"), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)]):
-        if not re.fullmatch(r"b\d+k\d+", budget.name):
+        if not re.fullmatch(r"b\d+k\d+(-[\w.]+)?", budget.name):
             continue
         runs = _runs(budget)
         rows = []
@@ -72,6 +72,12 @@ def collect(out: Path, excluded: set[str]) -> dict[str, list[dict]]:
     return budgets
 
 
+def _label(name: str) -> str:
+    """b128k16-cos -> "128 / 16 (cos)"."""
+    block, topk, tag = re.fullmatch(r"b(\d+)k(\d+)(?:-([\w.]+))?", name).groups()
+    return f"{block} / {topk}" + (f" ({tag})" if tag else "")
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -89,10 +95,9 @@ def table(budgets: dict[str, list[dict]], excluded: set[str]) -> str:
             + [f"RULER {int(n) // 1024}K" for n in lengths] + ["RULER avg", "tokens/s", "peak GB"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, rows in budgets.items():
-        block, topk = re.findall(r"\d+", name)
         for r in rows:
             ruler = r["ruler"] or {}
-            cells = [f"{block} / {topk}", _tokens(r["tokens"]), _fmt(r["loss_pct"], "+.2f") + "%",
+            cells = [_label(name), _tokens(r["tokens"]), _fmt(r["loss_pct"], "+.2f") + "%",
                      _fmt(r["oracle_pct"], "+.2f") + "%", _fmt(r["recall"], ".3f")]
             cells += [_fmt(ruler.get(n), ".1f") for n in lengths] + [_fmt(ruler.get("all"), ".1f")]
             cells += [_fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_gb"], ".1f")]
@@ -111,19 +116,19 @@ def plot(budgets: dict[str, list[dict]], png: Path, reference: dict | None, excl
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, rows) in enumerate(budgets.items()):
         c = colors[i % len(colors)]
-        block, topk = re.findall(r"\d+", name)
+        label = _label(name)
         pts = [(r["tokens"] / 1e6, r["loss_pct"]) for r in rows if r["loss_pct"] is not None]
         if pts:
-            ax_loss.plot(*zip(*pts), "o-", color=c, label=f"{block} / {topk} distilled")
+            ax_loss.plot(*zip(*pts), "o-", color=c, label=f"{label} distilled")
         oracle = [r["oracle_pct"] for r in rows if r["oracle_pct"] is not None]
         if oracle:
-            ax_loss.axhline(sum(oracle) / len(oracle), color=c, ls="--", lw=1, label=f"{block} / {topk} oracle")
+            ax_loss.axhline(sum(oracle) / len(oracle), color=c, ls="--", lw=1, label=f"{label} oracle")
         styles = ["o-", "s--", "^:", "d-."]
         lengths = sorted({k for r in rows if r["ruler"] for k in r["ruler"] if k != "all"}, key=int)
         for j, n in enumerate(lengths):
             pts = [(r["tokens"] / 1e6, r["ruler"][n]) for r in rows if r["ruler"] and r["ruler"].get(n) is not None]
             if pts:
-                ax_ruler.plot(*zip(*pts), styles[j % len(styles)], color=c, label=f"{block} / {topk}, {int(n) // 1024}K")
+                ax_ruler.plot(*zip(*pts), styles[j % len(styles)], color=c, label=f"{label}, {int(n) // 1024}K")
     if reference is not None and "dense" in reference.get("average", {}):
         for n, v in reference["average"]["dense"].items():
             if n != "all" and v is not None:
