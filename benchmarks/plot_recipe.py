@@ -4,8 +4,8 @@
     python3 benchmarks/plot_recipe.py OUT [--png OUT/recipe.png] [--reference RULER_JSON] [--exclude TASK,...]
 
 For every budget found in OUT (OUT/b{block}k{topk}/, or OUT/b{block}k{topk}-{TAG}/ from a run with TAG): loss over
-dense (%) against distillation tokens with the oracle selection's as a dashed line, and the RULER-style average (MSA selection) against tokens, one line per prompt length;
-then a markdown table for BENCHMARKS.md: tokens, loss %, oracle %, the RULER average at each length and over all,
+dense (%) against distillation tokens with the oracle selection's as a dashed line, and the RULER-style average
+(MSA selection) against tokens, one line per prompt length; then a markdown table for BENCHMARKS.md: tokens, loss %, oracle %, the RULER average at each length and over all,
 the distillation's tokens/s and peak GPU memory (over the calls that reached the stage).
 
 The RULER average leaves out the tasks the dense model fails: those `excluded` in --reference (an `m3c eval --task
