@@ -340,8 +340,9 @@ class Attention(Fusable):
     def fused_index_weight(self) -> torch.Tensor | None:
         """[W_qi; W_ki] [(Hi + 1) * Di, hidden], the two index projections' weights as index_branch_triton's one
         matmul reads them: with the projections fused, the fused weight's last rows (no copy); else concatenated
-        once and kept while both weights are the same tensors with the same in-place version and storage (an
-        optimizer step, load_state_dict or .to() rebuilds it on the next call).
+        once and kept while both weights are the same tensors with the same in-place version and storage (a plain
+        optimizer step, load_state_dict or .to() rebuilds it on the next call; a fused optimizer's step bumps no
+        version: its caller drops the kept weight, Decoder.drop_kept_weights).
         None (the op then concatenates per call) for a dense layer, where a gradient is needed (a kept
         concatenation would carry a spent autograd graph) and for inference-mode weights (no version counter: an
         in-place change would go unseen). A CUDA graph that read it keeps reading the tensor it had."""
@@ -595,9 +596,18 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm)):
                 module.kernels = enabled
-                if isinstance(module, Attention) and not enabled:
-                    module._index_weight = None
+        if not enabled:
+            self.drop_kept_weights()
         self._kernels = enabled
+
+    def drop_kept_weights(self) -> None:
+        """Forget every layer's kept [W_qi; W_ki] (Attention.fused_index_weight), so that the next forward reads the
+        index weights as they are now. Needed after weights change in place without a version bump: a fused
+        optimizer's step (torch.optim.AdamW(fused=True), the distillation's) changes neither version counter nor
+        storage, so the kept concatenation would go on serving the weights of before."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module._index_weight = None
 
     @contextlib.contextmanager
     def using_kernels(self, enabled: bool):

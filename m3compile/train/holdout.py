@@ -92,6 +92,9 @@ class HeldOut:
         else:
             attention = [m for m in self.model.modules() if isinstance(m, Attention)]
             before = [m.sparse for m in attention]
+            # the run's fused AdamW steps change the index weights in place without a version bump: a concatenation
+            # kept by the last evaluation (kernels on) would score this one with the weights of back then
+            self.model.drop_kept_weights()
             self.model.set_sparse(sparse)
             forward, context = self.model, self.model.using_kernels(str(self.device).startswith("cuda"))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
