@@ -24,10 +24,19 @@ def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
     into the exponent (7.8 became 4.0), so a plain cast would make the CPU tests disagree with the GPU."""
     xf = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
-    q = round_e4m3(xf / (amax / 448.0)[:, None])
+    scale = e4m3_scale(amax)
+    q = round_e4m3(tl.math.div_rn(xf, tl.zeros(xf.shape, tl.float32) + scale[:, None]))
     if not FP8_DOT:
         q = q.to(tl.float16)
     return q
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """amax / 448 (the scale that maps a largest magnitude to e4m3's largest value) rounded as torch divides: on
+    the GPU Triton turns `/ 448.0` into a product with the rounded reciprocal, a last bit off the reference's scale
+    for some rows, and then a value that sits at a rounding tie lands on another e4m3 code."""
+    return tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
 @triton.jit
