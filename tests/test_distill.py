@@ -325,6 +325,13 @@ def test_block_loss_must_be_a_finite_non_negative_weight(converted, tmp_path, va
     assert_clean_failure(code, output, tmp_path / "out", "block_loss must be")
 
 
+@pytest.mark.parametrize("args, message", [(("--lr-min", "1.5"), "lr_min is a fraction"),
+                                           (("--lr-warmup", "4", "--lr-decay-steps", "3"), "lr_decay_steps must be")])
+def test_learning_rate_options_out_of_range(converted, tmp_path, args, message):
+    code, output = distill_cli(converted, CALIB_DATA, tmp_path / "out", "--lr-schedule", "cosine", *args)
+    assert_clean_failure(code, output, tmp_path / "out", message)
+
+
 def test_model_that_was_never_converted(tmp_path):
     code, output = distill_cli(LLAMA_BYTE, CALIB_DATA, tmp_path / "out")
     assert code == 2 and "never converted" in output and not (tmp_path / "out").exists()
