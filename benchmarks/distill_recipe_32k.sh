@@ -22,8 +22,8 @@
 #        steps), RULER_AT (the TOKENS entries that get the RULER eval; default all), SEQ_LEN (32768), BATCH (1),
 #        LR (1e-3), LR_SCHEDULE (constant | cosine), LR_WARMUP (0: steps of linear ramp), LR_MIN (0.1: the cosine's
 #        floor, a fraction of LR; the cosine ends at the last TOKENS entry's step), TAG (none: a name appended to the
-#        budget's folder, to compare recipes), WARMUP_STEPS (0), CHECKPOINT_EVERY (250: held-out evaluation and checkpoint), HOLDOUT_TOKENS
-#        (m3c distill's default: 4 windows), BLOCK_LOSS (1), CUDA_GRAPH (0), LOSS_WINDOWS (8), SAMPLES (5),
+#        budget's folder, to compare recipes), WARMUP_STEPS (0), CHECKPOINT_EVERY (250: held-out evaluation and
+#        checkpoint), HOLDOUT_TOKENS (m3c distill's default: 4 windows), BLOCK_LOSS (1), CUDA_GRAPH (0), LOSS_WINDOWS (8), SAMPLES (5),
 #        LENGTHS (4K,8K,16K,32K), TASKS (all), EVAL_DTYPE (bfloat16), DEVICE (cuda), CALIB_TOKENS (65536),
 #        CALIB_SEQ_LEN (8192), INDEX_DIM (128), TRAIN_CHARS (0: the whole calibration text), DEADLINE (none),
 #        SAVE_MARGIN (30), EST_LOSS (45), EST_RULER (120), M3C (m3c), PY (python3)
@@ -58,6 +58,7 @@ tokens_of() {  # 4M -> 4000000 (K / M / G: 1e3 / 1e6 / 1e9)
 }
 state_step() { [ -f "$B/distill/distill_state/state.json" ] && $PY -c \
   "import json, sys; print(json.load(open(sys.argv[1]))['step'])" "$B/distill/distill_state/state.json" || echo 0; }
+steps_of() { echo $(( ($(tokens_of "$1") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) )); }  # whole steps
 wants_ruler() { local x; for x in $RULER_AT; do [ "$x" = "$1" ] && return 0; done; return 1; }
 
 # the token files, once per OUT (shared by the budgets)
@@ -73,12 +74,12 @@ if [ ! -f "$B/convert.json" ]; then
 fi
 
 last_steps=0  # the cosine ends at the last stage: every stage's call names the same curve
-for spec in $TOKENS; do last_steps=$(( ($(tokens_of "$spec") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) )); done
+for spec in $TOKENS; do last_steps=$(steps_of "$spec"); done
 schedule=(--lr-schedule $LR_SCHEDULE --lr-warmup $LR_WARMUP --lr-min $LR_MIN)
 if [ "$LR_SCHEDULE" = cosine ]; then schedule+=(--lr-decay-steps $last_steps); fi
 
 for spec in $TOKENS; do
-  steps=$(( ($(tokens_of "$spec") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) ))
+  steps=$(steps_of "$spec")
   S=$B/steps-$(printf %06d $steps)
   mkdir -p "$S"
   echo "== $B: stage $spec = $steps steps of $BATCH x $SEQ_LEN ($((steps * SEQ_LEN * BATCH)) tokens)" >&2
@@ -95,7 +96,8 @@ for spec in $TOKENS; do
       rc=0
       timeout -s INT --preserve-status -k 60 $limit $PY "$HERE/recipe_distill.py" distill "$model" \
         "$OUT/train_ids.npy" "$B/distill" --steps $steps --record "$B/runs.jsonl" --seq-len $SEQ_LEN --batch $BATCH \
-        --lr $LR "${schedule[@]}" --warmup-steps $WARMUP_STEPS --checkpoint-every $CHECKPOINT_EVERY --block-loss $BLOCK_LOSS \
+        --lr $LR "${schedule[@]}" --warmup-steps $WARMUP_STEPS --checkpoint-every $CHECKPOINT_EVERY \
+        --block-loss $BLOCK_LOSS \
         --device "$DEVICE" ${HOLDOUT_TOKENS:+--holdout-tokens $HOLDOUT_TOKENS} \
         $([ "$CUDA_GRAPH" = 1 ] && echo --cuda-graph) >"$S/distill.json.part" || rc=$?
       if [ $rc = 3 ]; then stop_for_time "distillation to $steps steps (now $(state_step))"; fi

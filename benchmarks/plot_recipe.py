@@ -5,8 +5,9 @@
 
 For every budget found in OUT (OUT/b{block}k{topk}/, or OUT/b{block}k{topk}-{TAG}/ from a run with TAG): loss over
 dense (%) against distillation tokens with the oracle selection's as a dashed line, and the RULER-style average
-(MSA selection) against tokens, one line per prompt length; then a markdown table for BENCHMARKS.md: tokens, loss %, oracle %, the RULER average at each length and over all,
-the distillation's tokens/s and peak GPU memory (over the calls that reached the stage).
+(MSA selection) against tokens, one line per prompt length; then a markdown table for BENCHMARKS.md: tokens, loss %,
+oracle %, the RULER average at each length and over all, the distillation's tokens/s and peak GPU memory (over the
+calls that reached the stage).
 
 The RULER average leaves out the tasks the dense model fails: those `excluded` in --reference (an `m3c eval --task
 ruler --json` run with the dense row, e.g. benchmarks/ruler_real.sh's ruler.json; its dense averages become the
@@ -18,6 +19,9 @@ import argparse
 import json
 import re
 from pathlib import Path
+
+
+BUDGET = re.compile(r"b(\d+)k(\d+)(?:-([\w.]+))?")  # a budget's folder: b128k16, or b128k16-TAG
 
 
 def _read(path: Path) -> dict | None:
@@ -41,7 +45,7 @@ def collect(out: Path, excluded: set[str]) -> dict[str, list[dict]]:
     """{budget: [stage rows in token order]}: tokens, loss and oracle % over dense, RULER averages, speed."""
     budgets = {}
     for budget in sorted(out.glob("b*k*"), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)]):
-        if not re.fullmatch(r"b\d+k\d+(-[\w.]+)?", budget.name):
+        if not BUDGET.fullmatch(budget.name):
             continue
         runs = _runs(budget)
         rows = []
@@ -74,7 +78,7 @@ def collect(out: Path, excluded: set[str]) -> dict[str, list[dict]]:
 
 def _label(name: str) -> str:
     """b128k16-cos -> "128 / 16 (cos)"."""
-    block, topk, tag = re.fullmatch(r"b(\d+)k(\d+)(?:-([\w.]+))?", name).groups()
+    block, topk, tag = BUDGET.fullmatch(name).groups()
     return f"{block} / {topk}" + (f" ({tag})" if tag else "")
 
 

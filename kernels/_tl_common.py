@@ -24,8 +24,7 @@ def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
     into the exponent (7.8 became 4.0), so a plain cast would make the CPU tests disagree with the GPU."""
     xf = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
-    scale = e4m3_scale(amax)
-    q = round_e4m3(tl.math.div_rn(xf, tl.zeros(xf.shape, tl.float32) + scale[:, None]))
+    q = to_e4m3(xf, e4m3_scale(amax)[:, None])
     if not FP8_DOT:
         q = q.to(tl.float16)
     return q
@@ -37,6 +36,12 @@ def e4m3_scale(amax):
     the GPU Triton turns `/ 448.0` into a product with the rounded reciprocal, a last bit off the reference's scale
     for some rows, and then a value that sits at a rounding tie lands on another e4m3 code."""
     return tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def to_e4m3(xf, scale):
+    """fp32 values over their scale (broadcast to xf's shape; an IEEE quotient, as torch divides) -> float8e4nv."""
+    return round_e4m3(tl.math.div_rn(xf, tl.zeros(xf.shape, tl.float32) + scale))
 
 
 @triton.jit

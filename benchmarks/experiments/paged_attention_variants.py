@@ -30,6 +30,7 @@ import triton.testing as tt
 from m3compile.kernels import decode as dk
 from m3compile.kernels._common import next_pow2
 from m3compile.kernels._tl_common import online_softmax_block
+from m3compile.kernels.decode.naive import quantize_kv
 
 
 @triton.jit
@@ -123,10 +124,7 @@ def main() -> None:
     for cache in ("bf16", "fp8"):
         fp8 = cache == "fp8"
         if fp8:
-            k_s = (k16.float().abs().amax(-1).clamp_min(1e-12) / 448.0).contiguous()
-            v_s = (v16.float().abs().amax(-1).clamp_min(1e-12) / 448.0).contiguous()
-            kc = (k16.float() / k_s[..., None]).to(torch.float8_e4m3fn)
-            vc = (v16.float() / v_s[..., None]).to(torch.float8_e4m3fn)
+            (kc, k_s), (vc, v_s) = quantize_kv(k16), quantize_kv(v16)
         else:
             kc, vc = k16, v16
         page_bytes = B * Hkv * K * bs * D * kc.element_size() * 2 + (B * Hkv * K * bs * 4 * 2 if fp8 else 0)

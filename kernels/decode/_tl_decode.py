@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, round_e4m3
+from m3compile.kernels._tl_common import e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3
 
 
 # Arguments that grow with the context (page counts, the strides of per-page tables) are not specialised: a context of
@@ -275,7 +275,7 @@ def index_write_kernel(
     x = tl.load(p_t, mask=(o_r < off)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
     x = tl.where((o_r == off)[:, None], key.to(tl.float32)[None, :], x)
     scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12))
-    q = round_e4m3(tl.math.div_rn(x, tl.zeros([BSP, DP], tl.float32) + scale))
+    q = to_e4m3(x, scale)
     m_rd = (o_r < BS)[:, None] & m_d[None, :]
     tl.store(idx_cache + page * stride_cp + o_r[:, None] * stride_ct + o_d[None, :], q, mask=m_rd)
     tl.store(idx_scale + page * stride_sp + o_r, tl.zeros([BSP], tl.float32) + scale, mask=o_r < BS)
@@ -299,9 +299,9 @@ def kv_write_kernel(
     p_s = p * stride_sp + o * stride_st + o_h
     x = tl.load(k + n * stride_kn + o_h[:, None] * stride_kh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x), 1), 1e-12))
-    tl.store(k_cache + p_c, round_e4m3(tl.math.div_rn(x, tl.zeros([HP, DP], tl.float32) + scale[:, None])), mask=m)
+    tl.store(k_cache + p_c, to_e4m3(x, scale[:, None]), mask=m)
     tl.store(k_scale + p_s, scale, mask=o_h < H)
     x = tl.load(v + n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x), 1), 1e-12))
-    tl.store(v_cache + p_c, round_e4m3(tl.math.div_rn(x, tl.zeros([HP, DP], tl.float32) + scale[:, None])), mask=m)
+    tl.store(v_cache + p_c, to_e4m3(x, scale[:, None]), mask=m)
     tl.store(v_scale + p_s, scale, mask=o_h < H)

@@ -169,11 +169,11 @@ class DistillConfig:
         if self.block_loss:
             out["block_loss"] = self.block_loss
         if self.lr_varies:  # only when set, as block_loss; the decay's end resolved (a grown run must name it)
-            out["lr_schedule"] = {"schedule": self.lr_schedule, "warmup_steps": self.lr_warmup_steps,
-                                  "decay_steps": self.steps if self.lr_decay_steps is None else self.lr_decay_steps,
-                                  "min": self.lr_min}
-            if self.lr_schedule == "constant":
-                del out["lr_schedule"]["decay_steps"], out["lr_schedule"]["min"]
+            curve = {"schedule": self.lr_schedule, "warmup_steps": self.lr_warmup_steps}
+            if self.lr_schedule == "cosine":
+                curve |= {"decay_steps": self.steps if self.lr_decay_steps is None else self.lr_decay_steps,
+                          "min": self.lr_min}
+            out["lr_schedule"] = curve
         return out
 
 
@@ -555,7 +555,8 @@ class _Run:
                 while step < cfg.steps:
                     mode = cfg.mode(step)
                     stepper.set_mode(mode)
-                    stepper.set_lr(cfg.lr_at(step))
+                    lr = cfg.lr_at(step)
+                    stepper.set_lr(lr)
                     ids = _batch_ids(step, self.rank, cfg.batch, self.world, wins.shape[0], cfg.seed)
                     x = wins[ids, :-1].to(self.device)
                     y = wins[ids, 1:].to(self.device) if self.training else None
@@ -563,7 +564,7 @@ class _Run:
                     step += 1
                     metrics = self._metrics(step, mode, kl, recall, gm.meta["m3_kl_distill"].layers, lm, block)
                     if cfg.lr_varies:
-                        metrics["lr"] = cfg.lr_at(step - 1)
+                        metrics["lr"] = lr
                     report.history.append(metrics)
                     report.tokens += cfg.batch * self.world * cfg.seq_len
                     report.seconds = time.perf_counter() - t0 - self.holdout_seconds
