@@ -319,11 +319,12 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
                   f"{report.seconds:.1f} s")
 
 
-def _kv_cache(help: str = "K/V cache dtype: auto (the model's), bf16, or fp8 (e4m3 with one scale per token and "
-                          "head: half of bf16's bytes)."):
+def _kv_cache(help: str = "K/V cache dtype: auto (the model's), bf16, fp8 (e4m3 with one scale per token and head: "
+                          "half of bf16's bytes) or int8 (the same bytes, integer rows after an exact rotation: "
+                          "closer to bf16 than fp8 is; BENCHMARKS.md)."):
     """The --kv-cache option (m3compile.tools.generate.KV_CACHE_DTYPES), with a command's own help text."""
-    return click.option("--kv-cache", type=click.Choice(["auto", "bf16", "fp8"]), default="auto", show_default=True,
-                        help=help)
+    return click.option("--kv-cache", type=click.Choice(["auto", "bf16", "fp8", "int8"]), default="auto",
+                        show_default=True, help=help)
 
 
 _kv_cache_option = _kv_cache()
@@ -361,10 +362,10 @@ _kv_cache_option = _kv_cache()
 @click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default=None,
               help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute dtype; fp8: e4m3).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@_kv_cache(help="K/V cache dtype. Loss: auto scores the model's own forward (no cache); bf16 or fp8 score each "
-                "window through the paged prefill over a cache of that dtype (dense, MSA and oracle rows, no recall, "
-                "one window at a time): `--kv-cache bf16` and `--kv-cache fp8` give the loss fp8 costs. Ruler: the "
-                "cache of every prefill and decode (auto: the model's dtype).")
+@_kv_cache(help="K/V cache dtype. Loss: auto scores the model's own forward (no cache); bf16, fp8 or int8 score "
+                "each window through the paged prefill over a cache of that dtype (dense, MSA and oracle rows, no "
+                "recall, one window at a time): `--kv-cache bf16` and `--kv-cache fp8` give the loss fp8 costs. "
+                "Ruler: the cache of every prefill and decode (auto: the model's dtype).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distances, probes, seed, lengths, ruler_tasks,
           samples, selections, plot, dtype, index_dtype, device, kv_cache, as_json):
@@ -382,7 +383,7 @@ def eval_(model_dir, data, seq_len, max_windows, task, no_oracle, batch, distanc
     string_match_all), x 100, over --samples prompts; a task the dense model scores below 50 at the shortest
     length is reported and kept out of the averages.
 
-    --kv-cache bf16|fp8 measures what a K/V cache of that dtype costs: the loss rows come from prefilling each
+    --kv-cache bf16|fp8|int8 measures what a K/V cache of that dtype costs: the loss rows come from prefilling each
     window into a paged cache of that dtype (the queries read the keys and values as the cache holds them), and
     the ruler suite generates over it. Run it twice, e.g. --kv-cache bf16 --json and --kv-cache fp8 --json, and
     compare the losses (the JSON's kv_cache names the dtype).

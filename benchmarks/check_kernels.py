@@ -394,24 +394,23 @@ def check_prompt_chunk(Hq, Hkv, T, t0, D, Di, bs, k, dtype):
            same == 1.0 and err < tol, identical_rows=round(same, 4), rel_err=f"{err:.2e}")
 
 
-def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype):
-    """An fp8 K/V cache (one scale per token and head): paged_kv_write's bytes against the reference's, and the
-    attention over the fp8 pages against the reference over the dequantised cache."""
+def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype, cache=torch.float8_e4m3fn):
+    """An fp8 (or int8) K/V cache (one scale per token and head): paged_kv_write's bytes against the reference's,
+    and the attention over the quantised pages against the reference over the dequantised cache."""
     B = len(lens)
     per_seq = max(-(-L // bs) for L in lens)
     P = B * per_seq + 5
     table = torch.randperm(P, device="cuda")[: B * per_seq].view(B, per_seq).int()
     seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     k_bf, v_bf = (torch.randn(P, bs, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
-    fp8 = torch.float8_e4m3fn
-    caches = [[torch.zeros(P, bs, Hkv, D, device="cuda", dtype=fp8) for _ in range(2)]
+    caches = [[torch.zeros(P, bs, Hkv, D, device="cuda", dtype=cache) for _ in range(2)]
               + [torch.ones(P, bs, Hkv, device="cuda") for _ in range(2)] for _ in range(2)]
     page = torch.arange(P, device="cuda").repeat_interleave(bs)
     off = torch.arange(bs, device="cuda").repeat(P)
     kr, vr = k_bf.flatten(0, 1), v_bf.flatten(0, 1)
     dk.paged_kv_write(caches[0][0], caches[0][1], kr, vr, page, off, k_scale=caches[0][2], v_scale=caches[0][3])
     dk.paged_kv_write_reference(caches[1][0], caches[1][1], kr, vr, page, off, caches[1][2], caches[1][3])
-    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8 else torch.equal(a, b)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == cache else torch.equal(a, b)
                for a, b in zip(*caches))
     k8, v8, ks, vs = caches[0]
     blocks = dk.paged_select_reference(torch.randn(B, Hkv, 64, device="cuda"), torch.randn(P, bs, 64, device="cuda"),
@@ -422,7 +421,8 @@ def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype):
     err = rel_err(out, want)
     exact = rel_err(want, dk.paged_attention_reference(q.float(), k_bf.float(), v_bf.float(), blocks, table, seq_lens))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    report(f"decode fp8 KV lens={lens} Hq={Hq} Hkv={Hkv} D={D} topk={k} {str(dtype)[6:]}", same and err < tol,
+    name = "fp8" if cache == torch.float8_e4m3fn else "int8"
+    report(f"decode {name} KV lens={lens} Hq={Hq} Hkv={Hkv} D={D} topk={k} {str(dtype)[6:]}", same and err < tol,
            write_bytes_equal=same, rel_err=f"{err:.2e}", vs_unquantised=f"{exact:.2e}")
 
 
@@ -580,6 +580,7 @@ def main():
         check_decode_fp8_kv(lens, 32, 8, 128, 128, 16, bf16)  # Llama-3-8B shapes
         check_decode_fp8_kv([5000, 77, 1], 56, 8, 128, 128, 16, bf16)  # G 7
         check_decode_fp8_kv([300, 1], 8, 8, 64, 64, 4, fp32)  # G 1
+        check_decode_fp8_kv([32768, 100, 1, 4097], 14, 2, 64, 128, 16, bf16, torch.int8)  # int8, Qwen2.5-0.5B (G 7)
     if run("generate"):
         check_generate_fp8()
         check_generate()

@@ -32,9 +32,10 @@ def quantize_rows_e4m3(x, FP8_DOT: tl.constexpr):
 
 @triton.jit
 def e4m3_scale(amax):
-    """amax / 448 (the scale that maps a largest magnitude to e4m3's largest value) rounded as torch divides: on
-    the GPU Triton turns `/ 448.0` into a product with the rounded reciprocal, a last bit off the reference's scale
-    for some rows, and then a value that sits at a rounding tie lands on another e4m3 code."""
+    """amax / 448 (the scale that maps a largest magnitude to e4m3's largest value) as an IEEE quotient, as the
+    reference computes it (naive_common._over_fp8_max): on the GPU Triton turns `/ 448.0` into a product with the
+    rounded reciprocal, a last bit off for some rows, and then a value that sits at a rounding tie lands on another
+    e4m3 code."""
     return tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
@@ -45,12 +46,24 @@ def to_e4m3(xf, scale):
 
 
 @triton.jit
+def to_int8(xf, amax):
+    """fp32 rows over their scale amax / 127 (both IEEE quotients, as naive.quantize_kv computes them), rounded half
+    to even (adding and taking away 1.5 * 2^23 leaves the integer fp32 rounds to) -> (int8 values, fp32 scale)."""
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    x = tl.math.div_rn(xf, tl.zeros(xf.shape, tl.float32) + scale[:, None])
+    x = (x + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(x, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
 def round_e4m3(xf):
     """fp32 values within e4m3's range -> float8e4nv, rounded to nearest even as torch's cast rounds (see
-    quantize_rows_e4m3 for why the rounding is done in fp32 first)."""
+    quantize_rows_e4m3 for why the rounding is done in fp32 first), the sign kept where a value rounds to zero (the
+    sum and difference give +0 for a tiny negative value; torch's cast gives -0, another byte)."""
     binade = tl.maximum(xf.to(tl.int32, bitcast=True) & 0x7F800000, 0x3C800000).to(tl.float32, bitcast=True)
     c = binade * 1572864.0
-    return ((xf + c) - c).to(tl.float8e4nv)
+    r = ((xf + c) - c).to(tl.int32, bitcast=True) | (xf.to(tl.int32, bitcast=True) & -2147483648)
+    return r.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -63,15 +63,21 @@ def quantize_index_keys(x: torch.Tensor, block_size: int | None = None) -> tuple
     subnormals); the prefill indexer then applies the scale once per block score, after the block max
     (a positive scale commutes with the max), instead of once per token score."""
     if block_size is None:
-        scale = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+        scale = _over_fp8_max(x.float().abs().amax(-1).clamp(min=1e-12))
         per_row = scale
     else:
         T = x.shape[-2]
         n_blocks = -(-T // block_size)
         pad = F.pad(x.float().abs(), (0, 0, 0, n_blocks * block_size - T))
-        scale = pad.reshape(*x.shape[:-2], n_blocks, block_size * x.shape[-1]).amax(-1).clamp(min=1e-12) / FP8_MAX
+        scale = _over_fp8_max(pad.reshape(*x.shape[:-2], n_blocks, block_size * x.shape[-1]).amax(-1).clamp(min=1e-12))
         per_row = expand_block_scale(scale, block_size, T)
     return (x.float() / per_row[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 as an IEEE quotient on every device, as the kernels compute it (_tl_common.e4m3_scale): on CUDA
+    torch divides by a Python number as a product with its rounded reciprocal, a last bit off for some values."""
+    return amax / amax.new_full((), FP8_MAX)
 
 
 def expand_block_scale(scale: torch.Tensor, block_size: int, T: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ __all__ = ["ModelShape", "MemoryPlan", "cache_bytes", "activation_bytes", "plan_
 
 GB = 1e9
 _FP8 = torch.float8_e4m3fn
+_QUANTISED = (torch.float8_e4m3fn, torch.int8)  # K/V caches with one fp32 scale per (token, head) row
 DEQUANTIZE_ROWS = 1 << 16  # tokens an fp8 K/V read-back dequantises at once (runtime.PagedCache.keys_values)
 
 
@@ -82,12 +83,12 @@ def cache_bytes(shape: ModelShape, tokens: int, kv_dtype: torch.dtype, index_dty
     D, Hkv = shape.head_dim, shape.kv_heads
     if layout == "contiguous":
         extra = -(-shape.index_dim // D) if shape.sparse_layers else 0
-        row = D * _item(kv_dtype) + (4 if kv_dtype == _FP8 else 0)
+        row = D * _item(kv_dtype) + (4 if kv_dtype in _QUANTISED else 0)
         return tokens * row * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
     if layout != "paged":
         raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
     slots = -(-tokens // page) * page
-    kv_row = D * _item(kv_dtype) + (4 if kv_dtype == _FP8 else 0)  # one (token, head) row and its scale
+    kv_row = D * _item(kv_dtype) + (4 if kv_dtype in _QUANTISED else 0)  # one (token, head) row and its scale
     total = shape.layers * 2 * slots * Hkv * kv_row
     if shape.sparse_layers:
         fp8 = index_dtype == _FP8
@@ -110,9 +111,10 @@ def activation_bytes(shape: ModelShape, chunk: int, tokens: int, kv_dtype: torch
         partial_row = shape.topk * shape.kv_heads * gp * (shape.head_dim * item + 4)
         total += min(chunk * partial_row, PARTIAL_BYTES + partial_row)
         total += chunk * shape.kv_heads * shape.topk * 24  # the CSR of the chunk's selection (ids, sort, payload)
-    if kv_dtype == _FP8:
+    if kv_dtype in _QUANTISED:
         total += 2 * tokens * shape.kv_heads * shape.head_dim * item
-        total += min(tokens, DEQUANTIZE_ROWS) * shape.kv_heads * shape.head_dim * 4
+        # the fp32 rows of one piece (an int8 cache's also rotated back: a second fp32 piece)
+        total += min(tokens, DEQUANTIZE_ROWS) * shape.kv_heads * shape.head_dim * 4 * (2 if kv_dtype == torch.int8 else 1)
     return total
 
 
@@ -145,7 +147,7 @@ class MemoryPlan:
                 "caches_gb": self.caches / GB, "activations_gb": self.activations / GB, "need_gb": self.need / GB}
 
     def describe(self) -> str:
-        kv = "fp8" if self.kv_dtype == _FP8 else str(self.kv_dtype).replace("torch.", "")
+        kv = {_FP8: "fp8", torch.int8: "int8"}.get(self.kv_dtype, str(self.kv_dtype).replace("torch.", ""))
         weights = f" (beside {size(self.weights)} of weights)" if self.weights else ""
         return (f"{self.batch} x {self.tokens:,} positions need {size(self.caches)} of caches ({kv} KV) and "
                 f"{size(self.activations)} for a prefill chunk of {self.chunk:,} tokens{weights}")
@@ -240,7 +242,7 @@ def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device"
 
     options = []
     index = plan.shape.sparse_layers and plan.index_dtype != _FP8  # an index-key cache not yet fp8
-    if plan.kv_dtype != _FP8 or index:
+    if plan.kv_dtype not in _QUANTISED or index:
         p = fitting(kv_dtype=_FP8, index_dtype=_FP8 if plan.shape.sparse_layers else plan.index_dtype)
         how = "kv_cache='fp8'" if plan.layout == "contiguous" else \
             f"--kv-cache fp8{' --index-cache fp8' if index else ''}{'' if p is None else chunk_note(p)}"

@@ -33,15 +33,15 @@ from typing import Callable
 import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
-from m3compile.kernels.decode.naive import (dequantize_kv, paged_attention_reference, paged_block_scores_reference,
-                                            paged_index_write_reference, paged_kv_write_reference,
+from m3compile.kernels.decode.naive import (KV_QUANTISED, dequantize_kv, paged_attention_reference,
+                                            paged_block_scores_reference, paged_index_write_reference, paged_kv_write_reference,
                                             paged_select_reference, quantize_kv, quantize_pages,
                                             top_blocks_reference)
 
 __all__ = ["paged_select", "paged_select_launches", "top_blocks", "top_blocks_reference", "TOPK_CHUNK",
            "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages",
-           "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv"]
+           "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv", "KV_QUANTISED"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -177,18 +177,20 @@ def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torc
 
 
 def _check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, op: str) -> bool:
-    """Whether the K/V caches are fp8 (then with scales [P, BS, Hkv] each, contiguous in the head)."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if (v_cache.dtype == torch.float8_e4m3fn) != fp8:
-        raise ValueError(f"{op}: the K and V caches must both be fp8 or neither")
-    if fp8 and any(s is None or s.shape != k_cache.shape[:3] or s.stride(-1) != 1 or s.stride() != k_scale.stride()
-                   for s in (k_scale, v_scale)):
-        raise ValueError(f"{op}: fp8 K/V caches need k_scale and v_scale [P, BS, Hkv] = {list(k_cache.shape[:3])} "
-                         f"(alike, contiguous in the head); got "
+    """Whether the K/V caches are quantised, fp8 or int8 (then with scales [P, BS, Hkv] each, contiguous in the
+    head)."""
+    quantised = k_cache.dtype in KV_QUANTISED
+    if (v_cache.dtype in KV_QUANTISED or k_cache.dtype in KV_QUANTISED) and v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{op}: quantised K and V caches must have one dtype, got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
+    if quantised and any(s is None or s.shape != k_cache.shape[:3] or s.stride(-1) != 1
+                         or s.stride() != k_scale.stride() for s in (k_scale, v_scale)):
+        raise ValueError(f"{op}: {str(k_cache.dtype)[6:]} K/V caches need k_scale and v_scale [P, BS, Hkv] = "
+                         f"{list(k_cache.shape[:3])} (alike, contiguous in the head); got "
                          f"{[None if s is None else tuple(s.shape) for s in (k_scale, v_scale)]}")
-    if not fp8 and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"{op}: k_scale / v_scale go with fp8 K/V caches only, got {k_cache.dtype}")
-    return fp8
+    if not quantised and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{op}: k_scale / v_scale go with fp8 or int8 K/V caches only, got {k_cache.dtype}")
+    return quantised
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -196,8 +198,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
-    dense attention over the whole cache. fp8 e4m3 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one per
-    token and head: `paged_kv_write`)."""
+    dense attention over the whole cache. fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
+    per token and head: `paged_kv_write`); their tiles are cast to the query's dtype as loaded (exact: e4m3 and
+    8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities."""
     _check_cache(block_table, seq_lens, k_cache.shape[1])
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1] \
             or q.shape[1] % k_cache.shape[2]:
@@ -219,6 +222,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pps = 1 if K <= 64 else -(-K // 64)  # slots per split: one page each for top-k, ~64 splits for dense
     # (K, pps and the split count are runtime arguments: every context length runs the same two binaries)
     splits = -(-K // pps)
+    # fp8 pages: a 168-register cap (more programs resident to hide the dependent loads) took the dense layer of the
+    # llama3-8b preset at 128K, batch 8, from 1.323 to 1.131 ms on the H200; with bf16 pages it costs time (1.152 ->
+    # 1.333), BENCHMARKS.md
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hkv, splits, GP, dtype=torch.float32, device=q.device)
@@ -231,7 +237,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale * math.log2(math.e), K, pps,
         G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), IEEE=q.dtype == torch.float32,
-        HAS_SCALE=fp8, num_warps=4,
+        HAS_SCALE=fp8, num_warps=4, **({"maxnreg": 168} if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda else {}),
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     paged_merge_kernel[(B, Hkv)](
@@ -279,9 +285,9 @@ def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
                    off: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                    backend: str = "auto") -> None:
     """Store N tokens' keys and values in paged K/V caches, in place: k[n], v[n] [Hkv, D] to slot off[n] of physical
-    page page[n] ([N] each, distinct slots). fp8 e4m3 caches (with k_scale / v_scale [P, BS, Hkv] fp32) store each
-    (token, head) row quantised with its own scale (`quantize_kv`): one kernel for both, on CUDA or under the
-    interpreter; other caches take the values cast to their dtype."""
+    page page[n] ([N] each, distinct slots). fp8 (e4m3) and int8 caches (with k_scale / v_scale [P, BS, Hkv] fp32)
+    store each (token, head) row quantised with its own scale (`quantize_kv`): one kernel for K and V, on CUDA or
+    under the interpreter; other caches take the values cast to their dtype."""
     fp8 = _check_kv_scales(k_cache, v_cache, k_scale, v_scale, "paged_kv_write")
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or page.shape != off.shape \
             or page.shape != k.shape[:1]:
@@ -303,5 +309,6 @@ def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     kv_write_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, k_scale, v_scale, page, off,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scale.stride(0), k_scale.stride(1), H=H, HP=next_pow2(H), D=D, DP=next_pow2(D), num_warps=4,
+        k_scale.stride(0), k_scale.stride(1), H=H, HP=next_pow2(H), D=D, DP=next_pow2(D),
+        INT8=k_cache.dtype == torch.int8, num_warps=4,
     )

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3
+from m3compile.kernels._tl_common import e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3, to_int8
 
 
 # Arguments that grow with the context (page counts, the strides of per-page tables) are not specialised: a context of
@@ -57,7 +57,7 @@ def _paged_index_scores(
 def _scores_tuner(default: dict):
     return autotune(
         configs=configs(
-            [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4) for w in (4, 8)
+            [dict(NPG=n, PPP=p, num_warps=w, num_stages=s) for n in (1, 2, 4) for p in (1, 2, 4, 8, 16) for w in (4, 8)
              for s in (2, 3)],
             interpret=dict(NPG=2, PPP=2, num_warps=4, num_stages=1),
             default=default,
@@ -68,9 +68,10 @@ def _scores_tuner(default: dict):
 
 # one kernel, two tuned entry points: a bf16 and an fp8 index cache pick different tiles, and with M3C_AUTOTUNE=0 each
 # runs the one the H200 sweep chose for it (M3 shapes, 2026-11-29 decode run: bf16 NPG 1 / PPP 2 / 2 stages, fp8
-# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M, BENCHMARKS.md)
+# NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M; the 2026-12-03 sweep of
+# the fp8 scoring up to 16 pages a program: PPP 16 / 3 stages 0.303 ms against PPP 4's 0.356 at 1M, BENCHMARKS.md)
 paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_stages=2))
-paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=4, num_warps=4, num_stages=3))
+paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=16, num_warps=4, num_stages=3))
 
 
 # The top-k of each (sequence, index head) row of block scores, in two stages. One program per row, as a single pass
@@ -285,10 +286,11 @@ def index_write_kernel(
 def kv_write_kernel(
     k, v, k_cache, v_cache, k_scale, v_scale, page, off,
     stride_kn, stride_kh, stride_vn, stride_vh, stride_cp, stride_ct, stride_ch, stride_sp, stride_st,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, INT8: tl.constexpr,
 ):
-    # one program: one token's K and V rows [H, D] quantised to e4m3 with one scale per head (the row's largest
-    # magnitude -> 448, as naive.quantize_kv) and stored with their scales at slot off of physical page `page`
+    # one program: one token's K and V rows [H, D] quantised with one scale per head (e4m3: the row's largest
+    # magnitude -> 448; INT8: -> 127; as naive.quantize_kv) and stored with their scales at slot off of physical
+    # page `page`
     n = tl.program_id(0)
     p = tl.load(page + n).to(tl.int64)
     o = tl.load(off + n).to(tl.int64)
@@ -298,10 +300,19 @@ def kv_write_kernel(
     p_c = p * stride_cp + o * stride_ct + o_h[:, None] * stride_ch + o_d[None, :]
     p_s = p * stride_sp + o * stride_st + o_h
     x = tl.load(k + n * stride_kn + o_h[:, None] * stride_kh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x), 1), 1e-12))
-    tl.store(k_cache + p_c, to_e4m3(x, scale[:, None]), mask=m)
-    tl.store(k_scale + p_s, scale, mask=o_h < H)
+    _store_row(x, k_cache + p_c, k_scale + p_s, m, o_h < H, INT8)
     x = tl.load(v + n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x), 1), 1e-12))
-    tl.store(v_cache + p_c, to_e4m3(x, scale[:, None]), mask=m)
-    tl.store(v_scale + p_s, scale, mask=o_h < H)
+    _store_row(x, v_cache + p_c, v_scale + p_s, m, o_h < H, INT8)
+
+
+@triton.jit
+def _store_row(x, p_x, p_s, m, m_h, INT8: tl.constexpr):
+    """fp32 rows [HP, DP] quantised with one scale per row (kv_write_kernel) and stored with their scales."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)
+    if INT8:
+        x8, scale = to_int8(x, amax)
+    else:
+        scale = e4m3_scale(amax)
+        x8 = to_e4m3(x, scale[:, None])
+    tl.store(p_x, x8, mask=m)
+    tl.store(p_s, scale, mask=m_h)

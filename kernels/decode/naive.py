@@ -69,7 +69,7 @@ def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, l
 def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None, k_scale=None,
                               v_scale=None):
     """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks. fp8
-    caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first."""
+    and int8 caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first."""
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -111,24 +111,34 @@ def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, bl
     idx_cache[page], idx_scale[page] = quantize_pages(keys)
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K or V rows [..., Hkv, D] as an fp8 KV cache holds them: e4m3 with one fp32 scale per (token, head) row, its
-    largest magnitude mapped to 448, rounded to nearest even -> ([..., Hkv, D] fp8, [..., Hkv] fp32)."""
+INT8_MAX = 127.0
+KV_QUANTISED = (torch.float8_e4m3fn, torch.int8)  # the K/V cache dtypes stored with one scale per (token, head) row
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows [..., Hkv, D] as a quantised KV cache holds them, with one fp32 scale per (token, head) row ->
+    ([..., Hkv, D] of `dtype`, [..., Hkv] fp32). fp8: e4m3, the row's largest magnitude mapped to 448, rounded to
+    nearest even. int8: integers, the largest magnitude mapped to 127, rounded half to even (the scale and the
+    quotients IEEE, as the kernels compute them)."""
+    if dtype == torch.int8:
+        amax = x.float().abs().amax(-1).clamp(min=1e-12)
+        scale = amax / amax.new_full((), INT8_MAX)
+        return (x.float() / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
     return quantize_index_keys(x)
 
 
 def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8 K or V rows [..., Hkv, D] times their scales [..., Hkv] -> fp32."""
+    """Quantised K or V rows [..., Hkv, D] (fp8 or int8) times their scales [..., Hkv] -> fp32."""
     return x8.float() * scale.float()[..., None]
 
 
 def paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale=None, v_scale=None) -> None:
     """Plain-torch `paged_kv_write` (in place): token n's k[n], v[n] [Hkv, D] to slot off[n] of physical page
-    page[n]; fp8 caches store them quantised (`quantize_kv`) with their scales."""
+    page[n]; fp8 and int8 caches store them quantised (`quantize_kv`) with their scales."""
     page, off = page.long(), off.long()
     if k_scale is None:
         k_cache[page, off] = k.to(k_cache.dtype)
         v_cache[page, off] = v.to(v_cache.dtype)
         return
-    k_cache[page, off], k_scale[page, off] = quantize_kv(k)
-    v_cache[page, off], v_scale[page, off] = quantize_kv(v)
+    k_cache[page, off], k_scale[page, off] = quantize_kv(k, k_cache.dtype)
+    v_cache[page, off], v_scale[page, off] = quantize_kv(v, v_cache.dtype)

@@ -64,8 +64,8 @@ def step_bytes(model: torch.nn.Module, batch: int, tokens: int, kv_dtype: torch.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (a tied head's table once)
     if model.lm_head.weight is not emb:  # the table itself: only the looked-up rows
         weights += batch * emb.shape[1] * emb.element_size() - emb.numel() * emb.element_size()
-    fp8 = kv_dtype == torch.float8_e4m3fn
-    row = 2 * (args.head_dim * _item(kv_dtype) + (4 if fp8 else 0))  # one token's K and V of one head
+    scaled = kv_dtype in (torch.float8_e4m3fn, torch.int8)  # one fp32 scale per row
+    row = 2 * (args.head_dim * _item(kv_dtype) + (4 if scaled else 0))  # one token's K and V of one head
     kv = index = 0
     for i in range(args.n_layers):
         msa = args.msa if args.is_sparse(i) else None

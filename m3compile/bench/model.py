@@ -116,7 +116,7 @@ class ModelBenchConfig:
     profile_max: int | None = None  # longest prefill also run under the profiler for its stages (None: every one)
     dtype: str = "bfloat16"
     index_cache: str = "auto"  # decode index-key cache: "auto" (the model's dtype) or "fp8"
-    kv_cache: str = "auto"  # the K/V cache (decode, chunked prefill): "auto" (the model's dtype), "bf16" or "fp8"
+    kv_cache: str = "auto"  # the K/V cache (decode, chunked prefill): "auto" (the model's dtype), "bf16", "fp8", "int8"
     prefill_chunk: int | None = None  # prefill through the runtime in chunks of this many tokens (None: module doc)
     bandwidth_tbs: float | None = None  # the GPU's memory bandwidth for the decode byte floor (None: by its name)
     index_dtype: str = "auto"  # the converted model's index scoring: "auto" (bf16) or "fp8" (prefill and decode)
@@ -396,9 +396,9 @@ def _fill(cache: PagedCache, seed: int) -> None:
             cache.v[i].normal_(generator=g)
             continue
         for pages, scales in ((cache.k[i], cache.k_scale[i]), (cache.v[i], cache.v_scale[i])):
-            for p0 in range(0, pages.shape[0], 1024):  # fp8 rows with their scales, 1024 pages at a time
+            for p0 in range(0, pages.shape[0], 1024):  # fp8 or int8 rows with their scales, 1024 pages at a time
                 rows = torch.randn(pages[p0:p0 + 1024].shape, device=pages.device, generator=g)
-                pages[p0:p0 + 1024], scales[p0:p0 + 1024] = quantize_kv(rows)
+                pages[p0:p0 + 1024], scales[p0:p0 + 1024] = quantize_kv(rows, pages.dtype)
     for i, idx in cache.idx.items():
         if cache.idx_scale[i] is None:
             idx.normal_(generator=g)

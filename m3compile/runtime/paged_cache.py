@@ -8,7 +8,7 @@ from m3compile.kernels.indexer import quantize_index_keys
 from m3compile.kernels.naive_common import expand_block_scale
 from m3compile.memory import DEQUANTIZE_ROWS
 from m3compile.models.decoder import Decoder
-from m3compile.runtime.key_shift import key_shifts
+from m3compile.runtime.key_shift import key_shifts, rotation
 
 __all__ = ["PagedCache"]
 
@@ -16,11 +16,13 @@ __all__ = ["PagedCache"]
 class PagedCache:
     """Paged KV + index-key caches of one batch: pages [P, page, ...] per layer, one block table for all layers.
 
-    dtype: the KV cache's dtype: the model's, another floating dtype, or torch.float8_e4m3fn (e4m3 with one fp32
-    scale per token and head in k_scale / v_scale [P, page, Hkv]: kernels.decode.paged_kv_write), each key less its
-    layer's k_shift [Hkv, D] (runtime.key_shift: exact for attention, it keeps a K bias's constant out of the fp8
-    rounding). index_dtype: the index-key cache's (fp8: one scale per page, the newest page's keys also kept
-    unquantised in `tail`).
+    dtype: the KV cache's dtype: the model's, another floating dtype, torch.float8_e4m3fn (e4m3) or torch.int8, the
+    last two with one fp32 scale per token and head in k_scale / v_scale [P, page, Hkv] (kernels.decode
+    .paged_kv_write), each key less its layer's k_shift [Hkv, D] (runtime.key_shift: exact for attention, it keeps a
+    K bias's constant out of the rounding); int8 rows are also rotated, keys and values times `rotation` [D, D]
+    (runtime.key_shift.rotation), so the decode's queries go in rotated and its outputs come out rotated
+    (`rotate_queries`, `unrotate_outputs`). index_dtype: the index-key cache's (fp8: one scale per page, the newest
+    page's keys also kept unquantised in `tail`).
     Each sequence's pages are consecutive (block_table row b = pages b * per_seq ...), so a sequence's keys read
     back as one strided view (`keys_values`, `index_keys`: what a chunked prefill attends to)."""
 
@@ -34,11 +36,12 @@ class PagedCache:
         self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
         self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
-        kv_fp8 = dtype == torch.float8_e4m3fn
+        kv_fp8 = dtype in paged.KV_QUANTISED  # one scale per (token, head) row
         self.k, self.v, self.k_scale, self.v_scale = {}, {}, {}, {}
-        # fp8 only: per layer [Hkv, D] fp32 or None (a model constant, not counted by nbytes)
+        # quantised caches only: per layer [Hkv, D] fp32 or None (a model constant, not counted by nbytes)
         self.k_shift = {i: None if mu is None else mu.to(device)
                         for i, mu in key_shifts(model, max_len).items()} if kv_fp8 else dict.fromkeys(range(a.n_layers))
+        self.rotation = rotation(a.head_dim).to(device) if dtype == torch.int8 else None
         self.idx, self.idx_scale, self.tail = {}, {}, {}
         for i in range(a.n_layers):
             self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
@@ -71,9 +74,8 @@ class PagedCache:
         cache stores each (token, head) row quantised with its own scale (kernels.decode.paged_kv_write); an fp8
         index cache requantises each sequence's newest page with the new key (kernels.decode.paged_index_write)."""
         page, off = self.slots(b, pos) if slots is None else slots
-        paged.paged_kv_write(self.k[layer], self.v[layer], self._shifted(layer, k), v, page, off,
-                             k_scale=self.k_scale[layer],
-                             v_scale=self.v_scale[layer], backend=backend)
+        paged.paged_kv_write(self.k[layer], self.v[layer], *self._stored(layer, k, v), page, off,
+                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], backend=backend)
         if k_idx is not None:
             if self.idx_scale[layer] is not None:
                 paged.paged_index_write(self.idx[layer], self.idx_scale[layer], self.tail[layer], k_idx, b, pos,
@@ -90,9 +92,8 @@ class PagedCache:
         T = k.shape[0]
         dev = k.device
         page, off = self.slots(torch.full((T,), b, device=dev), torch.arange(start, start + T, device=dev))
-        paged.paged_kv_write(self.k[layer], self.v[layer], self._shifted(layer, k), v, page, off,
-                             k_scale=self.k_scale[layer],
-                             v_scale=self.v_scale[layer], backend=backend)
+        paged.paged_kv_write(self.k[layer], self.v[layer], *self._stored(layer, k, v), page, off,
+                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], backend=backend)
         if k_idx is None:
             return
         if self.idx_scale[layer] is None:
@@ -107,10 +108,22 @@ class PagedCache:
         last = end - end % self.page
         self.tail[layer][b, : end - last] = keys[last - first:]
 
-    def _shifted(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """Keys [N, Hkv, D] as the cache stores them: less the layer's k_shift (fp32) where it has one."""
+    def _stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, Hkv, D] as the cache stores them: keys less the layer's k_shift (fp32) where it has
+        one; both times `rotation` (fp32) where the cache has one."""
         shift = self.k_shift[layer]
-        return k if shift is None else k.float() - shift
+        k = k if shift is None else k.float() - shift
+        if self.rotation is not None:
+            k, v = k.float() @ self.rotation, v.float() @ self.rotation
+        return k, v
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries [..., D] as attention over this cache's keys takes them: times `rotation` where it has one."""
+        return q if self.rotation is None else (q.float() @ self.rotation).to(q.dtype)
+
+    def unrotate_outputs(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention outputs [..., D] over this cache's values back in the model's basis (times rotation^T)."""
+        return o if self.rotation is None else (o.float() @ self.rotation.T).to(o.dtype)
 
     def _rows(self, t: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """Sequence b's first `length` rows of a per-layer tensor [P, page, ...] -> [length, ...], a view."""
@@ -122,7 +135,7 @@ class PagedCache:
         dtype; views of the pages, or of an fp8 cache the values dequantised into new tensors (in pieces of
         DEQUANTIZE_ROWS tokens, so the fp32 scratch stays bounded at any length), the keys less k_shift: softmax
         attention reads them as it would the keys themselves (every score of a query moves by the same q . shift),
-        and so does a selection ranking a query's scores."""
+        and so does a selection ranking a query's scores; an int8 cache's rows rotated back (times rotation^T)."""
         out = []
         for cache, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
             x = self._rows(cache[layer], b, length)
@@ -130,8 +143,8 @@ class PagedCache:
                 s, x8 = self._rows(scale[layer], b, length), x
                 x = torch.empty(x8.shape, dtype=self.model_dtype, device=x8.device)
                 for t0 in range(0, length, DEQUANTIZE_ROWS):
-                    x[t0:t0 + DEQUANTIZE_ROWS] = paged.dequantize_kv(x8[t0:t0 + DEQUANTIZE_ROWS],
-                                                                     s[t0:t0 + DEQUANTIZE_ROWS])
+                    rows = paged.dequantize_kv(x8[t0:t0 + DEQUANTIZE_ROWS], s[t0:t0 + DEQUANTIZE_ROWS])
+                    x[t0:t0 + DEQUANTIZE_ROWS] = rows if self.rotation is None else rows @ self.rotation.T
             elif x.dtype != self.model_dtype:
                 x = x.to(self.model_dtype)
             out.append(x.transpose(0, 1)[None])

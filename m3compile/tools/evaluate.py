@@ -58,8 +58,8 @@ class EvalReport:
     mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer, measured in the
                                oracle forward (each layer's q/k there; equal to causal_lse.naive.oracle_recall of them);
                                null / {} when oracle_loss is (oracle=False, `--no-oracle`: no oracle pass runs)
-    kv_cache                   null: the losses come from the model's own forward (no cache); "bf16" / "fp8": from
-                               the paged prefill over a K/V cache of that dtype, each window's queries attending to
+    kv_cache                   null: the losses come from the model's own forward (no cache); "bf16", "fp8" or
+                               "int8": from the paged prefill over a K/V cache of that dtype, each window's queries attending to
                                the keys and values as the cache holds them (runtime.prefill_nll; dense row: every
                                MSA layer attends to every cached key); block recall is then not measured (null / {})
     seconds                    wall time
@@ -77,7 +77,7 @@ class EvalReport:
     tail_share: float | None = None
     oracle_tail_share: float | None = None
     recall_p10: dict[int, float] = field(default_factory=dict)  # layer -> 10th percentile of per-token recall
-    kv_cache: str | None = None  # None: the model's forward; "bf16" / "fp8": the paged prefill over that cache
+    kv_cache: str | None = None  # None: the model's forward; "bf16" / "fp8" / "int8": the paged prefill over it
 
     @property
     def mean_oracle_recall(self) -> float | None:
@@ -207,8 +207,8 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
     causal_lse.dense_recall); default (None) on CUDA. The losses and
     counts stay on the device until the end (no host synchronisation per window).
-    kv_cache: "auto" (default): the model's own forward, which keeps no cache. "bf16" or "fp8" (a K/V cache dtype of
-    m3compile.generate): each window is prefilled in one pass into a PagedCache of that dtype and its losses are
+    kv_cache: "auto" (default): the model's own forward, which keeps no cache. "bf16", "fp8" or "int8" (a K/V cache
+    dtype of m3compile.generate): each window is prefilled in one pass into a PagedCache of that dtype and its losses are
     runtime.prefill_nll's, the queries attending to the keys and values as the cache holds them: dense (selection
     "dense"), MSA (the index branch) and oracle rows, one window at a time (`batch` does not apply); no recall."""
     EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)  # each in its range (one-line errors)

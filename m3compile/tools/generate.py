@@ -71,8 +71,10 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
     index_cache_dtype: "auto" (the model's dtype; fp8 when the model scores its index in fp8, index_dtype "fp8") or
     "fp8" (e4m3 index keys, one fp32 scale per page).
-    kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", or "fp8" (e4m3, one fp32 scale per token
-    and head: half the bytes of bf16, read by the decode kernels and dequantised in registers).
+    kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", "fp8" (e4m3, one fp32 scale per token
+    and head: half the bytes of bf16, read by the decode kernels and dequantised in registers), or "int8" (the same
+    bytes: 8-bit integer rows after an exact rotation, runtime.key_shift.rotation; about 1/10 of fp8's loss on the
+    real 32K model, BENCHMARKS.md).
     prefill_chunk: tokens per prefill pass (runtime.prefill). None (default): the whole prompt where its activations
     fit beside the caches, else the largest chunk that does (m3compile.memory.prefill_chunk).
     Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
@@ -191,7 +193,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
 
 
 # kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype:

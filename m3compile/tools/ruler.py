@@ -75,7 +75,7 @@ class RulerReport:
     excluded        tasks the dense model scores below 50 at the shortest length: kept out of `average`
     average         {selection: {length: mean score over the tasks not excluded}}, and "all" over the lengths
     prompt_tokens   {length: mean prompt tokens over every sample}
-    kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16" or "fp8"
+    kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     seconds         wall time
     """
 
@@ -154,7 +154,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
     within `context` (the model's max_position_embeddings; a length above it is an error). A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
-    "fp8"). progress(done, total, what): samples generated so far of all."""
+    "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
     if samples < 1:
         raise M3CompileError(f"samples must be >= 1, got {samples}")
     if batch is not None and batch < 1:

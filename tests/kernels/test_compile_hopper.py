@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-BF, F32, I32, I64, FP8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv"
+BF, F32, I32, I64, FP8, I8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv", "*i8"
 SPARSE = dict(HKV=4, NB=64, K=16, G=16, GP=16, D=128, DP=128, BS=128, BN=128, CHUNK=64, IEEE=False)
 SPARSE_FWD = {k: v for k, v in SPARSE.items() if k != "NB"}  # the forward takes the block count at run time
 KL = dict(HKV=4, NB=64, K=16, G=16, D=128, DP=128, DI=128, DIP=128, BS=128, BN=128, CHUNK=256, IEEE=False)
@@ -149,7 +149,15 @@ KERNELS = [
      dict(num_warps=4, num_stages=2)),
     ("kv_write fp8, Llama-3-8B shapes", "decode._tl_decode.kv_write_kernel",
      dict(k=BF, v=BF, k_cache=FP8, v_cache=FP8, k_scale=F32, v_scale=F32, page=I64, off=I64),
-     dict(H=8, HP=8, D=128, DP=128), (), dict(num_warps=4, num_stages=1)),
+     dict(H=8, HP=8, D=128, DP=128, INT8=False), (), dict(num_warps=4, num_stages=1)),
+    ("kv_write int8, Qwen2.5-0.5B shapes", "decode._tl_decode.kv_write_kernel",
+     dict(k=BF, v=BF, k_cache=I8, v_cache=I8, k_scale=F32, v_scale=F32, page=I64, off=I64),
+     dict(H=2, HP=2, D=64, DP=64, INT8=True), (), dict(num_warps=4, num_stages=1)),
+    ("paged_attention_split, int8 K/V, Qwen2.5-0.5B shapes (G 7)", "decode._tl_decode.paged_attention_split_kernel",
+     dict(q=BF, k_cache=I8, v_cache=I8, k_scale=F32, v_scale=F32, blocks=I32, block_table=I32, seq_lens=I32,
+          part_o=F32, part_lse=F32),
+     dict(K=16, G=7, GP=16, D=64, DP=64, BS=128, BN=128, PPS=1, IEEE=False, HAS_SCALE=True), ("scale_log2",),
+     dict(num_warps=4, num_stages=2)),
     ("paged_merge", "decode._tl_decode.paged_merge_kernel", dict(part_o=F32, part_lse=F32, out=BF),
      dict(G=16, GP=16, D=128, DP=128), (), dict(num_warps=4, num_stages=1)),
     ("block_stats, SmolLM2 (G 3, block 64)", "block_stats._tl_block_stats.block_stats_kernel",

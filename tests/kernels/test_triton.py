@@ -550,22 +550,24 @@ def test_prompt_chunk_over_a_cached_prefix(case):
         assert rel_err(got, whole[:, :, t0:]) < 1e-5
 
 
-FP8_KV_CASES = [  # lens, block, Hkv, G, D, topk
-    ([1], 16, 1, 1, 16, 4),  # one token, group 1
-    ([37, 5, 64], 8, 2, 7, 24, 4),  # group 7, lengths off the page, D not a power of two
+QUANTISED_KV_CASES = [  # lens, block, Hkv, G, D, topk, cache dtype
+    ([1], 16, 1, 1, 16, 4, torch.float8_e4m3fn),  # one token, group 1
+    ([37, 5, 64], 8, 2, 7, 24, 4, torch.float8_e4m3fn),  # group 7, lengths off the page, D not a power of two
+    ([37, 1, 64], 8, 2, 3, 24, 3, torch.int8),  # int8 rows: group 3, one token, lengths off the page
 ]
 
 
-@pytest.mark.parametrize("case", FP8_KV_CASES, ids=lambda c: "lens{}-bs{}-Hkv{}-G{}-D{}-k{}".format(
-    "_".join(map(str, c[0])), *c[1:]))
-def test_paged_attention_fp8_kv_cache(case):
-    """An fp8 K/V cache (one scale per token and head) dequantised in the kernel: the same as the reference over
-    the dequantised cache, with -1 slots among the blocks, and within e4m3's precision of the unquantised cache."""
-    lens, bs, Hkv, G, D, k = case
+@pytest.mark.parametrize("case", QUANTISED_KV_CASES, ids=lambda c: "lens{}-bs{}-Hkv{}-G{}-D{}-k{}-{}".format(
+    "_".join(map(str, c[0])), *c[1:-1], str(c[-1])[6:]))
+def test_paged_attention_quantised_kv_cache(case):
+    """An fp8 or int8 K/V cache (one scale per token and head) dequantised in the kernel: the same as the reference
+    over the dequantised cache, with -1 slots among the blocks, and within the format's precision of the unquantised
+    cache (e4m3: 3 mantissa bits, ~2-3% a value; int8: 1/254 of a row's largest value a step)."""
+    lens, bs, Hkv, G, D, k, dtype = case
     k_cache, v_cache, idx_cache, table, seq_lens = _paged(lens, bs, Hkv, D, 16)
     k_cache = k_cache * torch.logspace(-1, 1, bs)[None, :, None, None]  # rows of different magnitudes
-    (k8, ks), (v8, vs) = dk.quantize_kv(k_cache), dk.quantize_kv(v_cache)
-    assert k8.dtype == torch.float8_e4m3fn and ks.shape == k_cache.shape[:3]
+    (k8, ks), (v8, vs) = dk.quantize_kv(k_cache, dtype), dk.quantize_kv(v_cache, dtype)
+    assert k8.dtype == dtype and ks.shape == k_cache.shape[:3]
     B = len(lens)
     q = torch.randn(B, Hkv * G, D)
     blocks = dk.paged_select_reference(torch.randn(B, Hkv, 16), idx_cache, table, seq_lens, topk=k)
@@ -574,7 +576,7 @@ def test_paged_attention_fp8_kv_cache(case):
     want = dk.paged_attention_reference(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs)
     assert rel_err(got, want) < 1e-5
     exact = dk.paged_attention_reference(q, k_cache, v_cache, blocks, table, seq_lens)
-    assert rel_err(want, exact) < 0.06  # e4m3 keeps 3 mantissa bits: ~2-3% per value
+    assert rel_err(want, exact) < (0.06 if dtype == torch.float8_e4m3fn else 0.02)
 
 
 def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
@@ -597,15 +599,19 @@ def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
     assert rel_err(got, want) < 2 * rel_err(want.half(), want)
 
 
-def test_paged_kv_write_quantises_each_token_and_head():
-    """fp8 K/V rows written for scattered slots: the kernel writes the reference's bytes and scales, each row the
-    e4m3 of its own largest magnitude -> 448; other slots keep their contents; a bf16 cache takes the values."""
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_paged_kv_write_quantises_each_token_and_head(dtype):
+    """fp8 or int8 K/V rows written for scattered slots: the kernel writes the reference's bytes and scales, each row
+    quantised against its own largest magnitude (-> 448 for e4m3, 127 for int8), values at rounding ties and tiny
+    negative values (e4m3: -0) included; other slots keep their contents; a bf16 cache takes the values."""
     P, bs, H, D, N = 6, 8, 3, 24, 13
     k = torch.randn(N, H, D) * torch.logspace(-3, 2, N)[:, None, None]
     v = torch.randn(N, H, D)
+    v[:, :, 1] = v.abs().amax(-1) * torch.tensor([0.5, 1.5, 2.5, -3.5])[torch.arange(N * H) % 4].view(N, H) / 127
+    v[:, :, 2] = -1e-7 * v.abs().amax(-1)  # rounds to zero: the sign byte of -0 as torch's cast writes it
     slots = torch.randperm(P * bs)[:N]
     page, off = slots // bs, slots % bs
-    caches = [(torch.zeros(P, bs, H, D, dtype=torch.float8_e4m3fn), torch.zeros(P, bs, H, D, dtype=torch.float8_e4m3fn),
+    caches = [(torch.zeros(P, bs, H, D, dtype=dtype), torch.zeros(P, bs, H, D, dtype=dtype),
                torch.ones(P, bs, H), torch.ones(P, bs, H)) for _ in range(2)]
     dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off, k_scale=caches[0][2], v_scale=caches[0][3],
                       backend="triton")
@@ -614,8 +620,13 @@ def test_paged_kv_write_quantises_each_token_and_head():
         assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
                            want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
     k8, ks = caches[0][0][page, off].float(), caches[0][2][page, off]
-    assert torch.equal(k8.abs().amax(-1), torch.full((N, H), 448.0))
-    assert rel_err(k8 * ks[..., None], k) < 0.05
+    top = 448.0 if dtype == torch.float8_e4m3fn else 127.0
+    assert torch.equal(k8.abs().amax(-1), torch.full((N, H), top))
+    assert rel_err(k8 * ks[..., None], k) < (0.05 if dtype == torch.float8_e4m3fn else 0.01)
+    if dtype == torch.int8:  # the planted ties (x.5 steps of the row's scale) round half to even
+        v8, vs = caches[0][1][page, off].float(), caches[0][3][page, off]
+        ties = (v[:, :, 1] / vs - (v[:, :, 1] / vs).floor() == 0.5)
+        assert ties.any() and (v8[:, :, 1][ties] % 2 == 0).all()
     untouched = torch.ones(P * bs, dtype=torch.bool)
     untouched[slots] = False
     assert (caches[0][2].view(-1, H)[untouched] == 1).all()
