@@ -407,7 +407,13 @@ def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype, cache=torch.float8_e4m3f
               + [torch.ones(P, bs, Hkv, device="cuda") for _ in range(2)] for _ in range(2)]
     page = torch.arange(P, device="cuda").repeat_interleave(bs)
     off = torch.arange(bs, device="cuda").repeat(P)
+    rot = None
+    if cache == torch.int8:  # int8 rows are stored rotated (runtime.key_shift.rotation): the kernel undoes it
+        from m3compile.runtime.key_shift import rotation
+        rot = rotation(D).cuda()
     kr, vr = k_bf.flatten(0, 1), v_bf.flatten(0, 1)
+    if rot is not None:
+        kr, vr = (kr.float() @ rot).to(dtype), (vr.float() @ rot).to(dtype)
     dk.paged_kv_write(caches[0][0], caches[0][1], kr, vr, page, off, k_scale=caches[0][2], v_scale=caches[0][3])
     dk.paged_kv_write_reference(caches[1][0], caches[1][1], kr, vr, page, off, caches[1][2], caches[1][3])
     same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == cache else torch.equal(a, b)
@@ -416,8 +422,9 @@ def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype, cache=torch.float8_e4m3f
     blocks = dk.paged_select_reference(torch.randn(B, Hkv, 64, device="cuda"), torch.randn(P, bs, 64, device="cuda"),
                                        table, seq_lens, topk=k)
     q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
-    out = dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs)
-    want = dk.paged_attention_reference(q.float(), k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs)
+    out = dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=rot)
+    want = dk.paged_attention_reference(q.float(), k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs,
+                                        rotation=rot)
     err = rel_err(out, want)
     exact = rel_err(want, dk.paged_attention_reference(q.float(), k_bf.float(), v_bf.float(), blocks, table, seq_lens))
     tol = 1e-5 if dtype == torch.float32 else 2e-2

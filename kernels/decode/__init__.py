@@ -34,9 +34,9 @@ import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
 from m3compile.kernels.decode.naive import (KV_QUANTISED, dequantize_kv, paged_attention_reference,
-                                            paged_block_scores_reference, paged_index_write_reference, paged_kv_write_reference,
-                                            paged_select_reference, quantize_kv, quantize_pages,
-                                            top_blocks_reference)
+                                            paged_block_scores_reference, paged_index_write_reference,
+                                            paged_kv_write_reference, paged_select_reference, quantize_kv,
+                                            quantize_pages, top_blocks_reference)
 
 __all__ = ["paged_select", "paged_select_launches", "top_blocks", "top_blocks_reference", "TOPK_CHUNK",
            "paged_attention", "paged_select_reference", "paged_attention_reference",
@@ -196,11 +196,13 @@ def _check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_sc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    backend: str = "auto") -> torch.Tensor:
+                    rotation: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
     dense attention over the whole cache. fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
     per token and head: `paged_kv_write`); their tiles are cast to the query's dtype as loaded (exact: e4m3 and
-    8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities."""
+    8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities. rotation [D, D]
+    fp32 (an int8 cache's, runtime.key_shift.rotation): the cached keys and values are rows times it, so the kernel
+    multiplies the queries by it and the output by its transpose (the reference: the same products in torch)."""
     _check_cache(block_table, seq_lens, k_cache.shape[1])
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1] \
             or q.shape[1] % k_cache.shape[2]:
@@ -212,9 +214,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if blocks.dim() != 3 or blocks.shape[:2] != (B, Hkv):
         raise ValueError(f"blocks must be [B, Hkv, K] = [{B}, {Hkv}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
+    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32):
+        raise ValueError(f"rotation must be [D, D] = [{D}, {D}] fp32, got {tuple(rotation.shape)} {rotation.dtype}")
     if not use_triton(q, k_cache, v_cache, backend=backend):
         return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, rotation=rotation)
     from m3compile.kernels.decode._tl_decode import paged_attention_split_kernel, paged_merge_kernel
 
     G, K = Hq // Hkv, blocks.shape[-1]
@@ -229,21 +233,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hkv, splits, GP, dtype=torch.float32, device=q.device)
     k_s, v_s = (k_scale, v_scale) if fp8 else (part_lse, part_lse)  # (unread without scales)
+    rot = part_lse if rotation is None else rotation.contiguous()  # (unread without a rotation)
     paged_attention_split_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, k_s, v_s, blocks, block_table, seq_lens, part_o, part_lse,
+        q, k_cache, v_cache, k_s, v_s, rot, blocks, block_table, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_s.stride(0), k_s.stride(1) if fp8 else 0,
         blocks.stride(0), blocks.stride(1), block_table.stride(0), part_o.stride(0), part_o.stride(1),
         part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale * math.log2(math.e), K, pps,
         G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), IEEE=q.dtype == torch.float32,
-        HAS_SCALE=fp8, num_warps=4, **({"maxnreg": 168} if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda else {}),
+        HAS_SCALE=fp8, ROTATE=rotation is not None, num_warps=4,
+        **({"maxnreg": 168} if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda else {}),
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     paged_merge_kernel[(B, Hkv)](
-        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_o, part_lse, out, rot, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
-        G=G, GP=GP, D=D, DP=DP,
+        G=G, GP=GP, D=D, DP=DP, ROTATE=rotation is not None,
     )
     return out
 

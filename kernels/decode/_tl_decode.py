@@ -3,7 +3,8 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3, to_int8
+from m3compile.kernels._tl_common import (e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3,
+                                          to_int8)
 
 
 # Arguments that grow with the context (page counts, the strides of per-page tables) are not specialised: a context of
@@ -178,14 +179,16 @@ _V_UNIT = tl.constexpr(256.0)
 
 @triton.jit(do_not_specialize=["K", "PPS", "stride_bb", "stride_bh", "stride_tb"])
 def paged_attention_split_kernel(
-    q, k_cache, v_cache, k_scale, v_scale, blocks, block_table, seq_lens, part_o, part_lse,
+    q, k_cache, v_cache, k_scale, v_scale, rot, blocks, block_table, seq_lens, part_o, part_lse,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_sp, stride_st, stride_bb, stride_bh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     scale_log2, K, PPS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BN: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE.
+    # ROTATE: the cache's rows are stored times rot [D, D] fp32 (an int8 cache's rotation): the query rows are
+    # multiplied by it here (fp32, then the query's dtype), and the merge multiplies the output back
     # HAS_SCALE: fp8 K/V pages with one fp32 scale per (token, head) (k_scale / v_scale [P, BS, Hkv], strides
     # stride_sp, stride_st, 1): the fp8 tiles are cast to the query's dtype as they are (exact) and the scales applied
     # to the [G, BN] scores and probabilities (online_softmax_block's KV_FACTORS), not to [BN, D] tiles in fp32
@@ -200,6 +203,8 @@ def paged_attention_split_kernel(
     m_g = o_g < G
     b_q = tl.load(q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :],
                   mask=m_g[:, None] & m_d[None, :], other=0.0)
+    if ROTATE:
+        b_q = _rotated(b_q, rot, o_d, m_d, D, False).to(b_q.dtype)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -233,10 +238,22 @@ def paged_attention_split_kernel(
     tl.store(part_lse + i_b * stride_lb + i_h * stride_lh + i_s * GP + o_g, m_i + tl.math.log2(l_safe))
 
 
+@triton.jit
+def _rotated(x, rot, o_d, m_d, D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows x [M, DP] times rot [D, D] fp32 row-major (or its transpose), in fp32 with IEEE products -> [M, DP] fp32
+    (the padding columns stay 0)."""
+    m = m_d[:, None] & m_d[None, :]
+    if TRANSPOSED:  # r[i, j] = rot[j, i]
+        r = tl.load(rot + o_d[None, :] * D + o_d[:, None], mask=m, other=0.0)
+    else:
+        r = tl.load(rot + o_d[:, None] * D + o_d[None, :], mask=m, other=0.0)
+    return tl.dot(x.to(tl.float32), r, input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["SPLITS"])
 def paged_merge_kernel(
-    part_o, part_lse, out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    SPLITS, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    part_o, part_lse, out, rot, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    SPLITS, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROTATE: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -250,8 +267,11 @@ def paged_merge_kernel(
         o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :])
         m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
+    o = acc / l_acc[:, None]
+    if ROTATE:  # the values were stored times rot: the output back in the model's basis (times rot^T)
+        o = _rotated(o, rot, o_d, o_d < D, D, True)
     tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
-             (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
+             o.to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt"])

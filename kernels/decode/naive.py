@@ -67,9 +67,13 @@ def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, l
 
 
 def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None, k_scale=None,
-                              v_scale=None):
+                              v_scale=None, rotation=None):
     """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks. fp8
-    and int8 caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first."""
+    and int8 caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first. rotation [D, D]:
+    the cache holds rows times it; the queries go in times it (rounded to their dtype, as the kernel does) and the
+    output comes back times its transpose."""
+    if rotation is not None:
+        q = (q.float() @ rotation).to(q.dtype)
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -88,7 +92,8 @@ def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens
         visible = chosen[:, :-1].repeat_interleave(bs, dim=1)[:, :L]  # [Hkv, L]
         s = torch.einsum("hgd,lhd->hgl", q[b].float().view(Hkv, G, D), k) * scale
         p = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), -1)
-        out[b] = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D).to(q.dtype)
+        o = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D)
+        out[b] = (o if rotation is None else o @ rotation.T).to(q.dtype)
     return out
 
 

@@ -144,23 +144,24 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], k_idx[:, 0], slots=slots, backend=backend)
         else:
             cache.write(i, b_ids, pos, k[:, :, 0], v[:, :, 0], slots=slots, backend=backend)
-        q_att = cache.rotate_queries(q[:, :, 0])  # [B, Hq, D] in the basis of the cached keys
         if m is not None and attn.sparse and selection == "index":
             with scope("m3c.decode_select"):
                 blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
                                             topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
                                             idx_scale=cache.idx_scale[i], backend=backend)
         elif m is not None and attn.sparse and selection != "dense":
-            blocks = decode_blocks(selection, q_att, cache.k[i], cache.block_table, cache.seq_lens, m, attn.scale,
+            q_keys = cache.rotate_queries(q[:, :, 0])  # [B, Hq, D] in the cached keys' basis
+            blocks = decode_blocks(selection, q_keys, cache.k[i], cache.block_table, cache.seq_lens, m, attn.scale,
                                    cache.k_scale[i])
         else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
             if attn.n_kv_heads not in dense:
                 dense[attn.n_kv_heads] = _dense_blocks(cache, attn.n_kv_heads)
             blocks = dense[attn.n_kv_heads]
         with scope("m3c.decode_attention"):
-            o = cache.unrotate_outputs(paged.paged_attention(
-                q_att, cache.k[i], cache.v[i], blocks, cache.block_table, cache.seq_lens, scale=attn.scale,
-                k_scale=cache.k_scale[i], v_scale=cache.v_scale[i], backend=backend))  # [B, Hq, D]
+            o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
+                                      cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],
+                                      v_scale=cache.v_scale[i], rotation=cache.rotation,
+                                      backend=backend)  # [B, Hq, D]
         x = x + attn.o_proj(o.reshape(B, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(bb.norm(x[:, 0])).float()

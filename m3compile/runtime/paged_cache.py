@@ -20,8 +20,8 @@ class PagedCache:
     last two with one fp32 scale per token and head in k_scale / v_scale [P, page, Hkv] (kernels.decode
     .paged_kv_write), each key less its layer's k_shift [Hkv, D] (runtime.key_shift: exact for attention, it keeps a
     K bias's constant out of the rounding); int8 rows are also rotated, keys and values times `rotation` [D, D]
-    (runtime.key_shift.rotation), so the decode's queries go in rotated and its outputs come out rotated
-    (`rotate_queries`, `unrotate_outputs`). index_dtype: the index-key cache's (fp8: one scale per page, the newest
+    (runtime.key_shift.rotation), which the decode attention applies to its queries and, transposed, to its outputs
+    (kernels.decode.paged_attention's `rotation`; `rotate_queries` for the decode oracle). index_dtype: the index-key cache's (fp8: one scale per page, the newest
     page's keys also kept unquantised in `tail`).
     Each sequence's pages are consecutive (block_table row b = pages b * per_seq ...), so a sequence's keys read
     back as one strided view (`keys_values`, `index_keys`: what a chunked prefill attends to)."""
@@ -118,12 +118,9 @@ class PagedCache:
         return k, v
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries [..., D] as attention over this cache's keys takes them: times `rotation` where it has one."""
+        """Queries [..., D] in the basis of this cache's keys: times `rotation` where it has one."""
         return q if self.rotation is None else (q.float() @ self.rotation).to(q.dtype)
 
-    def unrotate_outputs(self, o: torch.Tensor) -> torch.Tensor:
-        """Attention outputs [..., D] over this cache's values back in the model's basis (times rotation^T)."""
-        return o if self.rotation is None else (o.float() @ self.rotation.T).to(o.dtype)
 
     def _rows(self, t: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """Sequence b's first `length` rows of a per-layer tensor [P, page, ...] -> [length, ...], a view."""

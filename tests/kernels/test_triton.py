@@ -577,6 +577,15 @@ def test_paged_attention_quantised_kv_cache(case):
     assert rel_err(got, want) < 1e-5
     exact = dk.paged_attention_reference(q, k_cache, v_cache, blocks, table, seq_lens)
     assert rel_err(want, exact) < (0.06 if dtype == torch.float8_e4m3fn else 0.02)
+    if dtype == torch.int8:  # rows stored rotated (D 24: an orthogonal matrix, not Hadamard): the kernel rotates the
+        # queries in and the output back, as the reference does, and lands near the unrotated attention
+        from m3compile.runtime.key_shift import rotation
+        r = rotation(D)
+        (k8, ks), (v8, vs) = dk.quantize_kv(k_cache @ r, dtype), dk.quantize_kv(v_cache @ r, dtype)
+        got = dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=r,
+                                 backend="triton")
+        want = dk.paged_attention_reference(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=r)
+        assert rel_err(got, want) < 1e-5 and rel_err(want, exact) < 0.02
 
 
 def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
