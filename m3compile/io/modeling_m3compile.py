@@ -2,7 +2,7 @@
 Mistral, Qwen2 or Qwen3 checkpoint, named by config.json's `auto_map` (the Hugging Face remote-code convention).
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-    model.generate(input_ids, max_new_tokens=32)                     # kv_cache="fp8": an fp8 KV cache
+    model.generate(input_ids, max_new_tokens=32)                     # kv_cache="fp8" or "int8": an 8-bit KV cache
 
 config.json has model_type "m3compile_msa", the dense model's own type as `source_model_type`, its keys, and M3's
 `sparse_attention_config`. Tensors keep the source's names plus `self_attn.index_{q,k}_{proj,norm}.weight` per MSA
@@ -47,10 +47,10 @@ try:  # m3compile's Triton kernels, when installed: a prompt's forward on CUDA u
 except ImportError:
     m3c_indexer = m3c_sparse = m3c_memory = None
 
-try:  # transformers' fp8 KV cache layer, where this transformers has it (kv_cache="fp8" builds on it)
-    from transformers.cache_utils import Fp8QuantizedLayer, QuantizedCache
+try:  # transformers' fp8 KV cache layer, where this transformers has it (kv_cache="fp8" and "int8" build on it)
+    from transformers.cache_utils import BaseQuantizedLayer, Fp8QuantizedLayer, QuantizedCache
 except ImportError:
-    Fp8QuantizedLayer = QuantizedCache = None
+    BaseQuantizedLayer = Fp8QuantizedLayer = QuantizedCache = None
 
 MODEL_TYPE = "m3compile_msa"
 SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -303,8 +303,59 @@ if Fp8QuantizedLayer is not None:
                     q, scale = getattr(self, name)
                     idx = beam_idx.to(q.device)
                     setattr(self, name, (q.index_select(0, idx), scale.index_select(0, idx)))
+
+    class Int8RowLayer(Fp8RowLayer):
+        """The int8 cache layer: each (sequence, head, position) row less its sequence's mean row over the prompt
+        (keys and values apart), times an orthonormal matrix, as 8-bit integers with one scale per row (largest
+        magnitude -> 127); read back exactly but for the rounding (times the transpose, plus the mean). The
+        rotation spreads a row's few large channels over all of them, so 8-bit steps lose little (m3compile's paged
+        int8 cache does the same: m3compile.runtime.key_shift.rotation, BENCHMARKS.md)."""
+
+        def lazy_initialization(self, key_states, value_states):
+            BaseQuantizedLayer.lazy_initialization(self, key_states, value_states)
+            self._rot = _rotation(key_states.shape[-1]).to(key_states.device)
+            self._mean = {name: states.float().mean(-2, keepdim=True)
+                          for name, states in (("_quantized_keys", key_states), ("_quantized_values", value_states))}
+            self._quantized_keys = self._quantize_rows(key_states, "_quantized_keys")
+            self._quantized_values = self._quantize_rows(value_states, "_quantized_values")
+
+        def _quantize_rows(self, states, name):
+            x = (states.float() - self._mean[name]) @ self._rot
+            scale = (x.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
+            return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+        def _dequantize_rows(self, name):
+            q, scale = getattr(self, name)
+            return ((q.float() * scale) @ self._rot.T + self._mean[name]).to(self.keys.dtype)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.cumulative_length += key_states.shape[-2]
+            if not self.is_initialized:  # the prompt attends to its own states; they are stored quantised
+                self.lazy_initialization(key_states, value_states)
+                return key_states, value_states
+            for name, states in (("_quantized_keys", key_states), ("_quantized_values", value_states)):
+                (q, scale), (q_new, scale_new) = getattr(self, name), self._quantize_rows(states, name)
+                setattr(self, name, (torch.cat([q, q_new], dim=-2), torch.cat([scale, scale_new], dim=-2)))
+            return self._dequantize_rows("_quantized_keys"), self._dequantize_rows("_quantized_values")
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            super().reorder_cache(beam_idx)
+            if self.is_initialized:
+                self._mean = {k: m.index_select(0, beam_idx.to(m.device)) for k, m in self._mean.items()}
 else:
-    Fp8RowLayer = None
+    Fp8RowLayer = Int8RowLayer = None
+
+
+def _rotation(dim: int) -> torch.Tensor:
+    """An orthonormal [dim, dim] fp32 matrix: Walsh-Hadamard for a power of two, else the Q of a seeded Gaussian's QR
+    (m3compile.runtime.key_shift.rotation's matrices; this file stands alone, so it builds its own)."""
+    if dim & (dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        return (h / dim ** 0.5).float()
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,7 +537,7 @@ class M3CompileModel(M3CompilePreTrainedModel):
 
 class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
     """Causal LM with MSA layers: input_ids [B, T] -> logits [B, T, vocab]; `generate()` with a DynamicCache, or
-    with kv_cache="fp8" an fp8 one."""
+    with kv_cache="fp8" / "int8" an 8-bit one."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -504,19 +555,23 @@ class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
         sequence at its prompt + new tokens and the prompts' forward, counted as `m3c generate` counts them
         (m3compile.memory, the contiguous layout), against the device's free memory, before anything is
         allocated; an error says how much it needs and what would fit. kv_cache: "auto" (transformers' default
-        cache, the model's dtype) or "fp8" (transformers' QuantizedCache(backend="fp8") with `Fp8RowLayer`s: e4m3
-        keys, index keys and values with one scale per position and head; where this transformers has it)."""
-        if kv_cache not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache must be 'auto' or 'fp8', got {kv_cache!r}")
-        if kv_cache == "fp8":
-            if Fp8RowLayer is None:
-                raise ValueError("kv_cache='fp8' needs a transformers with QuantizedCache(backend='fp8')")
+        cache, the model's dtype), "fp8" (transformers' QuantizedCache(backend="fp8") with `Fp8RowLayer`s: e4m3
+        keys, index keys and values with one scale per position and head) or "int8" (the same cache with
+        `Int8RowLayer`s: integer rows after a rotation, closer to the model's dtype at the same bytes); both where
+        this transformers has QuantizedCache(backend="fp8")."""
+        layers = {"fp8": Fp8RowLayer, "int8": Int8RowLayer}
+        if kv_cache not in ("auto", *layers):
+            raise ValueError(f"kv_cache must be 'auto', 'fp8' or 'int8', got {kv_cache!r}")
+        if kv_cache != "auto":
+            if layers[kv_cache] is None:
+                raise ValueError(f"kv_cache={kv_cache!r} needs a transformers with QuantizedCache(backend='fp8')")
             cache = QuantizedCache(backend="fp8", config=self.config)
-            cache.layers = [Fp8RowLayer() for _ in cache.layers]
+            cache.layers = [layers[kv_cache]() for _ in cache.layers]
             kwargs[CACHE_FIELD] = cache
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if m3c_memory is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            self._check_memory(ids, kwargs, torch.float8_e4m3fn if kv_cache == "fp8" else self.dtype)
+            kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache]
+            self._check_memory(ids, kwargs, kv_dtype)
         return super().generate(*args, **kwargs)
 
     def _check_memory(self, ids: torch.Tensor, kwargs: dict, kv_dtype: torch.dtype) -> None:
