@@ -287,15 +287,22 @@ if Fp8QuantizedLayer is not None:
             scale = (tensor.abs().amax(-1, keepdim=True).float() / self.fp8_max).clamp(min=1e-12)
             return (tensor.float() / scale).to(self.fp8_dtype), scale
 
+        def _quantize_rows(self, states, name):
+            """New states of the keys or the values (`name`: the attribute that holds them) as stored."""
+            return self._quantize(states)
+
+        def _dequantize_rows(self, name):
+            return self._dequantize(getattr(self, name))
+
         def update(self, key_states, value_states, *args, **kwargs):
             self.cumulative_length += key_states.shape[-2]
             if not self.is_initialized:  # the prompt attends to its own states; they are stored quantised
                 self.lazy_initialization(key_states, value_states)
                 return key_states, value_states
             for name, states in (("_quantized_keys", key_states), ("_quantized_values", value_states)):
-                (q, scale), (q_new, scale_new) = getattr(self, name), self._quantize(states)
+                (q, scale), (q_new, scale_new) = getattr(self, name), self._quantize_rows(states, name)
                 setattr(self, name, (torch.cat([q, q_new], dim=-2), torch.cat([scale, scale_new], dim=-2)))
-            return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+            return self._dequantize_rows("_quantized_keys"), self._dequantize_rows("_quantized_values")
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             if self.is_initialized:
@@ -327,16 +334,6 @@ if Fp8QuantizedLayer is not None:
         def _dequantize_rows(self, name):
             q, scale = getattr(self, name)
             return ((q.float() * scale) @ self._rot.T + self._mean[name]).to(self.keys.dtype)
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            self.cumulative_length += key_states.shape[-2]
-            if not self.is_initialized:  # the prompt attends to its own states; they are stored quantised
-                self.lazy_initialization(key_states, value_states)
-                return key_states, value_states
-            for name, states in (("_quantized_keys", key_states), ("_quantized_values", value_states)):
-                (q, scale), (q_new, scale_new) = getattr(self, name), self._quantize_rows(states, name)
-                setattr(self, name, (torch.cat([q, q_new], dim=-2), torch.cat([scale, scale_new], dim=-2)))
-            return self._dequantize_rows("_quantized_keys"), self._dequantize_rows("_quantized_values")
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             super().reorder_cache(beam_idx)
