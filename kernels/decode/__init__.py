@@ -226,14 +226,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pps = 1 if K <= 64 else -(-K // 64)  # slots per split: one page each for top-k, ~64 splits for dense
     # (K, pps and the split count are runtime arguments: every context length runs the same two binaries)
     splits = -(-K // pps)
-    # fp8 pages: a 168-register cap (more programs resident to hide the dependent loads) took the dense layer of the
-    # llama3-8b preset at 128K, batch 8, from 1.323 to 1.131 ms on the H200; with bf16 pages it costs time (1.152 ->
-    # 1.333), BENCHMARKS.md
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     part_o = torch.empty(B, Hkv, splits, GP, DP, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hkv, splits, GP, dtype=torch.float32, device=q.device)
     k_s, v_s = (k_scale, v_scale) if fp8 else (part_lse, part_lse)  # (unread without scales)
     rot = part_lse if rotation is None else rotation.contiguous()  # (unread without a rotation)
+    # fp8 pages: a 168-register cap (more programs resident to hide the dependent loads) took the dense layer of the
+    # llama3-8b preset at 128K, batch 8, from 1.323 to 1.131 ms on the H200; with bf16 pages it costs time (1.152 ->
+    # 1.333), BENCHMARKS.md
     paged_attention_split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, k_s, v_s, rot, blocks, block_table, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

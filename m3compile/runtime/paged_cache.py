@@ -21,8 +21,8 @@ class PagedCache:
     .paged_kv_write), each key less its layer's k_shift [Hkv, D] (runtime.key_shift: exact for attention, it keeps a
     K bias's constant out of the rounding); int8 rows are also rotated, keys and values times `rotation` [D, D]
     (runtime.key_shift.rotation), which the decode attention applies to its queries and, transposed, to its outputs
-    (kernels.decode.paged_attention's `rotation`; `rotate_queries` for the decode oracle). index_dtype: the index-key cache's (fp8: one scale per page, the newest
-    page's keys also kept unquantised in `tail`).
+    (kernels.decode.paged_attention's `rotation`; `rotate_queries` for the decode oracle). index_dtype: the
+    index-key cache's (fp8: one scale per page, the newest page's keys also kept unquantised in `tail`).
     Each sequence's pages are consecutive (block_table row b = pages b * per_seq ...), so a sequence's keys read
     back as one strided view (`keys_values`, `index_keys`: what a chunked prefill attends to)."""
 
@@ -36,18 +36,18 @@ class PagedCache:
         self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
         self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
-        kv_fp8 = dtype in paged.KV_QUANTISED  # one scale per (token, head) row
+        quantised = dtype in paged.KV_QUANTISED  # one scale per (token, head) row
         self.k, self.v, self.k_scale, self.v_scale = {}, {}, {}, {}
         # quantised caches only: per layer [Hkv, D] fp32 or None (a model constant, not counted by nbytes)
-        self.k_shift = {i: None if mu is None else mu.to(device)
-                        for i, mu in key_shifts(model, max_len).items()} if kv_fp8 else dict.fromkeys(range(a.n_layers))
+        shifts = key_shifts(model, max_len) if quantised else dict.fromkeys(range(a.n_layers))
+        self.k_shift = {i: None if mu is None else mu.to(device) for i, mu in shifts.items()}
         self.rotation = rotation(a.head_dim).to(device) if dtype == torch.int8 else None
         self.idx, self.idx_scale, self.tail = {}, {}, {}
         for i in range(a.n_layers):
             self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
             self.v[i] = torch.zeros_like(self.k[i])
-            self.k_scale[i] = torch.ones(P, page, a.n_kv_heads, device=device) if kv_fp8 else None
-            self.v_scale[i] = torch.ones(P, page, a.n_kv_heads, device=device) if kv_fp8 else None
+            self.k_scale[i] = torch.ones(P, page, a.n_kv_heads, device=device) if quantised else None
+            self.v_scale[i] = torch.ones(P, page, a.n_kv_heads, device=device) if quantised else None
             if a.is_sparse(i):
                 self.idx[i] = torch.zeros(P, page, a.msa.index_dim, dtype=index_dtype, device=device)
                 fp8 = index_dtype == torch.float8_e4m3fn
