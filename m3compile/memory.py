@@ -243,11 +243,13 @@ def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device"
     options = []
     index = plan.shape.sparse_layers and plan.index_dtype != _FP8  # an index-key cache not yet fp8
     if plan.kv_dtype not in _QUANTISED or index:
-        p = fitting(kv_dtype=_FP8, index_dtype=_FP8 if plan.shape.sparse_layers else plan.index_dtype)
-        how = "kv_cache='fp8'" if plan.layout == "contiguous" else \
-            f"--kv-cache fp8{' --index-cache fp8' if index else ''}{'' if p is None else chunk_note(p)}"
+        kv8 = plan.kv_dtype if plan.kv_dtype in _QUANTISED else _FP8  # an int8 cache stays int8 (the same bytes)
+        name = "int8" if kv8 == torch.int8 else "fp8"
+        p = fitting(kv_dtype=kv8, index_dtype=_FP8 if plan.shape.sparse_layers else plan.index_dtype)
+        how = f"kv_cache='{name}'" if plan.layout == "contiguous" else \
+            f"--kv-cache {name}{' --index-cache fp8' if index else ''}{'' if p is None else chunk_note(p)}"
         if p is not None:
-            options.append(f"an fp8 KV cache ({how}: {size(p.need)})")
+            options.append(f"an {name} KV cache ({how}: {size(p.need)})")
     if plan.layout == "paged" and plan.chunk > plan.page and not auto_chunk:
         p = fitting()
         if p is not None:
