@@ -586,6 +586,10 @@ def test_paged_attention_quantised_kv_cache(case):
                                  backend="triton")
         want = dk.paged_attention_reference(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=r)
         assert rel_err(got, want) < 1e-5 and rel_err(want, exact) < 0.02
+        with pytest.raises(ValueError, match=r"rotation must be \[D, D\] = \[24, 24\] fp32"):
+            dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=r[:16, :16])
+        with pytest.raises(ValueError, match="quantised K and V caches must have one dtype"):
+            dk.paged_attention(q, k8, v8.view(torch.float8_e4m3fn), blocks, table, seq_lens, k_scale=ks, v_scale=vs)
 
 
 def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
