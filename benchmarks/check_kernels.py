@@ -407,12 +407,11 @@ def check_decode_fp8_kv(lens, Hq, Hkv, D, bs, k, dtype, cache=torch.float8_e4m3f
               + [torch.ones(P, bs, Hkv, device="cuda") for _ in range(2)] for _ in range(2)]
     page = torch.arange(P, device="cuda").repeat_interleave(bs)
     off = torch.arange(bs, device="cuda").repeat(P)
+    kr, vr = k_bf.flatten(0, 1), v_bf.flatten(0, 1)
     rot = None
     if cache == torch.int8:  # int8 rows are stored rotated (runtime.key_shift.rotation): the kernel undoes it
         from m3compile.runtime.key_shift import rotation
         rot = rotation(D).cuda()
-    kr, vr = k_bf.flatten(0, 1), v_bf.flatten(0, 1)
-    if rot is not None:
         kr, vr = (kr.float() @ rot).to(dtype), (vr.float() @ rot).to(dtype)
     dk.paged_kv_write(caches[0][0], caches[0][1], kr, vr, page, off, k_scale=caches[0][2], v_scale=caches[0][3])
     dk.paged_kv_write_reference(caches[1][0], caches[1][1], kr, vr, page, off, caches[1][2], caches[1][3])

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from m3compile.errors import M3CompileError
+from m3compile.kernels.decode.naive import KV_QUANTISED
 from m3compile.kernels.sparse_attention import PARTIAL_BYTES
 
 __all__ = ["ModelShape", "MemoryPlan", "cache_bytes", "activation_bytes", "plan_memory", "fitted_plan",
@@ -33,7 +34,6 @@ __all__ = ["ModelShape", "MemoryPlan", "cache_bytes", "activation_bytes", "plan_
 
 GB = 1e9
 _FP8 = torch.float8_e4m3fn
-_QUANTISED = (torch.float8_e4m3fn, torch.int8)  # K/V caches with one fp32 scale per (token, head) row
 DEQUANTIZE_ROWS = 1 << 16  # tokens an fp8 K/V read-back dequantises at once (runtime.PagedCache.keys_values)
 
 
@@ -83,12 +83,12 @@ def cache_bytes(shape: ModelShape, tokens: int, kv_dtype: torch.dtype, index_dty
     D, Hkv = shape.head_dim, shape.kv_heads
     if layout == "contiguous":
         extra = -(-shape.index_dim // D) if shape.sparse_layers else 0
-        row = D * _item(kv_dtype) + (4 if kv_dtype in _QUANTISED else 0)
+        row = D * _item(kv_dtype) + (4 if kv_dtype in KV_QUANTISED else 0)
         return tokens * row * (2 * Hkv * shape.layers + extra * shape.sparse_layers)
     if layout != "paged":
         raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
     slots = -(-tokens // page) * page
-    kv_row = D * _item(kv_dtype) + (4 if kv_dtype in _QUANTISED else 0)  # one (token, head) row and its scale
+    kv_row = D * _item(kv_dtype) + (4 if kv_dtype in KV_QUANTISED else 0)  # one (token, head) row and its scale
     total = shape.layers * 2 * slots * Hkv * kv_row
     if shape.sparse_layers:
         fp8 = index_dtype == _FP8
@@ -111,7 +111,7 @@ def activation_bytes(shape: ModelShape, chunk: int, tokens: int, kv_dtype: torch
         partial_row = shape.topk * shape.kv_heads * gp * (shape.head_dim * item + 4)
         total += min(chunk * partial_row, PARTIAL_BYTES + partial_row)
         total += chunk * shape.kv_heads * shape.topk * 24  # the CSR of the chunk's selection (ids, sort, payload)
-    if kv_dtype in _QUANTISED:
+    if kv_dtype in KV_QUANTISED:
         total += 2 * tokens * shape.kv_heads * shape.head_dim * item
         # the fp32 rows of one piece (an int8 cache's also rotated back: a second fp32 piece)
         total += min(tokens, DEQUANTIZE_ROWS) * shape.kv_heads * shape.head_dim * 4 * (2 if kv_dtype == torch.int8 else 1)
@@ -242,8 +242,8 @@ def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device"
 
     options = []
     index = plan.shape.sparse_layers and plan.index_dtype != _FP8  # an index-key cache not yet fp8
-    if plan.kv_dtype not in _QUANTISED or index:
-        kv8 = plan.kv_dtype if plan.kv_dtype in _QUANTISED else _FP8  # an int8 cache stays int8 (the same bytes)
+    if plan.kv_dtype not in KV_QUANTISED or index:
+        kv8 = plan.kv_dtype if plan.kv_dtype in KV_QUANTISED else _FP8  # an int8 cache stays int8 (the same bytes)
         name = "int8" if kv8 == torch.int8 else "fp8"
         p = fitting(kv_dtype=kv8, index_dtype=_FP8 if plan.shape.sparse_layers else plan.index_dtype)
         how = f"kv_cache='{name}'" if plan.layout == "contiguous" else \

@@ -7,7 +7,8 @@ scores the model's own dense forward with those keys (values, queries and everyt
   shift      the key less its layer's key shift (runtime.key_shift: the position-mean of the rotated K bias)
   exact      the key less its own rotated K bias R_t b (the bound for any bias-side treatment: exact, since
              q . R_t b can be added back, but it needs position-dependent work in the attention kernel)
-  shift+had  the shifted key times an orthonormal Hadamard matrix H (q . k = (q H) . (k H)), rounded, then H^T
+  shift+had  the shifted key times the int8 cache's orthonormal matrix H (runtime.key_shift.rotation: Hadamard for
+             a power-of-two head dim; q . k = (q H) . (k H)), rounded, then H^T
   exact+had  both
   int8-X     variant X with 8-bit integer rows (one scale per row) instead of e4m3
 Scores how much each variant costs (loss over `none`, in %) and the rms score error q . (k_hat - k) / sqrt(D) of
@@ -28,28 +29,14 @@ from m3compile.io.load import load
 from m3compile.kernels.decode.naive import dequantize_kv, quantize_kv
 from m3compile.models.decoder import Attention
 from m3compile.ops import apply_rope
-from m3compile.runtime.key_shift import key_shifts
+from m3compile.runtime.key_shift import key_shifts, rotation
 
 VARIANTS = ("none", "raw", "shift", "exact", "shift+had", "exact+had")
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix [n, n] (n a power of two)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    if h.shape[0] != n:
-        raise SystemExit(f"head_dim {n} is not a power of two")
-    return (h / math.sqrt(n)).float()
-
-
 def rounded(k: torch.Tensor, int8: bool = False) -> torch.Tensor:
-    """k [B, Hkv, T, D] rounded as the fp8 cache holds each (token, head) row; int8: to 8-bit integers with one
-    scale per row (largest magnitude -> 127, round half to even)."""
-    if int8:
-        scale = k.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
-        return (k / scale).round().clamp(-127, 127) * scale
-    x8, s = quantize_kv(k.transpose(1, 2).float())
+    """k [B, Hkv, T, D] rounded as the fp8 cache (or, int8, the int8 cache) holds each (token, head) row."""
+    x8, s = quantize_kv(k.transpose(1, 2).float(), torch.int8 if int8 else torch.float8_e4m3fn)
     return dequantize_kv(x8, s).transpose(1, 2).to(k.dtype)
 
 
@@ -72,7 +59,7 @@ def main() -> None:
     shifts = key_shifts(model, T)
     attn_layers = [layer.self_attn for layer in model.model.layers]
     D = attn_layers[0].head_dim
-    H = hadamard(D)
+    H = rotation(D)  # the int8 cache's (Walsh-Hadamard for a power-of-two head dim)
     state = {"variant": "none", "err": {}, "values": args.values}
     original = Attention._project
 

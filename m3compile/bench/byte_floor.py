@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from m3compile.kernels.decode.naive import KV_QUANTISED
+
 __all__ = ["BANDWIDTH_TBS", "bandwidth_tbs", "StepBytes", "step_bytes"]
 
 # HBM bandwidth of common GPUs, TB/s (vendors' figures), matched against torch.cuda.get_device_name() in this order
@@ -64,7 +66,7 @@ def step_bytes(model: torch.nn.Module, batch: int, tokens: int, kv_dtype: torch.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (a tied head's table once)
     if model.lm_head.weight is not emb:  # the table itself: only the looked-up rows
         weights += batch * emb.shape[1] * emb.element_size() - emb.numel() * emb.element_size()
-    scaled = kv_dtype in (torch.float8_e4m3fn, torch.int8)  # one fp32 scale per row
+    scaled = kv_dtype in KV_QUANTISED  # one fp32 scale per row
     row = 2 * (args.head_dim * _item(kv_dtype) + (4 if scaled else 0))  # one token's K and V of one head
     kv = index = 0
     for i in range(args.n_layers):
