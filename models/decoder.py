@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import use_triton
+from m3compile.kernels.norm_rope import add_rms_norm
 from m3compile.kernels.causal_lse import oracle_blocks
 from m3compile.models.fused import Fusable
 from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton,
@@ -159,6 +160,13 @@ class RMSNorm(nn.Module):
         if self.style == "gemma":
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + d, self(x + d)): a residual add and this norm, one kernel where `kernels` is set (add_rms_norm)."""
+        if self.kernels:
+            return add_rms_norm(x, d, self.weight, eps=self.eps, style=self.style)
+        s = x + d
+        return s, self(s)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, style={self.style}"

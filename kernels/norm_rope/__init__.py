@@ -2,6 +2,7 @@
 dozen elementwise ops (and their backwards) the reference runs per tensor.
 
     rms_norm(x, w)                         the models' RMSNorm, forward only (the frozen backbone's norms)
+    add_rms_norm(x, d, w)                  (x + d, rms_norm(x + d, w)): a residual add and the next norm, one launch
     rope(x, cos, sin)                      NeoX RoPE on the first `width` channels of every head (the rest pass)
     index_norm_rope(y, wq, wk, cos, sin)   y = x @ [W_qi; W_ki]^T viewed as [B, T, Hi + 1, Di]: per head the Gemma
                                            RMSNorm (x * (1 + w), w = wq for the Hi index query heads, wk for the
@@ -16,7 +17,8 @@ other channel) and the RMSNorm backward in fp32; the norm weights' gradients are
 over programs (no atomics: deterministic).
 
 Shapes: x [B, T, H, D], cos/sin [B | 1, T, R] (the main branch's tables; width <= R), y [B, T, (Hi + 1) * Di].
-References (kernels/norm_rope/naive.py): `naive.rope`, `naive.index_norm_rope`, `naive.rms_norm`.
+References (kernels/norm_rope/naive.py): `naive.rope`, `naive.index_norm_rope`, `naive.rms_norm`,
+`naive.add_rms_norm`.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from m3compile.kernels.norm_rope import naive
 from m3compile.kernels._common import next_pow2, use_triton
 
-__all__ = ["rope", "index_norm_rope", "rms_norm"]
+__all__ = ["rope", "index_norm_rope", "rms_norm", "add_rms_norm"]
 
 _ROWS = 16  # (token, head) rows per program
 
@@ -182,3 +184,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = 
     rows = max(1, min(16, 4096 // next_pow2(D)))
     rms_norm_kernel[(-(-n // rows),)](x, weight, out, n, eps, D=D, DP=next_pow2(D), GEMMA=style == "gemma", ROWS=rows)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = "rms",
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + d (x's dtype, as torch adds; d the same shape): a residual add and the norm that
+    follows it in one launch, forward only (the reference where a gradient is needed). The same values as the two
+    ops apart, to the bit where `rms_norm` is."""
+    if style not in ("rms", "gemma"):
+        raise ValueError(f"unknown norm style {style!r}")
+    if d.shape != x.shape or d.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm needs x and d of one shape and dtype, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(d.shape)} {d.dtype}")
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or d.requires_grad or weight.requires_grad)
+    if needs_grad or not use_triton(x, d, weight, backend=backend):
+        return naive.add_rms_norm(x, d, weight, eps, style)
+    from m3compile.kernels.norm_rope._tl_norm_rope import add_rms_norm_kernel
+
+    D = x.shape[-1]
+    x = x if x.is_contiguous() else x.contiguous()
+    d = d if d.is_contiguous() else d.contiguous()
+    s = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype if style == "gemma" else torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
+    n = x.numel() // max(1, D)
+    rows = max(1, min(16, 4096 // next_pow2(D)))
+    add_rms_norm_kernel[(-(-n // rows),)](x, d, s, weight, out, n, eps, D=D, DP=next_pow2(D), GEMMA=style == "gemma",
+                                          ROWS=rows)
+    return s, out

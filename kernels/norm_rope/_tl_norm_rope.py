@@ -113,6 +113,26 @@ def rms_norm_kernel(x, w, out, n_rows, eps, D: tl.constexpr, DP: tl.constexpr, G
     o_d = tl.arange(0, DP)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     b_x = tl.load(x + o_r[:, None] * D + o_d[None, :], mask=m, other=0.0)
+    _rms_rows(b_x, w, out, o_r, o_d, m, eps, D, GEMMA)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def add_rms_norm_kernel(x, d, s, w, out, n_rows, eps, D: tl.constexpr, DP: tl.constexpr, GEMMA: tl.constexpr,
+                        ROWS: tl.constexpr):
+    # rms_norm_kernel of s = x + d (one rounding to x's dtype, as torch adds), s stored too: a residual add and the
+    # next norm in one launch
+    o_r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    o_d = tl.arange(0, DP)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + p, mask=m, other=0.0)
+    b_s = (b_x.to(tl.float32) + tl.load(d + p, mask=m, other=0.0).to(tl.float32)).to(b_x.dtype)
+    tl.store(s + p, b_s, mask=m)
+    _rms_rows(b_s, w, out, o_r, o_d, m, eps, D, GEMMA)
+
+
+@triton.jit
+def _rms_rows(b_x, w, out, o_r, o_d, m, eps, D: tl.constexpr, GEMMA: tl.constexpr):
     xf = b_x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)
     b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope", "gemma_rms_norm", "rms_norm", "index_norm_rope"]
+__all__ = ["rope", "gemma_rms_norm", "rms_norm", "add_rms_norm", "index_norm_rope"]
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, width: int | None = None) -> torch.Tensor:
     """NeoX RoPE on the first `width` (default R) channels, in x's dtype. x [B, T, H, D], cos/sin [B | 1, T, R]."""
@@ -30,6 +30,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rm
         return gemma_rms_norm(x, weight, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float,
+                 style: str = "rms") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, rms_norm(x + d)): a residual add and the norm after it."""
+    s = x + d
+    return s, rms_norm(s, weight, eps, style)
 
 
 def index_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,

@@ -135,9 +135,9 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
     slots = cache.slots(b_ids, pos)
     cache.seq_lens += 1
     dense: dict[int, torch.Tensor] = {}  # n_kv -> every page of each sequence, built by the first layer needing it
+    h = bb.layers[0].input_layernorm(x)
     for i, layer in enumerate(bb.layers):
         attn: Attention = layer.self_attn
-        h = layer.input_layernorm(x)
         q, k, v, q_idx, k_idx = attn.project_with_index(h, cos, sin)  # [B, H, 1, D]; [B, 1, Hi, Di], [B, 1, Di]
         m = attn.msa
         if m is not None:
@@ -162,9 +162,11 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
                                       cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],
                                       v_scale=cache.v_scale[i], rotation=cache.rotation,
                                       backend=backend)  # [B, Hq, D]
-        x = x + attn.o_proj(o.reshape(B, 1, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(bb.norm(x[:, 0])).float()
+        # each residual add with the norm after it (one kernel each with the model's kernels: RMSNorm.add_forward)
+        x, h = layer.post_attention_layernorm.add_forward(x, attn.o_proj(o.reshape(B, 1, -1)))
+        after = bb.layers[i + 1].input_layernorm if i + 1 < len(bb.layers) else bb.norm
+        x, h = after.add_forward(x, layer.mlp(h))
+    return model.lm_head(h[:, 0]).float()
 
 
 def kernels_default(device, backend: str = "auto") -> bool:

@@ -66,6 +66,38 @@ def test_rms_norm_matches_the_models_norm_and_defers_to_it_under_autograd(style)
     assert out.grad_fn is not None and torch.equal(out, norm(x))
 
 
+@pytest.mark.parametrize("style", ["rms", "gemma"])
+@pytest.mark.parametrize("shape", [(1, 1, 40), (3, 1, 576), (2, 5, 24)], ids=["one-token", "hidden576", "D24"])
+def test_add_rms_norm_is_the_add_and_the_norm(style, shape):
+    """The residual add and the norm after it in one kernel: the sum and the normed sum, bf16 and fp32, as the two ops
+    apart (the model's RMSNorm.add_forward with and without its kernels)."""
+    from m3compile.models.decoder import RMSNorm
+
+    norm = RMSNorm(shape[-1], 1e-5, style)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(shape[-1]))
+        for dtype in (torch.float32, torch.bfloat16):
+            x, d = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+            w = norm.weight.to(dtype)
+            s, y = nr.add_rms_norm(x, d, w, eps=1e-5, style=style, backend="triton")
+            ws, wy = naive.add_rms_norm(x, d, w, 1e-5, style)
+            assert s.dtype == dtype and y.dtype == wy.dtype
+            if dtype == torch.float32:
+                assert torch.equal(s, ws) and torch.equal(y, nr.rms_norm(ws, w, eps=1e-5, style=style,
+                                                                         backend="triton"))
+                assert (y - wy).abs().max().item() < 1e-6
+            else:  # (the interpreter casts to bf16 toward zero, the GPU to nearest: within a unit in the last place)
+                assert ((s.float() - ws.float()).abs() <= ws.float().abs() * 2**-7).all()
+                assert (y.float() - wy.float()).abs().max().item() < 5e-2
+        x, d = torch.randn(shape), torch.randn(shape)
+        want = norm.add_forward(x, d)
+        norm.kernels = True
+        got = norm.add_forward(x, d)
+        assert torch.equal(got[0], want[0]) and (got[1] - want[1]).abs().max().item() < 1e-6
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        nr.add_rms_norm(x, d[..., :-1], norm.weight, eps=1e-5)
+
+
 def test_bf16_and_bad_input():
     B, T, H, D = 1, 6, 2, 32
     cos, sin = tables(B, T, D)
