@@ -139,9 +139,13 @@ def main() -> None:
             fn = paged_attention_split_kernel if kernel == "product" else pages_tile_kernel
             consts = dict(IEEE=False) if kernel == "product" else dict(NPG=npg)
 
+            if kernel == "product":  # (no rotation: the product kernel's rot argument is unread)
+                consts.update(ROTATE=False)
+            rot = (part_lse,) if kernel == "product" else ()
+
             def run():
                 fn[(B, Hkv, splits)](
-                    q, kc, vc, ks, vs, blocks, table, lens, part_o, part_lse,
+                    q, kc, vc, ks, vs, *rot, blocks, table, lens, part_o, part_lse,
                     q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                     vc.stride(0), vc.stride(1), vc.stride(2), ks.stride(0), ks.stride(1) if fp8 else 0,
                     blocks.stride(0), blocks.stride(1), table.stride(0), part_o.stride(0), part_o.stride(1),
@@ -150,9 +154,9 @@ def main() -> None:
                     G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), HAS_SCALE=fp8,
                     num_warps=warps, num_stages=stages, **consts, **extra)
                 paged_merge_kernel[(B, Hkv)](
-                    part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                    part_o, part_lse, out, part_lse, part_o.stride(0), part_o.stride(1), part_o.stride(2),
                     part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
-                    G=G, GP=GP, D=D, DP=DP)
+                    G=G, GP=GP, GM=next_pow2(G), SC=max(1, 4096 // (next_pow2(G) * DP)), D=D, DP=DP, ROTATE=False)
 
             row = dict(cache=cache, kernel=kernel, NPG=npg, pps=pps, warps=warps, maxnreg=regs, stages=stages)
             try:

@@ -132,7 +132,8 @@ def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_ta
     "scores", then "topk" or "topk_chunks" + "topk_merge"). Each launch can be timed alone (it reads only what the
     launches before it wrote); paged_select runs them all."""
     fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
-    from m3compile.kernels.decode._tl_decode import paged_index_scores_fp8_kernel, paged_index_scores_kernel
+    from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel,
+                                                     paged_index_scores_fp8_narrow_kernel, paged_index_scores_kernel)
 
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
@@ -143,7 +144,9 @@ def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_ta
         if fp8 else scores.new_empty(1, 1)
     grid = lambda meta: (B, -(-max_pages // (meta["PPP"] * meta["NPG"])))  # noqa: E731
 
-    kernel = paged_index_scores_fp8_kernel if fp8 else paged_index_scores_kernel
+    DP = max(16, next_pow2(D))
+    kernel = (paged_index_scores_fp8_narrow_kernel if DP <= 64 else paged_index_scores_fp8_kernel) if fp8 \
+        else paged_index_scores_kernel
 
     def launch(fp8_dot):
         kernel[grid](
@@ -151,8 +154,8 @@ def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_ta
             q.stride(0), q.stride(1), idx_cache.stride(0), idx_cache.stride(1), scale.stride(0),
             block_table.stride(0), scores.stride(0), scores.stride(1),
             max_pages,
-            H=H, HP=max(16, next_pow2(H)), D=D, DP=max(16, next_pow2(D)), BS=bs, BN=max(16, next_pow2(bs)),
-            HAS_SCALE=fp8, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
+            H=H, HP=max(16, next_pow2(H)), D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), HAS_SCALE=fp8,
+            IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
         )
 
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
@@ -246,10 +249,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         **({"maxnreg": 168} if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda else {}),
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    GM = GP if rotation is not None else next_pow2(G)  # (the rotation is a matmul: 16 rows at least)
     paged_merge_kernel[(B, Hkv)](
         part_o, part_lse, out, rot, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
-        G=G, GP=GP, D=D, DP=DP, ROTATE=rotation is not None,
+        G=G, GP=GP, GM=GM, SC=max(1, 4096 // (GM * DP)), D=D, DP=DP,
+        ROTATE=rotation is not None,
     )
     return out
 
@@ -262,10 +267,13 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
     A page is an MSA key block, and the prefill's fp8 scoring quantises keys with one scale per key block
     (naive_common.quantize_index_keys(k, block_size)). So that a page holds those same fp8 values once it is
     full, `tail` [B, BS, Di] (the model's dtype) keeps each sequence's keys of its newest page unquantised: the new
-    key k_idx[n] [Di] goes to tail[rows[n], pos[n] % BS], and that page is quantised again from its tail rows up to
-    the new one (rows after it: zeros, past the sequence's length, never read). Until it fills, a page is its newest
-    token's own block, which the selection forces whatever its score. rows [N] (distinct), pos [N]: the sequences
-    and their new tokens' positions; idx_cache [P, BS, Di] fp8, idx_scale [P, BS] fp32."""
+    key k_idx[n] [Di] goes to tail[rows[n], pos[n] % BS], and the page's rows up to the new one hold the quantisation
+    of its tail rows up to it (rows after it are untouched: past the sequence's length, never read). The page's scale
+    is that of its rows so far, so where the new key's own scale is not larger (most steps) the kernel writes the
+    new row alone; a larger one, or a page's first row, quantises the page again. A page's scale starts at zero
+    (`PagedCache`), or as the prefill wrote it. Until it fills, a page is its newest token's own block, which the
+    selection forces whatever its score. rows [N] (distinct), pos [N]: the sequences and their new tokens' positions;
+    idx_cache [P, BS, Di] fp8, idx_scale [P, BS] fp32."""
     if idx_cache.dtype != torch.float8_e4m3fn or idx_scale.shape != idx_cache.shape[:2] \
             or tail.shape[1:] != idx_cache.shape[1:] or k_idx.shape != (rows.shape[0], idx_cache.shape[2]):
         raise ValueError(f"paged_index_write needs an fp8 idx_cache [P, BS, Di], idx_scale [P, BS], tail [B, BS, Di] "
@@ -289,19 +297,27 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
 
 def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page: torch.Tensor,
                    off: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   k_shift: torch.Tensor | None = None, rotation: torch.Tensor | None = None,
                    backend: str = "auto") -> None:
     """Store N tokens' keys and values in paged K/V caches, in place: k[n], v[n] [Hkv, D] to slot off[n] of physical
     page page[n] ([N] each, distinct slots). fp8 (e4m3) and int8 caches (with k_scale / v_scale [P, BS, Hkv] fp32)
     store each (token, head) row quantised with its own scale (`quantize_kv`): one kernel for K and V, on CUDA or
-    under the interpreter; other caches take the values cast to their dtype."""
+    under the interpreter; other caches take the values cast to their dtype. k_shift [Hkv, D] fp32 (a quantised
+    cache's key shift, runtime.key_shift): the keys less it; rotation [D, D] fp32 (an int8 cache's): then keys and
+    values times it, in fp32, before they are quantised (in the same kernel)."""
     fp8 = _check_kv_scales(k_cache, v_cache, k_scale, v_scale, "paged_kv_write")
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or page.shape != off.shape \
             or page.shape != k.shape[:1]:
         raise ValueError(f"paged_kv_write needs k/v [N, Hkv, D] = [N, {k_cache.shape[2]}, {k_cache.shape[3]}] and "
                          f"page/off [N]; got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(page.shape)}, "
                          f"{tuple(off.shape)}")
+    H, D = k.shape[1], k.shape[2]
+    if k_shift is not None and (k_shift.shape != (H, D) or k_shift.dtype != torch.float32):
+        raise ValueError(f"k_shift must be [Hkv, D] = [{H}, {D}] fp32, got {tuple(k_shift.shape)} {k_shift.dtype}")
+    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32):
+        raise ValueError(f"rotation must be [D, D] = [{D}, {D}] fp32, got {tuple(rotation.shape)} {rotation.dtype}")
     if not fp8 or not use_triton(k_cache, k, backend=backend):
-        paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale, v_scale)
+        paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale, v_scale, k_shift, rotation)
         return
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged_kv_write needs K and V caches of the same strides, contiguous in D")
@@ -309,12 +325,14 @@ def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         return
     from m3compile.kernels.decode._tl_decode import kv_write_kernel
 
-    H, D = k.shape[1], k.shape[2]
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    shift = k_scale if k_shift is None else k_shift.contiguous()  # (unread without one)
+    rot = k_scale if rotation is None else rotation.contiguous()
     kv_write_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, k_scale, v_scale, page, off,
+        k, v, k_cache, v_cache, k_scale, v_scale, page, off, shift, rot,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scale.stride(0), k_scale.stride(1), H=H, HP=next_pow2(H), D=D, DP=next_pow2(D),
-        INT8=k_cache.dtype == torch.int8, num_warps=4,
+        k_scale.stride(0), k_scale.stride(1), H=H, HP=max(16, next_pow2(H)) if rotation is not None else next_pow2(H),
+        D=D, DP=next_pow2(D), INT8=k_cache.dtype == torch.int8, SHIFT=k_shift is not None,
+        ROTATE=rotation is not None, num_warps=4,
     )

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import (e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3,
+from m3compile.kernels._tl_common import (e4m3_scale, online_softmax_block, quantize_rows_e4m3, to_e4m3,
                                           to_int8)
 
 
@@ -71,8 +71,11 @@ def _scores_tuner(default: dict):
 # runs the one the H200 sweep chose for it (M3 shapes, 2026-11-29 decode run: bf16 NPG 1 / PPP 2 / 2 stages, fp8
 # NPG 1 / PPP 4 / 3 stages; one default for both left the fp8 selection 31% slower at 1M; the 2026-12-03 sweep of
 # the fp8 scoring up to 16 pages a program: PPP 16 / 3 stages 0.303 ms against PPP 4's 0.356 at 1M, BENCHMARKS.md)
+# fp8 keys of at most 64 dims (the llama3-8b preset's index dim 64: 8 KB a page) gain from two pages a tile: NPG 2 /
+# PPP 8 / 2 stages 0.0270 ms against 0.0322 at 128K, batch 8, 8 index heads (H200 sweep of 2026-12-03)
 paged_index_scores_kernel = _scores_tuner(dict(NPG=1, PPP=2, num_warps=4, num_stages=2))
 paged_index_scores_fp8_kernel = _scores_tuner(dict(NPG=1, PPP=16, num_warps=4, num_stages=3))
+paged_index_scores_fp8_narrow_kernel = _scores_tuner(dict(NPG=2, PPP=8, num_warps=4, num_stages=2))
 
 
 # The top-k of each (sequence, index head) row of block scores, in two stages. One program per row, as a single pass
@@ -233,45 +236,64 @@ def paged_attention_split_kernel(
         if b_q.dtype == tl.float16:
             acc = acc * (1.0 / _V_UNIT)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    # the G rows only (GP pads G for the matmul: a group of 4 would write and the merge read 4x the bytes)
     tl.store(part_o + i_b * stride_pb + i_h * stride_ph + i_s * stride_ps + o_g[:, None] * DP + o_d[None, :],
-             acc / l_safe[:, None])
-    tl.store(part_lse + i_b * stride_lb + i_h * stride_lh + i_s * GP + o_g, m_i + tl.math.log2(l_safe))
+             acc / l_safe[:, None], mask=m_g[:, None])
+    tl.store(part_lse + i_b * stride_lb + i_h * stride_lh + i_s * GP + o_g, m_i + tl.math.log2(l_safe), mask=m_g)
 
 
 @triton.jit
 def _rotated(x, rot, o_d, m_d, D: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Rows x [M, DP] times rot [D, D] fp32 row-major (or its transpose), in fp32 with IEEE products -> [M, DP] fp32
-    (the padding columns stay 0)."""
+    """Rows x [M, DP] times rot [D, D] fp32 row-major (or its transpose) -> [M, DP] fp32 (the padding columns stay 0).
+    tf32x3: three tf32 tensor-core products, within a few fp32 units in the last place; the FMA loop of "ieee" held
+    the [D, D] tile in registers and spilled (on the H200 the int8 K/V write of the llama3-8b preset at 128K, batch
+    8, took 160 us a layer, BENCHMARKS.md)."""
     m = m_d[:, None] & m_d[None, :]
     if TRANSPOSED:  # r[i, j] = rot[j, i]
         r = tl.load(rot + o_d[None, :] * D + o_d[:, None], mask=m, other=0.0)
     else:
         r = tl.load(rot + o_d[:, None] * D + o_d[None, :], mask=m, other=0.0)
-    return tl.dot(x.to(tl.float32), r, input_precision="ieee")
+    return tl.dot(x.to(tl.float32), r, input_precision="tf32x3")
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def paged_merge_kernel(
     part_o, part_lse, out, rot, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    SPLITS, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROTATE: tl.constexpr,
+    SPLITS, G: tl.constexpr, GP: tl.constexpr, GM: tl.constexpr, SC: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, ROTATE: tl.constexpr,
 ):
+    # one program: one (sequence, KV group); its SPLITS partials folded by log-sum-exp, SC splits a load (a dense
+    # layer's 64 splits are 8 dependent loads, not 64). GM rows: the group's G padded to a power of two (GP, the
+    # matmul's 16, where the output is rotated back); the split kernel writes each partial's G rows (GP apart)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    o_g = tl.arange(0, GP)
+    o_g = tl.arange(0, GM)
     o_d = tl.arange(0, DP)
-    m_acc = tl.full([GP], float("-inf"), tl.float32)
-    l_acc = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
-    for s in range(SPLITS):
-        lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + s * GP + o_g)
-        o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :])
-        m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
+    o_c = tl.arange(0, SC)
+    m_g = o_g < G
+    m_acc = tl.full([GM], float("-inf"), tl.float32)
+    l_acc = tl.zeros([GM], tl.float32)
+    acc = tl.zeros([GM, DP], tl.float32)
+    for s0 in range(0, SPLITS, SC):
+        m_s = (s0 + o_c) < SPLITS
+        m = m_s[:, None] & m_g[None, :]
+        lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + (s0 + o_c)[:, None] * GP + o_g[None, :], mask=m,
+                      other=float("-inf"))  # [SC, GM]
+        o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + (s0 + o_c)[:, None, None] * stride_ps
+                    + o_g[None, :, None] * DP + o_d[None, None, :], mask=m[:, :, None], other=0.0)  # [SC, GM, DP]
+        m_new = tl.maximum(m_acc, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_acc - m_use)
+        w = tl.math.exp2(lse - m_use[None, :])
+        l_acc = l_acc * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m_acc = m_new
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     o = acc / l_acc[:, None]
     if ROTATE:  # the values were stored times rot: the output back in the model's basis (times rot^T)
         o = _rotated(o, rot, o_d, o_d < D, D, True)
     tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
-             o.to(out.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
+             o.to(out.dtype.element_ty), mask=m_g[:, None] & (o_d < D)[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -280,48 +302,65 @@ def index_write_kernel(
     stride_kn, stride_tb, stride_tt, stride_cp, stride_ct, stride_sp, stride_bt,
     BS: tl.constexpr, BSP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    # one program: one sequence's new index key into its tail row, then that sequence's newest page quantised again
-    # from the tail (rows up to the new one; one scale, the page's largest magnitude -> 448): fp8 keys and scales
+    # one program: one sequence's new index key into its tail row, then rows 0..off of that sequence's newest page as
+    # the quantisation of its tail rows 0..off (one scale, their largest magnitude -> 448). The page's scale (row 0's)
+    # is its rows' so far: where the new key's scale is not larger, the other rows keep their bytes and only the new
+    # row is written (most steps); a larger one, or a new page (off 0), quantises rows 0..off again
     n = tl.program_id(0)
     b = tl.load(rows + n).to(tl.int64)
     p = tl.load(pos + n).to(tl.int64)
     off = p % BS
     page = tl.load(block_table + b * stride_bt + p // BS).to(tl.int64)
-    o_r = tl.arange(0, BSP)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
     key = tl.load(k_idx + n * stride_kn + o_d, mask=m_d, other=0.0).to(tail.dtype.element_ty)
     tl.store(tail + b * stride_tb + off * stride_tt + o_d, key, mask=m_d)
-    p_t = tail + b * stride_tb + o_r[:, None] * stride_tt + o_d[None, :]
-    x = tl.load(p_t, mask=(o_r < off)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    x = tl.where((o_r == off)[:, None], key.to(tl.float32)[None, :], x)
-    scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12))
-    q = to_e4m3(x, scale)
-    m_rd = (o_r < BS)[:, None] & m_d[None, :]
-    tl.store(idx_cache + page * stride_cp + o_r[:, None] * stride_ct + o_d[None, :], q, mask=m_rd)
-    tl.store(idx_scale + page * stride_sp + o_r, tl.zeros([BSP], tl.float32) + scale, mask=o_r < BS)
+    key = key.to(tl.float32)
+    new_scale = e4m3_scale(tl.maximum(tl.max(tl.abs(key), 0), 1e-12))
+    old_scale = tl.load(idx_scale + page * stride_sp)
+    if (off > 0) & (new_scale <= old_scale):
+        tl.store(idx_cache + page * stride_cp + off * stride_ct + o_d, to_e4m3(key, old_scale), mask=m_d)
+        tl.store(idx_scale + page * stride_sp + off, old_scale)
+    else:
+        o_r = tl.arange(0, BSP)
+        p_t = tail + b * stride_tb + o_r[:, None] * stride_tt + o_d[None, :]
+        x = tl.load(p_t, mask=(o_r < off)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        x = tl.where((o_r == off)[:, None], key[None, :], x)
+        scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12))
+        m_r = o_r <= off
+        tl.store(idx_cache + page * stride_cp + o_r[:, None] * stride_ct + o_d[None, :], to_e4m3(x, scale),
+                 mask=m_r[:, None] & m_d[None, :])
+        tl.store(idx_scale + page * stride_sp + o_r, tl.zeros([BSP], tl.float32) + scale, mask=m_r)
 
 
 @triton.jit
 def kv_write_kernel(
-    k, v, k_cache, v_cache, k_scale, v_scale, page, off,
+    k, v, k_cache, v_cache, k_scale, v_scale, page, off, shift, rot,
     stride_kn, stride_kh, stride_vn, stride_vh, stride_cp, stride_ct, stride_ch, stride_sp, stride_st,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, INT8: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, INT8: tl.constexpr, SHIFT: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     # one program: one token's K and V rows [H, D] quantised with one scale per head (e4m3: the row's largest
     # magnitude -> 448; INT8: -> 127; as naive.quantize_kv) and stored with their scales at slot off of physical
-    # page `page`
+    # page `page`. SHIFT: the keys less shift [H, D] fp32 first; ROTATE: both times rot [D, D] fp32 (fp32 products)
     n = tl.program_id(0)
     p = tl.load(page + n).to(tl.int64)
     o = tl.load(off + n).to(tl.int64)
     o_h = tl.arange(0, HP)
     o_d = tl.arange(0, DP)
-    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    m_d = o_d < D
+    m = (o_h < H)[:, None] & m_d[None, :]
     p_c = p * stride_cp + o * stride_ct + o_h[:, None] * stride_ch + o_d[None, :]
     p_s = p * stride_sp + o * stride_st + o_h
     x = tl.load(k + n * stride_kn + o_h[:, None] * stride_kh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    if SHIFT:
+        x = x - tl.load(shift + o_h[:, None] * D + o_d[None, :], mask=m, other=0.0)
+    if ROTATE:
+        x = _rotated(x, rot, o_d, m_d, D, False)
     _store_row(x, k_cache + p_c, k_scale + p_s, m, o_h < H, INT8)
     x = tl.load(v + n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    if ROTATE:
+        x = _rotated(x, rot, o_d, m_d, D, False)
     _store_row(x, v_cache + p_c, v_scale + p_s, m, o_h < H, INT8)
 
 

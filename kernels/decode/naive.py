@@ -106,14 +106,17 @@ def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def paged_index_write_reference(idx_cache, idx_scale, tail, k_idx, rows, pos, block_table) -> None:
-    """Plain-torch `paged_index_write` (in place)."""
+    """Plain-torch `paged_index_write` (in place): rows 0..off of each newest page as the quantisation of its tail rows
+    0..off, rows after off untouched."""
     bs = idx_cache.shape[1]
     off = pos.long() % bs
     tail[rows, off] = k_idx.to(tail.dtype)
-    keys = torch.where(torch.arange(bs, device=tail.device)[None, :, None] <= off[:, None, None], tail[rows].float(),
-                       0.0)
+    upto = torch.arange(bs, device=tail.device)[None, :] <= off[:, None]  # [N, BS]
+    keys = torch.where(upto[:, :, None], tail[rows].float(), 0.0)
     page = block_table[rows, pos.long() // bs].long()
-    idx_cache[page], idx_scale[page] = quantize_pages(keys)
+    q8, scale = quantize_pages(keys)
+    idx_cache[page] = torch.where(upto[:, :, None], q8, idx_cache[page])
+    idx_scale[page] = torch.where(upto, scale, idx_scale[page])
 
 
 INT8_MAX = 127.0
@@ -137,10 +140,16 @@ def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x8.float() * scale.float()[..., None]
 
 
-def paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale=None, v_scale=None) -> None:
+def paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale=None, v_scale=None, k_shift=None,
+                             rotation=None) -> None:
     """Plain-torch `paged_kv_write` (in place): token n's k[n], v[n] [Hkv, D] to slot off[n] of physical page
-    page[n]; fp8 and int8 caches store them quantised (`quantize_kv`) with their scales."""
+    page[n] (the keys less k_shift, then both times rotation, in fp32, where given); fp8 and int8 caches store them
+    quantised (`quantize_kv`) with their scales."""
     page, off = page.long(), off.long()
+    if k_shift is not None:
+        k = k.float() - k_shift
+    if rotation is not None:
+        k, v = k.float() @ rotation, v.float() @ rotation
     if k_scale is None:
         k_cache[page, off] = k.to(k_cache.dtype)
         v_cache[page, off] = v.to(v_cache.dtype)

@@ -331,7 +331,8 @@ def _autotune_choices() -> dict:
     for mod, names in (("m3compile.kernels.indexer._tl_indexer", ["index_topk_kernel"]),
                        ("m3compile.kernels.sparse_attention._tl_sparse", ["gather_q_fwd_kernel", "gather_q_bwd_kernel"]),
                        ("m3compile.kernels.decode._tl_decode", ["paged_index_scores_kernel",
-                                                                "paged_index_scores_fp8_kernel"]),
+                                                                "paged_index_scores_fp8_kernel",
+                                                                "paged_index_scores_fp8_narrow_kernel"]),
                        ("m3compile.kernels.sparse_kl._tl_kl", ["sparse_kl_fwd_kernel", "sparse_kl_bwd_kernel"]),
                        ("m3compile.kernels.varlen_attention._tl_varlen", ["varlen_fwd_kernel"])):
         try:

@@ -51,7 +51,8 @@ class PagedCache:
             if a.is_sparse(i):
                 self.idx[i] = torch.zeros(P, page, a.msa.index_dim, dtype=index_dtype, device=device)
                 fp8 = index_dtype == torch.float8_e4m3fn
-                self.idx_scale[i] = torch.ones(P, page, dtype=torch.float32, device=device) if fp8 else None
+                # (zero: a page's first write quantises it whole, kernels.decode.paged_index_write)
+                self.idx_scale[i] = torch.zeros(P, page, dtype=torch.float32, device=device) if fp8 else None
                 if fp8:  # each sequence's keys of its newest page, unquantised (kernels.decode.paged_index_write)
                     self.tail[i] = torch.zeros(batch, page, a.msa.index_dim, dtype=key_dtype, device=device)
 
@@ -74,8 +75,9 @@ class PagedCache:
         cache stores each (token, head) row quantised with its own scale (kernels.decode.paged_kv_write); an fp8
         index cache requantises each sequence's newest page with the new key (kernels.decode.paged_index_write)."""
         page, off = self.slots(b, pos) if slots is None else slots
-        paged.paged_kv_write(self.k[layer], self.v[layer], *self._stored(layer, k, v), page, off,
-                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], backend=backend)
+        paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
+                             v_scale=self.v_scale[layer], k_shift=self.k_shift[layer], rotation=self.rotation,
+                             backend=backend)
         if k_idx is not None:
             if self.idx_scale[layer] is not None:
                 paged.paged_index_write(self.idx[layer], self.idx_scale[layer], self.tail[layer], k_idx, b, pos,
@@ -92,8 +94,9 @@ class PagedCache:
         T = k.shape[0]
         dev = k.device
         page, off = self.slots(torch.full((T,), b, device=dev), torch.arange(start, start + T, device=dev))
-        paged.paged_kv_write(self.k[layer], self.v[layer], *self._stored(layer, k, v), page, off,
-                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], backend=backend)
+        paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
+                             v_scale=self.v_scale[layer], k_shift=self.k_shift[layer], rotation=self.rotation,
+                             backend=backend)
         if k_idx is None:
             return
         if self.idx_scale[layer] is None:
@@ -107,15 +110,6 @@ class PagedCache:
         self.idx_scale[layer][page, off] = expand_block_scale(scale, self.page, end - first)[0]
         last = end - end % self.page
         self.tail[layer][b, : end - last] = keys[last - first:]
-
-    def _stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [N, Hkv, D] as the cache stores them: keys less the layer's k_shift (fp32) where it has
-        one; both times `rotation` (fp32) where the cache has one."""
-        shift = self.k_shift[layer]
-        k = k if shift is None else k.float() - shift
-        if self.rotation is not None:
-            k, v = k.float() @ self.rotation, v.float() @ self.rotation
-        return k, v
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries [..., D] in the basis of this cache's keys: times `rotation` where it has one."""

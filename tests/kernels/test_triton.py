@@ -370,16 +370,18 @@ def test_paged_decode_matches_reference(case):
     assert rel_err(out, dk.paged_attention_reference(q, k_cache, v_cache, want, table, seq_lens)) < 1e-5
 
 
-def test_paged_attention_over_every_page_splits_the_pages():
+@pytest.mark.parametrize("D", [16, 128])
+def test_paged_attention_over_every_page_splits_the_pages(D):
     """A dense layer's decode: every page as the blocks, more than 64 of them, so each split walks several slots
-    (the slot count and slots per split are run-time arguments: one binary for every context)."""
+    (the slot count and slots per split are run-time arguments: one binary for every context); at D 128 the merge
+    folds its 34 partials 8 at a time, the last load part empty."""
     lens, bs = [266, 29], 4
-    k_cache, v_cache, _, table, seq_lens = _paged(lens, bs, 1, 16, 16)
+    k_cache, v_cache, _, table, seq_lens = _paged(lens, bs, 1, D, 16)
     n_pages = (seq_lens + bs - 1) // bs
     ids = torch.arange(table.shape[1], dtype=torch.int32)
     every = torch.where(ids[None] < n_pages[:, None], ids[None], -1)[:, None]
     assert every.shape[-1] > 64
-    q = torch.randn(2, 3, 16)
+    q = torch.randn(2, 3, D)
     out = dk.paged_attention(q, k_cache, v_cache, every, table, seq_lens, backend="triton")
     assert rel_err(out, dk.paged_attention_reference(q, k_cache, v_cache, every, table, seq_lens)) < 1e-5
 
@@ -463,10 +465,13 @@ def test_paged_index_write_fills_pages_as_the_prefill_quantises(backend, key_dty
     B, bs, Di, steps = 3, 8, 24, 20
     table = torch.randperm(B * 4).view(B, 4).int()
     start = torch.tensor([0, 3, 8])  # sequence b's first position
-    keys = (torch.randn(B, steps + 8, Di) * torch.logspace(-2, 1, steps + 8)[None, :, None]).to(key_dtype)
+    # magnitudes that rise, fall and rise again: steps whose key raises its page's scale (the page quantised again)
+    # and steps whose key does not (the new row alone)
+    size = torch.cat([torch.logspace(-2, 1, 10), torch.logspace(1, -2, 9), torch.logspace(-1, 2, steps - 11)])
+    keys = (torch.randn(B, steps + 8, Di) * size[None, :, None]).to(key_dtype)
     # (each sequence's key at position t: keys[b, t])
-    cache = torch.zeros(B * 4, bs, Di, dtype=torch.float8_e4m3fn)
-    scale = torch.ones(B * 4, bs)
+    cache = torch.full((B * 4, bs, Di), 7.0).to(torch.float8_e4m3fn)  # rows past a sequence are never written
+    scale = torch.zeros(B * 4, bs)  # as PagedCache starts them
     tail = torch.zeros(B, bs, Di, dtype=key_dtype)
     rows = torch.arange(B)
     for t in range(steps):
@@ -485,7 +490,8 @@ def test_paged_index_write_fills_pages_as_the_prefill_quantises(backend, key_dty
             assert torch.equal(got8[: hi - p * bs], want8[0].float()[: hi - p * bs]), (b, p)
             assert torch.equal(scale[table[b, p], : hi - p * bs], want_s[0].expand(hi - p * bs)), (b, p)
     if backend == "triton":  # the same bytes as the reference over the whole cache
-        cache2, scale2, tail2 = torch.zeros_like(cache), torch.ones_like(scale), torch.zeros_like(tail)
+        cache2, scale2 = torch.full_like(cache.float(), 7.0).to(cache.dtype), torch.zeros_like(scale)
+        tail2 = torch.zeros_like(tail)
         for t in range(steps):
             pos = start + t
             dk.paged_index_write_reference(cache2, scale2, tail2, keys[rows, pos], rows, pos, table)
@@ -648,6 +654,27 @@ def test_paged_kv_write_quantises_each_token_and_head(dtype):
     assert torch.equal(bf16[page, off], k.bfloat16())
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off)
+    # the key shift (keys less it) and the rotation (keys and values times it) inside the same kernel, as the
+    # reference computes them first: the same codes but where fp32 products summed in another order cross a rounding
+    # boundary (at most one step)
+    from m3compile.runtime.key_shift import rotation
+
+    shift, rot = torch.randn(H, D), rotation(D)
+    caches = [(torch.zeros(P, bs, H, D, dtype=dtype), torch.zeros(P, bs, H, D, dtype=dtype),
+               torch.ones(P, bs, H), torch.ones(P, bs, H)) for _ in range(2)]
+    dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off, k_scale=caches[0][2], v_scale=caches[0][3],
+                      k_shift=shift, rotation=rot, backend="triton")
+    dk.paged_kv_write_reference(caches[1][0], caches[1][1], k, v, page, off, caches[1][2], caches[1][3], shift, rot)
+    for i, want_rows in ((0, (k - shift) @ rot), (1, v @ rot)):
+        got8, want8 = caches[0][i][page, off].float(), caches[1][i][page, off].float()
+        step = 1.0 if dtype == torch.int8 else (want8.abs().clamp(min=2**-6) * 2**-3)  # an int8 code; an e4m3 ulp
+        assert ((got8 - want8).abs() <= step).all() and ((got8 != want8).float().mean() < 0.02)
+        assert torch.allclose(caches[0][i + 2], caches[1][i + 2], rtol=1e-5, atol=0)
+        assert rel_err(got8 * caches[0][i + 2][page, off][..., None], want_rows) < (
+            0.05 if dtype == torch.float8_e4m3fn else 0.01)
+    with pytest.raises(ValueError, match="rotation must be"):
+        dk.paged_kv_write(caches[0][0], caches[0][1], k, v, page, off, k_scale=caches[0][2], v_scale=caches[0][3],
+                          rotation=rot[:-1])
 
 
 def test_bad_inputs_name_the_problem():
