@@ -5,8 +5,8 @@
 # on stdout: every run, then per model the cold and median warm wall times and the MSA / dense ratios.
 #
 #   benchmarks/generate_e2e.sh DENSE_DIR MSA_DIR PROMPT_FILE [more m3c generate options, e.g. --dtype bfloat16]
-#   env: M3C (m3c), DEVICE (cuda), NEW_TOKENS (64), RUNS ("cold warm warm": per model, in order; cold empties the
-#        model's Triton cache first), OUT (a new temporary folder: each run's text, stderr and Triton cache)
+#   env: M3C (m3c), DEVICE (cuda), NEW_TOKENS (64), RUNS ("cold warm warm warm warm": in order, each run of the dense
+#        model then of the converted one; cold empties the model's Triton cache first), OUT (a new temporary folder: each run's text, stderr and Triton cache)
 # Before the runs, torch is imported once and both checkpoints are read once, so that "cold" means a cold kernel
 # cache, not a cold file-system cache. The 32K code model of ../shared/fixtures/qwen25_coder.py with a 25K-token
 # prompt (about 2.5 minutes on an H200):
@@ -20,12 +20,13 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 python3 -c "import torch" && cat "$DENSE"/*.safetensors "$MSA"/*.safetensors >/dev/null
 runs=()
-for model in dense msa; do
-  dir=$DENSE; [ $model = msa ] && dir=$MSA
-  cache=$OUT/triton-cache-$model
-  i=0
-  for run in ${RUNS:-cold warm warm}; do
-    i=$((i + 1)); tag=$model-$i-$run
+i=0
+for run in ${RUNS:-cold warm warm warm warm}; do  # the two models alternate, so a drift of the machine hits both
+  i=$((i + 1))
+  for model in dense msa; do
+    dir=$DENSE; [ $model = msa ] && dir=$MSA
+    cache=$OUT/triton-cache-$model
+    tag=$model-$i-$run
     if [ $run = cold ]; then rm -rf "$cache"; fi
     mkdir -p "$cache"
     start=$(date +%s.%N)
