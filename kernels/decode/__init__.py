@@ -196,16 +196,35 @@ def _check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_sc
     return quantised
 
 
+def _check_rotation(rotation: torch.Tensor | None, hadamard: bool, D: int) -> int:
+    """The kernels' ROTATE for a rotation argument: 0 none, 1 a [D, D] fp32 matrix they load, 2 the Walsh-Hadamard
+    matrix (hadamard=True: D a power of two; its signs made in registers, exact, so no [D, D] tile is loaded: on the
+    H200 the int8 decode attention of the llama3-8b preset's MSA layer took 81 us with the loaded matrix against
+    30 us unrotated, BENCHMARKS.md)."""
+    if rotation is None:
+        if hadamard:
+            raise ValueError("hadamard=True needs the rotation matrix (the reference multiplies by it)")
+        return 0
+    if rotation.shape != (D, D) or rotation.dtype != torch.float32:
+        raise ValueError(f"rotation must be [D, D] = [{D}, {D}] fp32, got {tuple(rotation.shape)} {rotation.dtype}")
+    if hadamard and D & (D - 1):
+        raise ValueError(f"hadamard=True needs a power-of-two head dim, got {D}")
+    return 2 if hadamard else 1
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    rotation: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                    rotation: torch.Tensor | None = None, hadamard: bool = False,
+                    backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
     dense attention over the whole cache. fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
     per token and head: `paged_kv_write`); their tiles are cast to the query's dtype as loaded (exact: e4m3 and
     8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities. rotation [D, D]
     fp32 (an int8 cache's, runtime.key_shift.rotation): the cached keys and values are rows times it, so the kernel
-    multiplies the queries by it and the output by its transpose (the reference: the same products in torch)."""
+    multiplies the queries by it and the output by its transpose (the reference: the same products in torch).
+    hadamard: `rotation` is the Walsh-Hadamard matrix over sqrt(D) (runtime.key_shift.rotation of a power-of-two D):
+    the kernels make its signs in registers instead of loading it (`_check_rotation`)."""
     _check_cache(block_table, seq_lens, k_cache.shape[1])
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1] \
             or q.shape[1] % k_cache.shape[2]:
@@ -217,8 +236,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if blocks.dim() != 3 or blocks.shape[:2] != (B, Hkv):
         raise ValueError(f"blocks must be [B, Hkv, K] = [{B}, {Hkv}, K], got {tuple(blocks.shape)}")
     scale = D**-0.5 if scale is None else scale
-    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32):
-        raise ValueError(f"rotation must be [D, D] = [{D}, {D}] fp32, got {tuple(rotation.shape)} {rotation.dtype}")
+    rotate = _check_rotation(rotation, hadamard, D)
     if not use_triton(q, k_cache, v_cache, backend=backend):
         return paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, scale=scale,
                                          k_scale=k_scale, v_scale=v_scale, rotation=rotation)
@@ -245,7 +263,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale * math.log2(math.e), K, pps,
         G=G, GP=GP, D=D, DP=DP, BS=bs, BN=max(16, next_pow2(bs)), IEEE=q.dtype == torch.float32,
-        HAS_SCALE=fp8, ROTATE=rotation is not None, num_warps=4,
+        HAS_SCALE=fp8, ROTATE=rotate, num_warps=4,
         **({"maxnreg": 168} if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda else {}),
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
@@ -253,8 +271,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     paged_merge_kernel[(B, Hkv)](
         part_o, part_lse, out, rot, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
-        G=G, GP=GP, GM=GM, SC=max(1, 4096 // (GM * DP)), D=D, DP=DP,
-        ROTATE=rotation is not None,
+        G=G, GP=GP, GM=GM, SC=max(1, 4096 // (GM * DP)), D=D, DP=DP, ROTATE=rotate,
     )
     return out
 
@@ -297,14 +314,14 @@ def paged_index_write(idx_cache: torch.Tensor, idx_scale: torch.Tensor, tail: to
 
 def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page: torch.Tensor,
                    off: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   k_shift: torch.Tensor | None = None, rotation: torch.Tensor | None = None,
+                   k_shift: torch.Tensor | None = None, rotation: torch.Tensor | None = None, hadamard: bool = False,
                    backend: str = "auto") -> None:
     """Store N tokens' keys and values in paged K/V caches, in place: k[n], v[n] [Hkv, D] to slot off[n] of physical
     page page[n] ([N] each, distinct slots). fp8 (e4m3) and int8 caches (with k_scale / v_scale [P, BS, Hkv] fp32)
     store each (token, head) row quantised with its own scale (`quantize_kv`): one kernel for K and V, on CUDA or
     under the interpreter; other caches take the values cast to their dtype. k_shift [Hkv, D] fp32 (a quantised
     cache's key shift, runtime.key_shift): the keys less it; rotation [D, D] fp32 (an int8 cache's): then keys and
-    values times it, in fp32, before they are quantised (in the same kernel)."""
+    values times it, in fp32, before they are quantised (in the same kernel); hadamard as in `paged_attention`."""
     fp8 = _check_kv_scales(k_cache, v_cache, k_scale, v_scale, "paged_kv_write")
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or page.shape != off.shape \
             or page.shape != k.shape[:1]:
@@ -314,8 +331,7 @@ def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     H, D = k.shape[1], k.shape[2]
     if k_shift is not None and (k_shift.shape != (H, D) or k_shift.dtype != torch.float32):
         raise ValueError(f"k_shift must be [Hkv, D] = [{H}, {D}] fp32, got {tuple(k_shift.shape)} {k_shift.dtype}")
-    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32):
-        raise ValueError(f"rotation must be [D, D] = [{D}, {D}] fp32, got {tuple(rotation.shape)} {rotation.dtype}")
+    rotate = _check_rotation(rotation, hadamard, D)
     if not fp8 or not use_triton(k_cache, k, backend=backend):
         paged_kv_write_reference(k_cache, v_cache, k, v, page, off, k_scale, v_scale, k_shift, rotation)
         return
@@ -333,6 +349,6 @@ def paged_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         k, v, k_cache, v_cache, k_scale, v_scale, page, off, shift, rot,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), H=H, HP=max(16, next_pow2(H)) if rotation is not None else next_pow2(H),
-        D=D, DP=next_pow2(D), INT8=k_cache.dtype == torch.int8, SHIFT=k_shift is not None,
-        ROTATE=rotation is not None, num_warps=4,
+        D=D, DP=next_pow2(D), INT8=k_cache.dtype == torch.int8, SHIFT=k_shift is not None, ROTATE=rotate,
+        num_warps=4,
     )

@@ -190,8 +190,9 @@ def paged_attention_split_kernel(
     BN: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # one program: PPS slots of one (sequence, KV group); online softmax over their pages, one partial + LSE.
-    # ROTATE: the cache's rows are stored times rot [D, D] fp32 (an int8 cache's rotation): the query rows are
-    # multiplied by it here (fp32, then the query's dtype), and the merge multiplies the output back
+    # ROTATE: the cache's rows are stored times a rotation (an int8 cache's; 1: rot [D, D] fp32, 2: the Walsh-Hadamard
+    # matrix, made in registers: _rotated): the query rows are multiplied by it here (fp32, then the query's dtype),
+    # and the merge multiplies the output back
     # HAS_SCALE: fp8 K/V pages with one fp32 scale per (token, head) (k_scale / v_scale [P, BS, Hkv], strides
     # stride_sp, stride_st, 1): the fp8 tiles are cast to the query's dtype as they are (exact) and the scales applied
     # to the [G, BN] scores and probabilities (online_softmax_block's KV_FACTORS), not to [BN, D] tiles in fp32
@@ -207,7 +208,7 @@ def paged_attention_split_kernel(
     b_q = tl.load(q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :],
                   mask=m_g[:, None] & m_d[None, :], other=0.0)
     if ROTATE:
-        b_q = _rotated(b_q, rot, o_d, m_d, D, False).to(b_q.dtype)
+        b_q = _rotated(b_q, rot, o_d, m_d, D, False, ROTATE).to(b_q.dtype)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -243,11 +244,29 @@ def paged_attention_split_kernel(
 
 
 @triton.jit
-def _rotated(x, rot, o_d, m_d, D: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Rows x [M, DP] times rot [D, D] fp32 row-major (or its transpose) -> [M, DP] fp32 (the padding columns stay 0).
-    tf32x3: three tf32 tensor-core products, within a few fp32 units in the last place; the FMA loop of "ieee" held
-    the [D, D] tile in registers and spilled (on the H200 the int8 K/V write of the llama3-8b preset at 128K, batch
-    8, took 160 us a layer, BENCHMARKS.md)."""
+def _rotated(x, rot, o_d, m_d, D: tl.constexpr, TRANSPOSED: tl.constexpr, ROTATE: tl.constexpr):
+    """Rows x [M, DP] times the rotation -> [M, DP] fp32 (the padding columns stay 0). ROTATE 1: rot [D, D] fp32
+    row-major (or its transpose), a tf32x3 product (three tf32 tensor-core products, within a few fp32 units in the
+    last place; the FMA loop of "ieee" held the [D, D] tile in registers and spilled: the int8 K/V write of the
+    llama3-8b preset at 128K, batch 8, took 160 us a layer on the H200, BENCHMARKS.md). ROTATE 2: the Walsh-Hadamard
+    matrix over sqrt(D) (D a power of two; symmetric), its signs (-1)^popcount(i & j) made in registers, nothing
+    loaded: each row over its largest magnitude split into two fp16 parts (22 bits of mantissa), each times the
+    signs exactly (fp16 tensor-core products, fp32 sums), then times that magnitude over sqrt(D). (fp16, not bf16:
+    the interpreter's bf16 products are wrong, Triton 3.9; the scaling keeps fp16 in range.)"""
+    if ROTATE == 2:
+        p = o_d[:, None] & o_d[None, :]
+        p = p ^ (p >> 8)
+        p = p ^ (p >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+        h = tl.where(m_d[:, None] & m_d[None, :], tl.where((p & 1) == 0, 1.0, -1.0), 0.0).to(tl.float16)
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 1)
+        amax = tl.where(amax == 0.0, 1.0, amax)
+        xn = xf / amax[:, None]
+        hi = xn.to(tl.float16)
+        y = tl.dot(hi, h) + tl.dot((xn - hi.to(tl.float32)).to(tl.float16), h)
+        return y * (amax / tl.math.sqrt_rn(tl.full([], D, tl.float32)))[:, None]
     m = m_d[:, None] & m_d[None, :]
     if TRANSPOSED:  # r[i, j] = rot[j, i]
         r = tl.load(rot + o_d[None, :] * D + o_d[:, None], mask=m, other=0.0)
@@ -291,7 +310,7 @@ def paged_merge_kernel(
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     o = acc / l_acc[:, None]
     if ROTATE:  # the values were stored times rot: the output back in the model's basis (times rot^T)
-        o = _rotated(o, rot, o_d, o_d < D, D, True)
+        o = _rotated(o, rot, o_d, o_d < D, D, True, ROTATE)
     tl.store(out + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_d[None, :],
              o.to(out.dtype.element_ty), mask=m_g[:, None] & (o_d < D)[None, :])
 
@@ -342,7 +361,7 @@ def kv_write_kernel(
 ):
     # one program: one token's K and V rows [H, D] quantised with one scale per head (e4m3: the row's largest
     # magnitude -> 448; INT8: -> 127; as naive.quantize_kv) and stored with their scales at slot off of physical
-    # page `page`. SHIFT: the keys less shift [H, D] fp32 first; ROTATE: both times rot [D, D] fp32 (fp32 products)
+    # page `page`. SHIFT: the keys less shift [H, D] fp32 first; ROTATE: both times the rotation (_rotated)
     n = tl.program_id(0)
     p = tl.load(page + n).to(tl.int64)
     o = tl.load(off + n).to(tl.int64)
@@ -356,11 +375,11 @@ def kv_write_kernel(
     if SHIFT:
         x = x - tl.load(shift + o_h[:, None] * D + o_d[None, :], mask=m, other=0.0)
     if ROTATE:
-        x = _rotated(x, rot, o_d, m_d, D, False)
+        x = _rotated(x, rot, o_d, m_d, D, False, ROTATE)
     _store_row(x, k_cache + p_c, k_scale + p_s, m, o_h < H, INT8)
     x = tl.load(v + n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     if ROTATE:
-        x = _rotated(x, rot, o_d, m_d, D, False)
+        x = _rotated(x, rot, o_d, m_d, D, False, ROTATE)
     _store_row(x, v_cache + p_c, v_scale + p_s, m, o_h < H, INT8)
 
 

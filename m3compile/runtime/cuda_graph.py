@@ -43,7 +43,7 @@ class DecodeStep:
     capture, and kept alive with the graph, which reads them as they were then."""
 
     def __init__(self, model: Decoder, cache: PagedCache, batch: int, backend: str = "auto", graph: bool = False,
-                 warmup: int = 2, kernels: bool | None = None, selection: str = "index"):
+                 warmup: int = 1, kernels: bool | None = None, selection: str = "index"):
         self.model, self.cache, self.backend, self.selection = model, cache, backend, selection
         self.kernels = kernels_default(cache.seq_lens.device, backend) if kernels is None else kernels
         self.graph = None
@@ -60,7 +60,7 @@ class DecodeStep:
             side.wait_stream(torch.cuda.current_stream(device))
             with model.using_kernels(self.kernels):
                 with torch.cuda.stream(side):
-                    for _ in range(max(1, warmup)):  # (at least one: it builds the kept weights before capture)
+                    for _ in range(max(1, warmup)):  # (one: it compiles the kernels, builds the kept weights, starts cuBLAS)
                         decode_step(model, cache, self.tokens, backend, selection)
                         cache.seq_lens.copy_(saved)
                 torch.cuda.current_stream(device).wait_stream(side)

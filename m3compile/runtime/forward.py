@@ -160,7 +160,7 @@ def decode_step(model: Decoder, cache: PagedCache, tokens: torch.Tensor, backend
         with scope("m3c.decode_attention"):
             o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
                                       cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],
-                                      v_scale=cache.v_scale[i], rotation=cache.rotation,
+                                      v_scale=cache.v_scale[i], rotation=cache.rotation, hadamard=cache.hadamard,
                                       backend=backend)  # [B, Hq, D]
         # each residual add with the norm after it (one kernel each with the model's kernels: RMSNorm.add_forward)
         x, h = layer.post_attention_layernorm.add_forward(x, attn.o_proj(o.reshape(B, 1, -1)))

@@ -42,6 +42,8 @@ class PagedCache:
         shifts = key_shifts(model, max_len) if quantised else dict.fromkeys(range(a.n_layers))
         self.k_shift = {i: None if mu is None else mu.to(device) for i, mu in shifts.items()}
         self.rotation = rotation(a.head_dim).to(device) if dtype == torch.int8 else None
+        # (a power-of-two head dim's rotation is the Walsh-Hadamard matrix: the kernels make it in registers)
+        self.hadamard = self.rotation is not None and a.head_dim & (a.head_dim - 1) == 0
         self.idx, self.idx_scale, self.tail = {}, {}, {}
         for i in range(a.n_layers):
             self.k[i] = torch.zeros(P, page, a.n_kv_heads, a.head_dim, dtype=dtype, device=device)
@@ -77,7 +79,7 @@ class PagedCache:
         page, off = self.slots(b, pos) if slots is None else slots
         paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
                              v_scale=self.v_scale[layer], k_shift=self.k_shift[layer], rotation=self.rotation,
-                             backend=backend)
+                             hadamard=self.hadamard, backend=backend)
         if k_idx is not None:
             if self.idx_scale[layer] is not None:
                 paged.paged_index_write(self.idx[layer], self.idx_scale[layer], self.tail[layer], k_idx, b, pos,
@@ -96,7 +98,7 @@ class PagedCache:
         page, off = self.slots(torch.full((T,), b, device=dev), torch.arange(start, start + T, device=dev))
         paged.paged_kv_write(self.k[layer], self.v[layer], k, v, page, off, k_scale=self.k_scale[layer],
                              v_scale=self.v_scale[layer], k_shift=self.k_shift[layer], rotation=self.rotation,
-                             backend=backend)
+                             hadamard=self.hadamard, backend=backend)
         if k_idx is None:
             return
         if self.idx_scale[layer] is None:

@@ -598,6 +598,52 @@ def test_paged_attention_quantised_kv_cache(case):
             dk.paged_attention(q, k8, v8.view(torch.float8_e4m3fn), blocks, table, seq_lens, k_scale=ks, v_scale=vs)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_int8_kernels_make_the_hadamard_rotation_in_registers(q_dtype):
+    """hadamard=True (a power-of-two head dim: the rotation is the Walsh-Hadamard matrix, whose signs the kernels
+    make instead of loading it): the K/V write and the attention (the queries rotated in every split, the output back
+    in the merge) as the reference computes them with the matrix, group 5, one token and -1 slots among the blocks;
+    the write's codes equal but where fp32 sums in another order cross a rounding boundary."""
+    from m3compile.runtime.key_shift import rotation
+
+    lens, bs, Hkv, G, D = [21, 1, 40], 8, 2, 5, 32
+    k_cache, v_cache, idx_cache, table, seq_lens = _paged(lens, bs, Hkv, D, 16)
+    r = rotation(D)
+    assert torch.equal(r.abs(), torch.full((D, D), D**-0.5))  # (a Walsh-Hadamard matrix)
+    (k8, ks), (v8, vs) = dk.quantize_kv(k_cache @ r, torch.int8), dk.quantize_kv(v_cache @ r, torch.int8)
+    B = len(lens)
+    q = torch.randn(B, Hkv * G, D).to(q_dtype)
+    blocks = dk.paged_select_reference(torch.randn(B, Hkv, 16), idx_cache, table, seq_lens, topk=3)
+    assert (blocks == -1).any()
+    got = dk.paged_attention(q, k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs, rotation=r, hadamard=True,
+                             backend="triton")
+    want = dk.paged_attention_reference(q.float(), k8, v8, blocks, table, seq_lens, k_scale=ks, v_scale=vs,
+                                        rotation=r)
+    assert got.dtype == q_dtype and rel_err(got, want) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+    N, P = 7, table.numel()
+    k, v = torch.randn(N, Hkv, D).to(q_dtype), torch.randn(N, Hkv, D).to(q_dtype)
+    shift = torch.randn(Hkv, D)
+    slots = torch.randperm(P * bs)[:N]
+    caches = [(torch.zeros(P, bs, Hkv, D, dtype=torch.int8), torch.zeros(P, bs, Hkv, D, dtype=torch.int8),
+               torch.ones(P, bs, Hkv), torch.ones(P, bs, Hkv)) for _ in range(2)]
+    dk.paged_kv_write(*caches[0][:2], k, v, slots // bs, slots % bs, k_scale=caches[0][2], v_scale=caches[0][3],
+                      k_shift=shift, rotation=r, hadamard=True, backend="triton")
+    dk.paged_kv_write_reference(*caches[1][:2], k, v, slots // bs, slots % bs, caches[1][2], caches[1][3], shift, r)
+    for i in (0, 1):
+        got8, want8 = caches[0][i].float(), caches[1][i].float()
+        assert ((got8 - want8).abs() <= 1).all() and (got8 != want8).float().mean() < 0.02
+        assert torch.allclose(caches[0][i + 2], caches[1][i + 2], rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="power-of-two head dim, got 24"):
+        dk.paged_attention(torch.randn(1, 2, 24), torch.zeros(2, 8, 1, 24, dtype=torch.int8),
+                           torch.zeros(2, 8, 1, 24, dtype=torch.int8), torch.zeros(1, 1, 1, dtype=torch.int32),
+                           torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                           k_scale=torch.ones(2, 8, 1), v_scale=torch.ones(2, 8, 1), rotation=rotation(24),
+                           hadamard=True)
+    with pytest.raises(ValueError, match="hadamard=True needs the rotation matrix"):
+        dk.paged_kv_write(*caches[0][:2], k, v, slots // bs, slots % bs, k_scale=caches[0][2], v_scale=caches[0][3],
+                          hadamard=True)
+
+
 def test_paged_attention_fp8_kv_cache_fp16_queries_over_every_page():
     """fp16 queries over an fp8 K/V cache, a dense call (every page, several per split, -1 past the shorter
     sequence), group 3: the kernel casts the fp8 tiles to fp16 as they are and applies the scales to the scores
