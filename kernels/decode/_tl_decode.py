@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import (e4m3_scale, online_softmax_block, quantize_rows_e4m3, to_e4m3,
+from m3compile.kernels._tl_common import (e4m3_scale, lse_merge, online_softmax_block, quantize_rows_e4m3, to_e4m3,
                                           to_int8)
 
 
@@ -281,9 +281,10 @@ def paged_merge_kernel(
     SPLITS, G: tl.constexpr, GP: tl.constexpr, GM: tl.constexpr, SC: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    # one program: one (sequence, KV group); its SPLITS partials folded by log-sum-exp, SC splits a load (a dense
-    # layer's 64 splits are 8 dependent loads, not 64). GM rows: the group's G padded to a power of two (GP, the
-    # matmul's 16, where the output is rotated back); the split kernel writes each partial's G rows (GP apart)
+    # one program: one (sequence, KV group); its SPLITS partials folded by log-sum-exp, SC splits a load (the
+    # llama3-8b preset's dense layer: 64 splits in 8 dependent loads, not 64). GM rows: the group's G padded to a
+    # power of two (GP, the matmul's 16, where the output is rotated back); the split kernel writes each partial's G
+    # rows (GP apart)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     o_g = tl.arange(0, GM)
@@ -293,7 +294,13 @@ def paged_merge_kernel(
     m_acc = tl.full([GM], float("-inf"), tl.float32)
     l_acc = tl.zeros([GM], tl.float32)
     acc = tl.zeros([GM, DP], tl.float32)
-    for s0 in range(0, SPLITS, SC):
+    if SC == 1:  # one split a load (2D tiles: a [GM, DP] partial fills the program already)
+        for s in range(SPLITS):
+            lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + s * GP + o_g, mask=m_g, other=float("-inf"))
+            o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :],
+                        mask=m_g[:, None], other=0.0)
+            m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
+    for s0 in range(0, SPLITS if SC > 1 else 0, SC):
         m_s = (s0 + o_c) < SPLITS
         m = m_s[:, None] & m_g[None, :]
         lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + (s0 + o_c)[:, None] * GP + o_g[None, :], mask=m,

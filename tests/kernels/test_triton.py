@@ -353,6 +353,7 @@ DECODE_CASES = [  # lens, block, Hkv, G, D, Di, topk
     ([100, 17], 16, 1, 16, 32, 16, 16),
     ([64, 9, 33, 1], 16, 2, 4, 16, 16, 1),
     ([120], 8, 1, 8, 16, 16, 32),
+    ([70, 3], 16, 1, 16, 128, 16, 4),  # M3's group of 16 at D 128: the merge folds one partial a load
 ]
 
 
