@@ -300,20 +300,20 @@ def paged_merge_kernel(
             o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + s * stride_ps + o_g[:, None] * DP + o_d[None, :],
                         mask=m_g[:, None], other=0.0)
             m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
-    for s0 in range(0, SPLITS if SC > 1 else 0, SC):
-        m_s = (s0 + o_c) < SPLITS
-        m = m_s[:, None] & m_g[None, :]
-        lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + (s0 + o_c)[:, None] * GP + o_g[None, :], mask=m,
-                      other=float("-inf"))  # [SC, GM]
-        o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + (s0 + o_c)[:, None, None] * stride_ps
-                    + o_g[None, :, None] * DP + o_d[None, None, :], mask=m[:, :, None], other=0.0)  # [SC, GM, DP]
-        m_new = tl.maximum(m_acc, tl.max(lse, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_acc - m_use)
-        w = tl.math.exp2(lse - m_use[None, :])
-        l_acc = l_acc * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-        m_acc = m_new
+    else:
+        for s0 in range(0, SPLITS, SC):
+            m = ((s0 + o_c) < SPLITS)[:, None] & m_g[None, :]
+            lse = tl.load(part_lse + i_b * stride_lb + i_h * stride_lh + (s0 + o_c)[:, None] * GP + o_g[None, :],
+                          mask=m, other=float("-inf"))  # [SC, GM]
+            o = tl.load(part_o + i_b * stride_pb + i_h * stride_ph + (s0 + o_c)[:, None, None] * stride_ps
+                        + o_g[None, :, None] * DP + o_d[None, None, :], mask=m[:, :, None], other=0.0)  # [SC, GM, DP]
+            m_new = tl.maximum(m_acc, tl.max(lse, 0))  # lse_merge over SC partials at once
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_acc - m_use)
+            w = tl.math.exp2(lse - m_use[None, :])
+            l_acc = l_acc * alpha + tl.sum(w, 0)
+            acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+            m_acc = m_new
     l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
     o = acc / l_acc[:, None]
     if ROTATE:  # the values were stored times rot: the output back in the model's basis (times rot^T)

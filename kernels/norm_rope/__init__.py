@@ -176,14 +176,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = 
         return naive.rms_norm(x, weight, eps, style)
     from m3compile.kernels.norm_rope._tl_norm_rope import rms_norm_kernel
 
-    D = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()
-    dtype = x.dtype if style == "gemma" else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out, n, grid, meta = _norm_launch(x, weight, style)
+    rms_norm_kernel[grid](x, weight, out, n, eps, **meta)
+    return out
+
+
+def _norm_launch(x: torch.Tensor, weight: torch.Tensor, style: str):
+    """The norm kernels' output (style "gemma": x's dtype, else promote(w, x)), row count, grid and constexprs."""
+    D = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype if style == "gemma" else torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
     n = x.numel() // max(1, D)
     rows = max(1, min(16, 4096 // next_pow2(D)))
-    rms_norm_kernel[(-(-n // rows),)](x, weight, out, n, eps, D=D, DP=next_pow2(D), GEMMA=style == "gemma", ROWS=rows)
-    return out
+    return out, n, (-(-n // rows),), dict(D=D, DP=next_pow2(D), GEMMA=style == "gemma", ROWS=rows)
 
 
 def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, *, eps: float, style: str = "rms",
@@ -201,14 +207,9 @@ def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, *, eps:
         return naive.add_rms_norm(x, d, weight, eps, style)
     from m3compile.kernels.norm_rope._tl_norm_rope import add_rms_norm_kernel
 
-    D = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()
     d = d if d.is_contiguous() else d.contiguous()
     s = torch.empty_like(x)
-    out = torch.empty(x.shape, dtype=x.dtype if style == "gemma" else torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)
-    n = x.numel() // max(1, D)
-    rows = max(1, min(16, 4096 // next_pow2(D)))
-    add_rms_norm_kernel[(-(-n // rows),)](x, d, s, weight, out, n, eps, D=D, DP=next_pow2(D), GEMMA=style == "gemma",
-                                          ROWS=rows)
+    out, n, grid, meta = _norm_launch(x, weight, style)
+    add_rms_norm_kernel[grid](x, d, s, weight, out, n, eps, **meta)
     return s, out
