@@ -60,7 +60,7 @@ class DecodeStep:
             side.wait_stream(torch.cuda.current_stream(device))
             with model.using_kernels(self.kernels):
                 with torch.cuda.stream(side):
-                    for _ in range(max(1, warmup)):  # (one compiles the kernels, builds the kept weights, starts cuBLAS)
+                    for _ in range(max(1, warmup)):  # (it compiles the kernels, builds the kept weights)
                         decode_step(model, cache, self.tokens, backend, selection)
                         cache.seq_lens.copy_(saved)
                 torch.cuda.current_stream(device).wait_stream(side)
