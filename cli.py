@@ -25,8 +25,8 @@ from rich.tree import Tree
 from m3compile.config import INDEX_DTYPES
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
-from m3compile.io.output_dir import COMMITTED, atomic_write_text, check_output_file, resolved
-from m3compile.tools.ruler_tasks import TASKS as RULER_TASKS
+from m3compile.outputs import COMMITTED, atomic_write_text, check_output_file, resolved
+from m3compile.evaluation.ruler_tasks import TASKS as RULER_TASKS
 
 
 def _lazy(module: str, name: str):
@@ -42,13 +42,13 @@ def _lazy(module: str, name: str):
 DistillConfig = _lazy("m3compile.train.distill", "DistillConfig")
 MSAConfig = _lazy("m3compile.config", "MSAConfig")
 TrainConfig = _lazy("m3compile.train.distill", "TrainConfig")
-convert_checkpoint = _lazy("m3compile.io.convert", "convert_checkpoint")
+convert_checkpoint = _lazy("m3compile.conversion.checkpoint", "convert_checkpoint")
 run_distill = _lazy("m3compile.train.distill", "distill")
-evaluate = _lazy("m3compile.tools.evaluate", "evaluate")
+evaluate = _lazy("m3compile.evaluation.loss", "evaluate")
 load = _lazy("m3compile.io.load", "load")
 run_train = _lazy("m3compile.train.distill", "train")
 run_export = _lazy("m3compile.export.onnx", "export_onnx")
-load_tokens = _lazy("m3compile.io.data", "load_tokens")
+load_tokens = _lazy("m3compile.data", "load_tokens")
 compute_attention_map = _lazy("m3compile.tools.attention_map", "attention_map")
 draw_attention_map = _lazy("m3compile.tools.attention_map", "draw_attention_map")
 BenchConfig = _lazy("m3compile.bench.kernels", "BenchConfig")
@@ -63,21 +63,21 @@ run_distill_bench = _lazy("m3compile.bench.distill", "run_distill_bench")
 ModelBenchConfig = _lazy("m3compile.bench.model", "ModelBenchConfig")
 run_model_bench = _lazy("m3compile.bench.model", "run_model_bench")
 write_model_outputs = _lazy("m3compile.bench.model", "write_model_outputs")
-TextCodec = _lazy("m3compile.tools.generate", "TextCodec")
-eos_token_id = _lazy("m3compile.tools.generate", "eos_token_id")
-run_generate = _lazy("m3compile.tools.generate", "generate")
+TextCodec = _lazy("m3compile.io.tokenizer", "TextCodec")
+eos_token_id = _lazy("m3compile.io.tokenizer", "eos_token_id")
+run_generate = _lazy("m3compile.runtime.generate", "generate")
 run_inspect = _lazy("m3compile.tools.inspect", "inspect")
 to_dot = _lazy("m3compile.tools.inspect", "to_dot")
 to_mermaid = _lazy("m3compile.tools.inspect", "to_mermaid")
-run_retrieval = _lazy("m3compile.tools.retrieval", "retrieval")
-text_encoder = _lazy("m3compile.tools.retrieval", "text_encoder")
+run_retrieval = _lazy("m3compile.evaluation.retrieval", "retrieval")
+text_encoder = _lazy("m3compile.evaluation.retrieval", "text_encoder")
 holdout_summary = _lazy("m3compile.train.holdout", "summary")
 EvalConfig = _lazy("m3compile.config", "EvalConfig")
 check_map_output = _lazy("m3compile.tools.attention_map", "check_map_output")
-PromptCodec = _lazy("m3compile.tools.prompt", "PromptCodec")
-draw_heatmap = _lazy("m3compile.tools.ruler", "draw_heatmap")
-read_text = _lazy("m3compile.tools.ruler", "read_text")
-run_ruler = _lazy("m3compile.tools.ruler", "ruler")
+PromptCodec = _lazy("m3compile.io.tokenizer", "PromptCodec")
+draw_heatmap = _lazy("m3compile.evaluation.ruler", "draw_heatmap")
+read_text = _lazy("m3compile.evaluation.ruler", "read_text")
+run_ruler = _lazy("m3compile.evaluation.ruler", "ruler")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -322,7 +322,7 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 def _kv_cache(help: str = "K/V cache dtype: auto (the model's), bf16, fp8 (e4m3 with one scale per token and head: "
                           "half of bf16's bytes) or int8 (the same bytes, integer rows after an exact rotation: "
                           "closer to bf16 than fp8 is; BENCHMARKS.md)."):
-    """The --kv-cache option (m3compile.tools.generate.KV_CACHE_DTYPES), with a command's own help text."""
+    """The --kv-cache option (m3compile.runtime.generate.KV_CACHE_DTYPES), with a command's own help text."""
     return click.option("--kv-cache", type=click.Choice(["auto", "bf16", "fp8", "int8"]), default="auto",
                         show_default=True, help=help)
 
@@ -805,7 +805,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, below
     clock = importlib.import_module("m3compile.runtime.timings").Timings(device) if timings else None
     if timings:
-        importlib.import_module("m3compile.tools.generate")  # what generation runs, so that "import" counts it
+        importlib.import_module("m3compile.runtime.generate")  # what generation runs, so that "import" counts it
         clock.add("import", round(time.perf_counter() - _STARTED, 4))
         clock.mark("load")
     model = _run(load, model_dir, dtype=dtype, device=device)

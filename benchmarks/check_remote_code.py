@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import m3compile
-from m3compile.io.data import load_tokens
+from m3compile.data import load_tokens
 
 
 def _timed(fn, device):

@@ -6,7 +6,7 @@ resident memory and wall time, and the largest logit difference against m3compil
     python3 benchmarks/onnx_large_export.py WORK_DIR --model CONVERTED_DIR --tokens 600   # an already converted model
     python3 benchmarks/onnx_large_export.py WORK_DIR --shape 600m --dtype bfloat16 --provider cuda   # onnxruntime-gpu
 
-A synthetic shape (m3compile.tools.synthetic.SHAPES: random bf16 weights) is written to WORK_DIR/synthetic-SHAPE and
+A synthetic shape (m3compile.bench.synthetic.SHAPES: random bf16 weights) is written to WORK_DIR/synthetic-SHAPE and
 converted (`m3c convert --block-size 64 --topk 4`) once; the export (`m3c export-onnx`) runs in a child process whose
 peak RSS is read from wait4. onnxruntime (the --provider's execution provider) then runs one sequence of --tokens
 random ids, several blocks long, and its session is freed before m3compile.load computes the reference (fp32, on the
@@ -29,8 +29,8 @@ import onnxruntime as ort
 import torch
 
 from m3compile import load
-from m3compile.io.streaming import SourceTensors
-from m3compile.tools.synthetic import write_synthetic_checkpoint
+from m3compile.io.shards import SourceTensors
+from m3compile.bench.synthetic import write_synthetic_checkpoint
 
 M3C = [sys.executable, "-m", "m3compile.cli"]
 
@@ -61,7 +61,7 @@ def export(conv: Path, out: Path, dtype: str, external: str, provider: str) -> t
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work", type=Path)
-    ap.add_argument("--shape", default="600m", help="a synthetic shape of m3compile.tools.synthetic.SHAPES")
+    ap.add_argument("--shape", default="600m", help="a synthetic shape of m3compile.bench.synthetic.SHAPES")
     ap.add_argument("--model", type=Path, help="an already converted checkpoint instead of a synthetic shape")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--topk", type=int, default=4)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from m3compile import DistillConfig, DistillInterrupted, M3CompileError, distill
-from m3compile.io.data import load_tokens
+from m3compile.data import load_tokens
 
 EXIT_STOPPED = 3
 

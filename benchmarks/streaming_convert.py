@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from m3compile.tools.synthetic import write_synthetic_checkpoint
+from m3compile.bench.synthetic import write_synthetic_checkpoint
 
 
 def main():

@@ -7,18 +7,19 @@
     evaluate / attention_map    tools/              dense vs sparse loss and recall; what the index branch selects
     distill / train             train/distill.py    the index branch's KL distillation; continued training
     export_onnx                 export/onnx.py      model.onnx (+ model.onnx.data, vision.onnx)
-    generate                    tools/generate.py   batched decoding over runtime/'s paged KV and index-K caches
+    generate                    runtime/generate.py   batched decoding over runtime/'s paged KV and index-K caches
 """
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.export.onnx import export_onnx
-from m3compile.io.convert import convert_checkpoint
+from m3compile.conversion.checkpoint import convert_checkpoint
 from m3compile.io.load import from_preset, load
 from m3compile.io.module_io import load_module
-from m3compile.io.save import save
-from m3compile.pipelines import ConversionReport, convert, lower
+from m3compile.conversion.save import save
+from m3compile.conversion.convert import ConversionReport, convert
+from m3compile.pipelines import lower
 from m3compile.tools.attention_map import attention_map
-from m3compile.tools.evaluate import EvalReport, evaluate
-from m3compile.tools.generate import GenerationResult, generate
+from m3compile.evaluation.loss import EvalReport, evaluate
+from m3compile.runtime.generate import GenerationResult, generate
 from m3compile.train.distill import DistillConfig, DistillInterrupted, DistillReport, TrainConfig, distill, train
 
 __all__ = [

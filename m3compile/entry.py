@@ -16,7 +16,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _interrupted(signum, frame):
-    written = getattr(sys.modules.get("m3compile.io.output_dir"), "COMMITTED", None)  # only once it was imported
+    written = getattr(sys.modules.get("m3compile.outputs"), "COMMITTED", None)  # only once it was imported
     message = (f"interrupted after {', '.join(map(str, written))} was written in full" if written else
                "interrupted; no output was written")
     try:

@@ -7,7 +7,7 @@ all, beside config and errors, importing only the kernels' constants). It descri
 (`ModelShape`: from a Decoder's ModelArgs, or from the remote code's settings) and one of two cache layouts:
     paged       the runtime's PagedCache: pages of `page` tokens per layer (K, V; fp8 K/V with one fp32 scale per
                 token and head), index-key pages of every MSA layer (fp8: one fp32 scale per token row and an
-                unquantised tail page per sequence); equal to PagedCache.nbytes() (tests/test_kv_cache.py)
+                unquantised tail page per sequence); equal to PagedCache.nbytes() (tests/runtime/test_kv_cache.py)
     contiguous  transformers' cache as the remote code fills it: K and V of every layer (the model's dtype, or fp8
                 with one fp32 scale per position and head: the remote code's Fp8RowLayer), an MSA layer's index
                 keys as ceil(Di / D) extra key heads of the keys; no pages. Each step concatenates

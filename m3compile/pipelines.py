@@ -9,30 +9,25 @@
     lower     lower_triton -> fuse_index_branch -> lower_norms   reference ops -> Triton-backed ops (last)
     export    strip_kl_distill -> fuse_msa                 one torch.ops.m3compile.msa node per layer (ONNX)
 
-The pass manager enforces the stage order (rewrite -> distil -> lower). `convert(model)` and `lower(model)` are the
-in-memory verbs built on them.
+The pass manager enforces the stage order (rewrite -> distil -> lower). `lower(model)` is the in-memory verb built
+on them; m3compile.conversion runs the convert pipeline (in memory and streaming).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.fx
 
-from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
 from m3compile.graph.pass_manager import Pass, PassManager, PassReport
 from m3compile.graph.tracing import trace
-from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
+from m3compile.models.decoder import Decoder
 from m3compile.passes import (
     FuseIndexBranch, FuseMSA, GQAToMSA, KLDistill, LowerNorms, LowerTriton, StripKLDistill, ViT3DWindow,
 )
-from m3compile.config import max_positions
-from m3compile.passes.calibration import Calibration, CalibrationInfo
 
-__all__ = ["PIPELINES", "pipeline", "run_pipeline", "convert", "lower", "ConversionReport"]
+__all__ = ["PIPELINES", "pipeline", "run_pipeline", "lower"]
 
 def _lowering(fused: bool = True) -> list[Pass]:
     """The lowering passes; `fused` False keeps the module calls (FSDP2 all-gathers a module's shard around its
@@ -61,84 +56,6 @@ def run_pipeline(name: str, gm: torch.fx.GraphModule, **options) -> list[PassRep
     return pipeline(name, **options).run(gm)
 
 
-@dataclass
-class ConversionReport:
-    """What `convert` did: per layer, per pass, and the parameter counts."""
-
-    model: str
-    config: MSAConfig
-    layers: list[dict]  # {"layer", "attention": "msa"|"dense", "converted"}
-    passes: list[PassReport]
-    params_before: int
-    params_after: int
-    seconds: float = 0.0
-    index_init: CalibrationInfo = CalibrationInfo("weight-only")
-
-    @property
-    def index_params(self) -> int:
-        return self.params_after - self.params_before
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model, "config": self.config.to_dict(), "layers": self.layers,
-            "passes": [p.to_dict() for p in self.passes], "params_before": self.params_before,
-            "params_after": self.params_after, "index_params": self.index_params, "seconds": round(self.seconds, 3),
-            "index_init": self.index_init.to_dict(),
-        }
-
-
-def _count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
-def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *, calib: torch.Tensor | None = None,
-            calib_seq_len: int | None = None, calib_device: str | torch.device | None = None,
-            ) -> tuple[torch.fx.GraphModule, ConversionReport]:
-    """Trace `model`, rewrite its causal GQA attention into MSA; returns (GraphModule, report).
-
-    The model's own weights are shared with the GraphModule, not copied; the index-branch weights are new.
-    calib: 1-D token ids of calibration data; the index branch is then fitted to the data's hidden states
-    (passes/calibration.py, passes/index_init.py) instead of the weights alone. Needs a Decoder (`m3compile.load`).
-    calib_seq_len: tokens per calibration window [default: 2048, at most the model's positions].
-    calib_device: where the calibration forward runs [default: the model's device].
-    """
-    config = config or MSAConfig()
-    start = time.perf_counter()
-    args: ModelArgs | None = getattr(model, "args", None)
-    if args is not None:
-        bad = [i for i in config.dense_layers if i >= args.n_layers]
-        if bad:
-            raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
-        if config.index_dtype != "auto" and args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
-            raise M3CompileError(f"index_dtype {config.index_dtype!r} applies to MSA layers, and every layer is kept "
-                                 f"dense (dense_layers): nothing would score with it")
-    moments, info = None, CalibrationInfo("weight-only")
-    if calib is not None:
-        if not isinstance(model, Decoder):
-            raise M3CompileError(f"calibration needs an m3compile Decoder (m3compile.load), got {type(model).__name__}")
-        device = calib_device or next(model.parameters()).device
-        calibration = Calibration(args, calib, calib_seq_len, device,
-                                  max_positions=max_positions(getattr(model, "source_config", None)))
-        todo = [i for i in range(args.n_layers) if i not in config.dense_layers and not args.is_sparse(i)]
-        moments, info = calibration.model_moments(model.model, todo), calibration.info
-    params_before = _count(model)
-    gm = trace(model)
-    manager = pipeline("convert", config=config, moments=moments)
-    reports = manager.run(gm)
-    gqa = manager.passes[0]
-    if args is not None:
-        gm.meta["model_args"] = _converted_args(args, gqa.layer_settings)
-    layers = []
-    out_args = gm.meta.get("model_args")
-    for i in range(out_args.n_layers if out_args else 0):
-        layers.append({"layer": i, "attention": "msa" if out_args.is_sparse(i) else "dense",
-                       "converted": i in gqa.layer_settings})
-    report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm),
-                              index_init=info)
-    report.seconds = time.perf_counter() - start
-    return gm, report
-
-
 def lower(model: torch.nn.Module, require_msa: bool = True) -> torch.fx.GraphModule:
     """The model (a converted GraphModule, or a Decoder loaded from a converted checkpoint) with its MSA ops lowered
     to the Triton kernels (passes/lower_triton.py). The result runs Triton on CUDA and the torch reference on CPU.
@@ -151,13 +68,3 @@ def lower(model: torch.nn.Module, require_msa: bool = True) -> torch.fx.GraphMod
         raise M3CompileError("the model has no MSA layer to lower (convert it first)")
     gm.meta["lowering"] = report
     return gm
-
-
-def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs]) -> ModelArgs:
-    if not settings:
-        return args
-    new = next(iter(settings.values()))
-    if args.msa is not None and args.msa != new:
-        raise M3CompileError(f"the model's MSA layers use {args.msa}; converting more layers with {new} would mix settings")
-    sparse = [args.is_sparse(i) or i in settings for i in range(args.n_layers)]
-    return args.replace(sparse_layers=tuple(sparse), msa=new)

@@ -15,7 +15,7 @@ from m3compile.graph.tracing import propagate_shapes
 from m3compile.models.decoder import MSALayerArgs, RMSNorm
 from m3compile.ops import (apply_index_rope, index_rope_rule, is_op, msa_attention, msa_select, op_args,
                            split_heads)
-from m3compile.passes.index_init import index_branch_weights
+from m3compile.models.index_init import index_branch_weights
 
 __all__ = ["GQAToMSA"]
 
@@ -26,13 +26,13 @@ class GQAToMSA(Pass):
 
     Adds, per converted layer, `index_q_proj` [Hkv*Di, hidden], `index_k_proj` [Di, hidden], `index_q_norm` and
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
-    (passes/index_init.py). The index branch reads the detached input of the projections, applies the main
+    (models/index_init.py). The index branch reads the detached input of the projections, applies the main
     branch's RoPE table cut to the index width (apply_index_rope; an index head narrower than the rotary width
     turns its pairs at the model's lowest frequencies instead, index_rope "low"), and `msa_select` picks top-k
     blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the
     attention op.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
-    of the layers' attention inputs on calibration data (passes/calibration.py), for the calibrated init; a layer
+    of the layers' attention inputs on calibration data (m3compile/conversion/calibration.py), for the calibrated init; a layer
     without one gets the weight-only init. Requires: shapes propagated (done if missing).
     """
 
@@ -93,7 +93,7 @@ class GQAToMSA(Pass):
         # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies (ops.
         # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there. Wider
         # than a fully rotated head: every index pair turns ("tile"), so the init can fit each dense pair's KV
-        # groups with more than one shared-key rank (passes/index_init.py)
+        # groups with more than one shared-key rank (models/index_init.py)
         rope = index_rope_rule(m.head_dim, m.rope_dim, index_dim)
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
                                 cfg.index_dtype, rope)

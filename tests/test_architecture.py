@@ -1,7 +1,7 @@
 """The package's shape: one import name, and imports that point one way through the pipeline's layers.
 
-    cli -> bench -> api -> tools / train / export -> runtime -> io -> pipelines -> passes -> graph -> models, ops
-    -> config, errors -> kernels (a leaf that knows no torch.fx)
+    cli -> bench -> api -> evaluation / train / tools -> runtime -> conversion -> export -> io -> pipelines -> passes
+    -> graph -> models, ops -> config, errors, memory, data, outputs -> kernels (a leaf that knows no torch.fx)
 
 A module may import from its own layer or any layer below it, never above; no cycles; no private name
 (`_x`) imported from another module; an import inside a function only for a module that needs an optional
@@ -20,14 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # bottom to top
     ("kernels", ("m3compile.kernels",)),
-    ("base", ("m3compile.errors", "m3compile.config", "m3compile.memory")),
+    ("base", ("m3compile.errors", "m3compile.config", "m3compile.memory", "m3compile.data", "m3compile.outputs")),
     ("models and ops", ("m3compile.models", "m3compile.ops")),
     ("graph", ("m3compile.graph",)),
     ("passes", ("m3compile.passes",)),
     ("pipelines", ("m3compile.pipelines",)),
     ("io", ("m3compile.io",)),
+    ("export", ("m3compile.export",)),
+    ("conversion", ("m3compile.conversion",)),
     ("runtime", ("m3compile.runtime",)),
-    ("tools / train / export", ("m3compile.tools", "m3compile.train", "m3compile.export")),
+    ("evaluation / train / tools", ("m3compile.evaluation", "m3compile.train", "m3compile.tools")),
     ("api", ("m3compile.api", "m3compile")),
     ("bench", ("m3compile.bench",)),  # above the library: only the command line and the tests import it
     ("cli", ("m3compile.cli",)),
@@ -129,7 +131,7 @@ def test_kernels_know_no_torch_fx():
 def test_the_rule_catches_an_upward_edge_and_a_cycle(tmp_path):
     """The check itself: an upward import and a cycle among modules are what it reports."""
     assert _layer("m3compile.passes.gqa_to_msa") > _layer("m3compile.graph.matching") > _layer("m3compile.ops")
-    g = nx.DiGraph([("m3compile.io.save", "m3compile.io.streaming"), ("m3compile.io.streaming", "m3compile.io.save")])
+    g = nx.DiGraph([("m3compile.conversion.save", "m3compile.conversion.streaming"), ("m3compile.conversion.streaming", "m3compile.conversion.save")])
     assert [c for c in nx.simple_cycles(g) if len(c) > 1]
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from m3compile.io.load import load\nfrom m3compile.ops import _grid\n")
@@ -184,7 +186,7 @@ def test_the_command_line_starts_without_torch():
 def test_generate_imports_no_torch_dynamo():
     """What `m3c generate` imports leaves torch._dynamo out (torch.nn.attention.bias alone pulls it in: 1.7 s of a
     CPU run's 3.3 s start); only a prefill in chunks imports it, when it needs its causal mask."""
-    code = ("import sys\nimport m3compile.cli, m3compile.tools.generate, m3compile.runtime\n"
+    code = ("import sys\nimport m3compile.cli, m3compile.runtime.generate, m3compile.runtime\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from m3compile import M3CompileError
-from m3compile.io.data import load_tokens, windows
+from m3compile.data import load_tokens, windows
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import m3compile
-from m3compile.io.data import load_tokens, windows
+from m3compile.data import load_tokens, windows
 from m3compile.kernels.indexer import naive as ref
 from m3compile.bench.kernels import selection_agreement
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from m3compile.io.data import load_tokens, windows
+from m3compile.data import load_tokens, windows
 from m3compile.io.load import load
 from m3compile.kernels.decode.naive import dequantize_kv, quantize_kv
 from m3compile.models.decoder import Attention

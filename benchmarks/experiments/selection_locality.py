@@ -19,7 +19,7 @@ import json
 import torch
 
 import m3compile
-from m3compile.io.data import load_tokens, windows
+from m3compile.data import load_tokens, windows
 
 
 def union_ratio(blocks: torch.Tensor, tile: int, topk: int, n_blocks: int) -> float:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How to start the slots of an index head wider than the dense head (passes/index_init.py, UNFITTED_KEY_NORM):
+# How to start the slots of an index head wider than the dense head (models/index_init.py, UNFITTED_KEY_NORM):
 # dense-llama-byte on CPU, block 16 / top-4 at 512 tokens (32 blocks), calibrated init, then 200 distillation steps
 # of 2 x 512 tokens with the block loss; index dim 48 (the head dim) against 128 with the random key rows at the
 # fitted rows' norm (1) and at 0.01 of it. About 4 minutes per variant on 2 cores.

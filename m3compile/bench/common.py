@@ -32,7 +32,7 @@ from m3compile.config import MSAConfig, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.io.load import from_preset, load
 from m3compile.models.decoder import PRESETS, Decoder
-from m3compile.pipelines import convert
+from m3compile.conversion.convert import convert
 
 __all__ = ["bench_models", "conversion_check", "median_ms", "profile_run", "union_us", "Profile", "Attribution",
            "kernel_us", "module_ranges", "sync", "is_cuda", "bench_presets"]

@@ -53,7 +53,7 @@ from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Attention, Decoder
 from m3compile.bench.common import bench_models, is_cuda, median_ms, profile_run, sync
-from m3compile.tools.evaluate import evaluate
+from m3compile.evaluation.loss import evaluate
 from m3compile.bench.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group

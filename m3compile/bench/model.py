@@ -73,7 +73,7 @@ from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile import memory
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
-from m3compile.tools.generate import KV_CACHE_DTYPES, resolve_index_cache
+from m3compile.runtime.generate import KV_CACHE_DTYPES, resolve_index_cache
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]

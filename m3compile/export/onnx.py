@@ -39,8 +39,8 @@ from m3compile.export.onnx_providers import EXTERNAL_DATA, check_pair, missing_k
 from m3compile.graph.tracing import trace
 from m3compile.io.hf_config import args_from_config, read_config
 from m3compile.io.load import load
-from m3compile.io.output_dir import atomic_output_dir, check_output_dir
-from m3compile.io.streaming import SourceTensors
+from m3compile.outputs import atomic_output_dir, check_output_dir
+from m3compile.io.shards import SourceTensors
 from m3compile.io.tensor_names import VISION_TENSOR
 from m3compile.models.vision import MultimodalDecoder, VisionExport, onnx_vision_inputs, patchify
 from m3compile.ops import msa_fused

@@ -9,7 +9,7 @@
                for data movement only (no Mul, MatMul,           CUDA kernel; the MSA function computes in fp32)
                Softmax), and casts only float16 itself
 
-The CPU column is measured (tests/test_onnx_export.py, onnxruntime 1.32). The CUDA column is read from
+The CPU column is measured (tests/export/test_onnx.py, onnxruntime 1.32). The CUDA column is read from
 onnxruntime's kernel registry (docs/OperatorKernels.md, CUDAExecutionProvider): ops that have no bf16 CUDA kernel
 (TopK, Pad, ReduceMax, ReduceMean, Reciprocal, Sin, Cos, Equal, Greater, Less, Range) see only fp32 or integer
 inputs in the exported graph, which `missing_kernels` checks on every bf16 export for CUDA.

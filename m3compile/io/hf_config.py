@@ -1,7 +1,7 @@
 """Hugging Face config.json -> ModelArgs (and VisionArgs): read, type-checked, mapped.
 
 model_type llama, mistral, qwen2, qwen3, minimax_m3_vl_text, the text model of minimax_m3_vl, and m3compile_msa (a
-converted Llama-family model as transformers remote code, m3compile.io.remote_code); M3 text configs in both
+converted Llama-family model as transformers remote code, m3compile.export.remote_code); M3 text configs in both
 flavours of keys (MSA_SPEC section 1): the release's (`sparse_attention_config`, `moe_layer_freq`) and what
 `transformers` saves (`layer_types`, `index_n_heads`, ...).
 """
@@ -14,13 +14,16 @@ from pathlib import Path
 
 from m3compile.config import INDEX_DTYPES, INDEX_ROPES, check_msa_ranges, max_positions
 from m3compile.errors import M3CompileError
-from m3compile.io.remote_code import REMOTE_MODEL_TYPE, source_config
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "read_config", "check_config_types", "args_from_config", "vision_args_from_config",
-           "max_positions", "check_positions", "ROPE_SCALINGS"]
+           "max_positions", "check_positions", "ROPE_SCALINGS", "REMOTE_MODEL_TYPE", "REMOTE_SOURCE_TYPES",
+           "source_config"]
 
+# A converted Llama-family model's config.json type, read back as its source's (m3compile.export.remote_code writes it)
+REMOTE_MODEL_TYPE = "m3compile_msa"
+REMOTE_SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minimax_m3_vl_text", "minimax_m3_vl", REMOTE_MODEL_TYPE)
 _M3_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
 
@@ -309,3 +312,14 @@ def vision_args_from_config(cfg: dict):
         )
     except KeyError as e:
         raise M3CompileError(f"config.json vision_config lacks {e.args[0]!r}") from None
+
+
+def source_config(config: dict) -> dict:
+    """The config as the source model's: model_type m3compile_msa read as its `source_model_type`."""
+    if config.get("model_type") != REMOTE_MODEL_TYPE:
+        return config
+    source = config.get("source_model_type")
+    if source not in REMOTE_SOURCE_TYPES:
+        raise M3CompileError(f"config.json model_type {REMOTE_MODEL_TYPE} needs source_model_type, one of "
+                             f"{', '.join(REMOTE_SOURCE_TYPES)}; got {source!r}")
+    return dict(config, model_type=source)

@@ -10,7 +10,7 @@ import torch
 from m3compile.config import DTYPES, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import args_from_config, read_config
-from m3compile.io.streaming import SourceTensors
+from m3compile.io.shards import SourceTensors
 from m3compile.io.tensor_names import VISION_TENSOR, internal_names
 from m3compile.io.weights import check_state, checkpoint_dtype, load_state_dict, read_checkpoint
 from m3compile.models.decoder import PRESETS, Decoder, RMSNorm, RotaryEmbedding

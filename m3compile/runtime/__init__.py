@@ -24,7 +24,7 @@ instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, 
     selection.py    the MSA layers' block choice besides the index branch (oracle, dense, recent window), to judge a
                     selection against its bounds (m3c eval --task ruler)
 
-m3compile.tools.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
+m3compile.runtime.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
 from m3compile.runtime.forward import decode_step, kernels_default, prefill, prefill_nll

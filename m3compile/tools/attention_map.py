@@ -12,7 +12,7 @@ from m3compile.kernels.causal_lse.naive import block_recall
 from m3compile.kernels.sparse_kl.naive import selected_blocks_mask
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
-from m3compile.io.output_dir import atomic_output_file, check_output_file
+from m3compile.outputs import atomic_output_file, check_output_file
 from m3compile.models.decoder import Decoder
 
 __all__ = ["AttentionMap", "attention_map", "draw_attention_map", "check_map_output", "MAX_MAP_TOKENS"]

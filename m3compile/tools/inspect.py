@@ -24,12 +24,13 @@ from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.tracing import trace
 from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
-from m3compile.io.streaming import SourceTensors
+from m3compile.io.shards import SourceTensors
 from m3compile.io.tensor_names import VISION_TENSOR
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs
 from m3compile.models.vision import Projector, VisionTower
 from m3compile.ops import is_op, op_args, segment_attention
-from m3compile.pipelines import convert, run_pipeline
+from m3compile.conversion.convert import convert
+from m3compile.pipelines import run_pipeline
 
 __all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_mermaid", "layer_subgraph"]
 

@@ -33,12 +33,12 @@ from safetensors import safe_open
 from m3compile.config import parse_dtype
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
-from m3compile.io.data import load_tokens, windows
+from m3compile.data import load_tokens, windows
 from m3compile.io.hf_config import check_positions, read_config
 from m3compile.io.load import load, load_meta, weights_by_layer
-from m3compile.io.output_dir import atomic_output_dir, check_output_dir, output_lock, signals_recorded
-from m3compile.io.remote_code import remote_config, write_modeling_file
-from m3compile.io.streaming import CheckpointWriter, SafetensorsWriter
+from m3compile.outputs import atomic_output_dir, check_output_dir, output_lock, signals_recorded
+from m3compile.export.remote_code import remote_config, write_modeling_file
+from m3compile.io.shards import CheckpointWriter, SafetensorsWriter
 from m3compile.io.tensor_names import to_release_names
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from m3compile.errors import M3CompileError
-from m3compile.io.data import windows
+from m3compile.data import windows
 from m3compile.models.decoder import Attention
 
 __all__ = ["DEFAULT_HOLDOUT_WINDOWS", "split_holdout", "HeldOut", "summary"]

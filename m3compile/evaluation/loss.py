@@ -1,0 +1,292 @@
+"""Evaluation: next-token loss with dense attention, with MSA active and under oracle selection; block recall and
+its tail per layer; the share of tokens that sparse attention hurts badly. With a K/V cache dtype (bf16, fp8) the
+losses are those of the paged prefill over a cache of that dtype (runtime.prefill_nll): what the cache costs."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from m3compile.config import EvalConfig
+from m3compile.data import windows
+from m3compile.io.hf_config import check_positions
+from m3compile.kernels import causal_lse
+from m3compile.kernels.causal_lse import naive as reference
+from m3compile.models.decoder import Attention, Decoder
+from m3compile.runtime import PagedCache, prefill_nll
+from m3compile.runtime.generate import resolve_index_cache, resolve_kv_cache
+
+__all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
+
+# A token is in the loss tail when sparse attention raises its loss by more than this (nats) over dense attention.
+TAIL_NATS = 0.5
+# The recall tail: this quantile of the per-(KV group, token) block recall.
+RECALL_QUANTILE = 0.1
+# Recall quantiles are read off a histogram of this many bins over [0, 1] (bounded memory at any data size).
+_RECALL_BINS = 10_000
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN or infinity: those become null."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+@dataclass
+class EvalReport:
+    """What `evaluate` measured. `to_dict()` (the JSON of `m3c eval --json`) has these keys; losses are nats per token:
+
+    seq_len, windows, tokens   window length, windows evaluated, tokens scored (windows x seq_len)
+    dense_loss                 loss with every MSA layer run as dense causal attention
+    sparse_loss                loss with MSA active, the index branch selecting (null: the model has no MSA layer)
+    loss_increase              sparse_loss / dense_loss - 1 (null without MSA)
+    oracle_loss                loss with MSA active under oracle selection: each MSA layer, inside this forward,
+                               keeps per (KV group, query) its forced blocks plus the earlier blocks of most dense
+                               group-mean attention mass from its own q/k, same block size and top-k (null without MSA
+                               or with oracle=False); the best loss any index branch could reach at this block/top-k
+    oracle_loss_increase       oracle_loss / dense_loss - 1 (null when oracle_loss is)
+    tail_share                 share of tokens whose sparse per-token loss exceeds their dense one by > 0.5 nats
+    oracle_tail_share          the same for the oracle run (null when oracle_loss is)
+    mean_recall, recall        block recall: share of the dense group-mean attention mass inside the selected
+                               blocks, mean over layers and per MSA layer ({"layer": value}), in the sparse forward
+    recall_p10                 per MSA layer, the 10th percentile of recall over (KV group, token) pairs (to 1e-4)
+    min_recall_p10             the lowest recall_p10 over layers (the worst layer's tail; null without MSA)
+    mean_oracle_recall, oracle_recall  the recall of the oracle's own selection, mean and per layer, measured in the
+                               oracle forward (each layer's q/k there; equal to causal_lse.naive.oracle_recall of them);
+                               null / {} when oracle_loss is (oracle=False, `--no-oracle`: no oracle pass runs)
+    kv_cache                   null: the losses come from the model's own forward (no cache); "bf16", "fp8" or
+                               "int8": from the paged prefill over a K/V cache of that dtype, each window's queries attending to
+                               the keys and values as the cache holds them (runtime.prefill_nll; dense row: every
+                               MSA layer attends to every cached key); block recall is then not measured (null / {})
+    seconds                    wall time
+    """
+
+    seq_len: int
+    windows: int
+    tokens: int
+    dense_loss: float
+    sparse_loss: float | None
+    recall: dict[int, float] = field(default_factory=dict)  # layer -> mean block recall
+    seconds: float = 0.0
+    oracle_recall: dict[int, float] = field(default_factory=dict)  # layer -> recall of the oracle run ({}: none)
+    oracle_loss: float | None = None
+    tail_share: float | None = None
+    oracle_tail_share: float | None = None
+    recall_p10: dict[int, float] = field(default_factory=dict)  # layer -> 10th percentile of per-token recall
+    kv_cache: str | None = None  # None: the model's forward; "bf16" / "fp8" / "int8": the paged prefill over it
+
+    @property
+    def mean_oracle_recall(self) -> float | None:
+        return sum(self.oracle_recall.values()) / len(self.oracle_recall) if self.oracle_recall else None
+
+    @property
+    def mean_recall(self) -> float | None:
+        return sum(self.recall.values()) / len(self.recall) if self.recall else None
+
+    @property
+    def min_recall_p10(self) -> float | None:
+        return min(self.recall_p10.values()) if self.recall_p10 else None
+
+    @property
+    def loss_increase(self) -> float | None:
+        return None if self.sparse_loss is None or not self.dense_loss else self.sparse_loss / self.dense_loss - 1.0
+
+    @property
+    def oracle_loss_increase(self) -> float | None:
+        return None if self.oracle_loss is None or not self.dense_loss else self.oracle_loss / self.dense_loss - 1.0
+
+    @property
+    def finite(self) -> bool:
+        """Whether every loss is a number (a model with NaN/Inf weights, or one overflowing its dtype, is not)."""
+        return all(math.isfinite(x) for x in (self.dense_loss, self.sparse_loss) if x is not None)
+
+    def to_dict(self) -> dict:
+        per_layer = lambda d: {str(k): _finite(v) for k, v in d.items()}  # noqa: E731
+        return {
+            "seq_len": self.seq_len, "windows": self.windows, "tokens": self.tokens,
+            "dense_loss": _finite(self.dense_loss), "sparse_loss": _finite(self.sparse_loss),
+            "loss_increase": _finite(self.loss_increase), "oracle_loss": _finite(self.oracle_loss),
+            "oracle_loss_increase": _finite(self.oracle_loss_increase), "tail_share": _finite(self.tail_share),
+            "oracle_tail_share": _finite(self.oracle_tail_share), "mean_recall": _finite(self.mean_recall),
+            "recall": per_layer(self.recall), "recall_p10": per_layer(self.recall_p10),
+            "min_recall_p10": _finite(self.min_recall_p10), "mean_oracle_recall": _finite(self.mean_oracle_recall),
+            "oracle_recall": per_layer(self.oracle_recall) if self.oracle_recall else None,
+            "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
+        }
+
+
+class _RecallProbe:
+    """The `lse_probe` of the MSA layers during one pass (sparse: the index branch's selection; oracle: the oracle's):
+    per layer the sum and count of the block recall of the selection that ran, and, when `hist`, a histogram of its
+    per-(group, token) values for the tail quantile. Everything stays on the device: `result` and `quantile` read it
+    back once, at the end.
+
+    Recall is the share of the dense group-mean causal attention mass inside the selected blocks
+    (causal_lse.naive.block_recall). From the lowered attention's per-head log-sum-exp over the selected keys it is
+    causal_lse.dense_recall (mean over the group's heads of exp2(lse_selected - lse_all), the FlashAttention-style
+    streamed dense log-sum-exp, never T x T); where every visible block is selected it is 1; otherwise (the
+    reference ops ran) causal_lse.naive.block_recall."""
+
+    def __init__(self, hist: bool):
+        self.hist = hist
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+        self.hists: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, attn: Attention, q, k, blocks, lse) -> None:
+        m = attn.msa
+        if lse is not None:
+            r = causal_lse.dense_recall(q, k, lse, scale=attn.scale)  # [B, T, Hkv]
+        elif attn.kernels and -(-q.shape[2] // m.block_size) <= blocks.shape[-1]:  # every visible block selected
+            r = torch.ones(q.shape[0], q.shape[2], k.shape[1], device=q.device)
+        else:
+            r = reference.block_recall(q, k, blocks.long(), block_size=m.block_size, scale=attn.scale)  # [B, Hkv, T]
+        r = r.flatten().float()
+        total = r.sum(dtype=torch.float64)
+        self.sums[layer] = self.sums[layer] + total if layer in self.sums else total
+        self.counts[layer] = self.counts.get(layer, 0) + r.numel()
+        if self.hist:
+            bins = (r * _RECALL_BINS).long().clamp(0, _RECALL_BINS - 1)
+            if layer not in self.hists:
+                self.hists[layer] = torch.zeros(_RECALL_BINS, dtype=torch.long, device=r.device)
+            self.hists[layer].scatter_add_(0, bins, torch.ones_like(bins))  # (bincount syncs to size its output)
+
+    def result(self) -> dict[int, float]:
+        return {layer: float(self.sums[layer]) / self.counts[layer] for layer in sorted(self.sums)}
+
+    def quantile(self, q: float) -> dict[int, float]:
+        """Per layer, the recall below which a share q of the (group, token) pairs falls (the bin's upper edge)."""
+        out = {}
+        for layer in sorted(self.hists):
+            cum = self.hists[layer].cpu().cumsum(0)
+            i = int(torch.searchsorted(cum, torch.tensor(max(1, math.ceil(q * int(cum[-1]))), dtype=cum.dtype)))
+            out[layer] = min(1.0, (i + 1) / _RECALL_BINS)
+        return out
+
+
+def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none")
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Decoder, kernels: bool):
+    """The model's MSA switches as evaluation needs them, restored afterwards: sparse on, index selection, no
+    probes, and the lowered ops when `kernels`."""
+    try:
+        with model.using_kernels(kernels):
+            yield
+    finally:
+        for layer in model.model.layers:
+            layer.self_attn.lse_probe = None
+        model.set_sparse(True)
+        model.set_selection("index")
+
+
+def _attach(model: Decoder, sparse_layers: list[int], probe: _RecallProbe | None) -> None:
+    for i in sparse_layers:
+        model.model.layers[i].self_attn.lse_probe = None if probe is None else (lambda *a, _i=i: probe(_i, *a))
+
+
+def _kernels_default(model: Decoder) -> bool:
+    """Whether evaluation runs the lowered (Triton) ops by default: when the model is on a CUDA device."""
+    return next(model.parameters()).is_cuda
+
+
+@torch.no_grad()
+def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: int | None = None,
+             progress: Callable[[int, int], None] | None = None, oracle: bool = True, batch: int = 1,
+             kernels: bool | None = None, kv_cache: str = "auto") -> EvalReport:
+    """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
+    per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport.
+
+    batch: windows per forward. kernels: run the model with the lowered ops (Decoder.set_kernels: fused RMSNorm,
+    RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
+    causal_lse.dense_recall); default (None) on CUDA. The losses and
+    counts stay on the device until the end (no host synchronisation per window).
+    kv_cache: "auto" (default): the model's own forward, which keeps no cache. "bf16", "fp8" or "int8" (a K/V cache
+    dtype of m3compile.generate): each window is prefilled in one pass into a PagedCache of that dtype and its losses are
+    runtime.prefill_nll's, the queries attending to the keys and values as the cache holds them: dense (selection
+    "dense"), MSA (the index branch) and oracle rows, one window at a time (`batch` does not apply); no recall."""
+    EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)  # each in its range (one-line errors)
+    check_positions(seq_len, getattr(model, "source_config", None), f"--seq-len {seq_len}")
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window
+    sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
+    oracle = oracle and bool(sparse_layers)
+    kernels = _kernels_default(model) if kernels is None else kernels
+    if kv_cache != "auto":
+        return _cached(model, data, seq_len, kv_cache, sparse_layers, oracle, kernels, progress, start)
+    probe, oracle_probe = _RecallProbe(hist=True), _RecallProbe(hist=False)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    dense_sum = sparse_sum = oracle_sum = zero
+    tail = oracle_tail = zero.long()
+    with _eval_mode(model, kernels):
+        for b in range(0, data.shape[0], batch):
+            chunk = data[b:b + batch]
+            x, y = chunk[:, :-1], chunk[:, 1:]
+            model.set_sparse(False)
+            dense = _token_losses(model, x, y)
+            dense_sum = dense_sum + dense.sum(dtype=torch.float64)
+            if sparse_layers:
+                model.set_sparse(True)
+                _attach(model, sparse_layers, probe)
+                sparse = _token_losses(model, x, y)
+                sparse_sum = sparse_sum + sparse.sum(dtype=torch.float64)
+                tail = tail + (sparse - dense > TAIL_NATS).sum()
+            if oracle:
+                model.set_selection("oracle")
+                _attach(model, sparse_layers, oracle_probe)
+                best = _token_losses(model, x, y)
+                model.set_selection("index")
+                oracle_sum = oracle_sum + best.sum(dtype=torch.float64)
+                oracle_tail = oracle_tail + (best - dense > TAIL_NATS).sum()
+            _attach(model, sparse_layers, None)
+            if progress:
+                progress(min(b + batch, data.shape[0]), data.shape[0])
+    n = data.shape[0] * seq_len
+    sums = torch.stack([dense_sum, sparse_sum, oracle_sum, tail.double(), oracle_tail.double()]).tolist()  # one sync
+    return EvalReport(
+        seq_len, data.shape[0], n, sums[0] / n, sums[1] / n if sparse_layers else None, probe.result(),
+        time.perf_counter() - start, oracle_probe.result(), oracle_loss=sums[2] / n if oracle else None,
+        tail_share=sums[3] / n if sparse_layers else None, oracle_tail_share=sums[4] / n if oracle else None,
+        recall_p10=probe.quantile(RECALL_QUANTILE))
+
+
+def _cached(model: Decoder, data: torch.Tensor, seq_len: int, kv_cache: str, sparse_layers: list[int], oracle: bool,
+            kernels: bool, progress: Callable[[int, int], None] | None, start: float) -> EvalReport:
+    """`evaluate` with a K/V cache of dtype `kv_cache`: per window [seq_len + 1] the losses of prefill_nll over one
+    reused PagedCache (each prefill overwrites every position it reads), once per row's selection."""
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
+    kv_dtype = resolve_kv_cache(kv_cache, dtype, device)
+    a = model.args
+    page = a.msa.block_size if sparse_layers else 128
+    index_dtype = resolve_index_cache("auto", a, dtype)
+    cache = PagedCache(model, 1, seq_len + 1, page, device, kv_dtype, index_dtype)
+    model.fuse_projections()  # the projections as generate runs them: one matmul per group, in place
+    backend = "auto" if kernels else "torch"
+    rows = ["dense"] + (["index"] if sparse_layers else []) + (["oracle"] if oracle else [])
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = dict.fromkeys(rows, zero)
+    tails = dict.fromkeys(rows, zero.long())
+    with _eval_mode(model, kernels):
+        model.set_sparse(True)
+        for w in range(data.shape[0]):
+            losses = {r: prefill_nll(model, cache, 0, data[w], backend, selection=r) for r in rows}
+            for r in rows:
+                sums[r] = sums[r] + losses[r].sum(dtype=torch.float64)
+                tails[r] = tails[r] + (losses[r] - losses["dense"] > TAIL_NATS).sum()
+            if progress:
+                progress(w + 1, data.shape[0])
+    n = data.shape[0] * seq_len
+    values = torch.stack([sums[r] for r in rows] + [tails[r].double() for r in rows]).tolist()  # one sync
+    got = {r: v / n for r, v in zip(rows, values[:len(rows)])}
+    shares = {r: v / n for r, v in zip(rows, values[len(rows):])}
+    return EvalReport(seq_len, data.shape[0], n, got["dense"], got.get("index"), seconds=time.perf_counter() - start,
+                      oracle_loss=got.get("oracle"), tail_share=shares.get("index"),
+                      oracle_tail_share=shares.get("oracle"), kv_cache=kv_cache)

@@ -1,0 +1,256 @@
+"""A RULER-style long-context suite (`m3c eval MODEL --task ruler`): every task of ruler_tasks.py at every length,
+answered by greedy generation with the model's own selection (MSA), the oracle's and dense attention, scored as
+RULER scores (string_match_all).
+
+For each length, each task's samples are built once (ruler_tasks.build_samples: seeded, the same for every
+selection) and generated in batches through m3compile.generate: one prefill per prompt, then the paged cached
+decode, the MSA layers selecting as asked (runtime.selection), over a K/V cache of the dtype asked (kv_cache:
+the model's, bf16 or fp8), up to the task's max_new_tokens or the end of the answer. A sample scores the share of its expected answers found in the generated text (case-insensitive, control
+characters read as newlines); a task's score is its samples' mean x 100.
+
+    selections   dense (every MSA layer attends to every key), msa (the index branch: the converted model),
+                 oracle (per KV group the blocks of most true attention mass, same top-k and forced blocks);
+                 recent (a window of the newest blocks, the top-k's budget) as a baseline that cannot retrieve
+    excluded     tasks the dense model fails (below 50 at the shortest length): reported, kept out of the averages
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from m3compile.errors import M3CompileError
+from m3compile.models.decoder import Decoder
+from m3compile.runtime.generate import generate, resolve_kv_cache
+from m3compile.io.tokenizer import PromptCodec
+from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples
+
+__all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "SELECTIONS",
+           "DEFAULT_SELECTIONS", "DEFAULT_LENGTHS", "PASS_SCORE"]
+
+# the suite's selection names -> the runtime's (m3compile.runtime.selection)
+SELECTIONS = {"dense": "dense", "msa": "index", "oracle": "oracle", "recent": "recent"}
+DEFAULT_SELECTIONS = ("dense", "msa", "oracle")
+DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
+PASS_SCORE = 50.0  # a task the dense model scores below this at the shortest length is excluded from averages
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def score(text: str, answers: tuple[str, ...] | list[str]) -> float:
+    """RULER's string_match_all for one sample: the share of `answers` found in `text` (both lower-cased; control
+    characters of the text read as newlines, as RULER's postprocessing does)."""
+    text = _CONTROL.sub("\n", text.strip()).strip().lower()
+    return sum(a.lower() in text for a in answers) / len(answers)
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The data file's text (UTF-8): the code haystack and the words the tasks draw."""
+    path = Path(path)
+    if not path.is_file():
+        raise M3CompileError(f"{path}: no such data file")
+    if path.suffix.lower() == ".npy":
+        raise M3CompileError(f"{path}: the ruler suite builds its prompts from text; give a UTF-8 text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise M3CompileError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+@dataclass
+class RulerReport:
+    """What `ruler` measured. `to_dict()` (the JSON of `m3c eval --task ruler --json`) has these keys:
+
+    task            "ruler"
+    lengths         the prompt lengths (tokens, generation included), ascending; context: the model's
+    tasks           the task names, in suite order; selections: the selections run (dense / msa / oracle / recent)
+    samples, seed   samples per task and length; the seed of the prompts
+    chat            whether prompts went through the checkpoint's chat template
+    scores          {task: {selection: {length: score}}}, score = mean over samples of the share of expected answers
+                    in the greedy answer, x 100 (RULER's string_match_all)
+    max_new_tokens  {task: tokens generated at most} (RULER's per-task setting)
+    excluded        tasks the dense model scores below 50 at the shortest length: kept out of `average`
+    average         {selection: {length: mean score over the tasks not excluded}}, and "all" over the lengths
+    prompt_tokens   {length: mean prompt tokens over every sample}
+    kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
+    seconds         wall time
+    """
+
+    lengths: list[int]
+    tasks: list[str]
+    selections: list[str]
+    samples: int
+    seed: int
+    chat: bool
+    context: int | None = None
+    scores: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    prompt_tokens: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    kv_cache: str = "auto"
+
+    @property
+    def excluded(self) -> list[str]:
+        if "dense" not in self.selections or not self.lengths:
+            return []
+        return [t for t in self.tasks if self.scores[t]["dense"][self.lengths[0]] < PASS_SCORE]
+
+    def average(self, selection: str, length: int | None = None) -> float | None:
+        """Mean score of the tasks not excluded at `length` (None: over every length too)."""
+        kept = [t for t in self.tasks if t not in self.excluded]
+        lengths = self.lengths if length is None else [length]
+        values = [self.scores[t][selection][n] for t in kept for n in lengths]
+        return sum(values) / len(values) if values else None
+
+    def to_dict(self) -> dict:
+        return {
+            "task": "ruler", "lengths": self.lengths, "context": self.context, "tasks": self.tasks,
+            "selections": self.selections, "samples": self.samples, "seed": self.seed, "chat": self.chat,
+            "scores": {t: {s: {str(n): round(v, 2) for n, v in by_len.items()} for s, by_len in by_sel.items()}
+                       for t, by_sel in self.scores.items()},
+            "max_new_tokens": {t: TASKS[t].max_new_tokens for t in self.tasks},
+            "excluded": self.excluded,
+            "average": {s: {**{str(n): _round(self.average(s, n)) for n in self.lengths},
+                            "all": _round(self.average(s))} for s in self.selections},
+            "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
+            "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, decode: Callable[[list[int]], str], *,
+                stop_ids: list[int], selection: str = "index", batch: int | None = None,
+                progress: Callable[[int], None] | None = None, backend: str = "auto",
+                kv_cache: str = "auto") -> list[float]:
+    """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
+    the paged cached decode) with the MSA layers selecting as `selection` (runtime.selection); per sample the
+    share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
+    cache dtype (m3compile.generate's kv_cache_dtype)."""
+    out = []
+    step = batch or len(samples)
+    for start in range(0, len(samples), step):
+        chunk = samples[start:start + step]
+        result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
+                          backend=backend, kv_cache_dtype=kv_cache)
+        for s, tokens in zip(chunk, result.tokens):
+            out.append(score(decode([t for t in tokens if t not in stop_ids]), s.answers))
+        if progress:
+            progress(len(chunk))
+    return out
+
+
+def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | None = None,
+          lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
+          selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
+          context: int | None = None, data_name: str = "the data file", backend: str = "auto",
+          kv_cache: str = "auto", progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
+    """The suite (module doc): scores per task, length and selection.
+
+    text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
+    within `context` (the model's max_position_embeddings; a length above it is an error). A model without MSA
+    layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
+    "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
+    if samples < 1:
+        raise M3CompileError(f"samples must be >= 1, got {samples}")
+    if batch is not None and batch < 1:
+        raise M3CompileError(f"batch must be >= 1, got {batch}")
+    p0 = next(model.parameters())
+    resolve_kv_cache(kv_cache, p0.dtype, p0.device)  # an unknown or unsupported dtype stops before any prompt
+    tasks = list(TASKS) if tasks is None else list(tasks)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise M3CompileError(f"unknown ruler task {unknown[0] if unknown else '(none given)'!r} (tasks: "
+                             f"{', '.join(TASKS)})")
+    bad = [s for s in selections if s not in SELECTIONS]
+    if bad or not selections:
+        raise M3CompileError(f"unknown selection {bad[0] if bad else '(none given)'!r} (use {', '.join(SELECTIONS)})")
+    if lengths is None:
+        lengths = [n for n in DEFAULT_LENGTHS if context is None or n <= context] or [context]
+    lengths = sorted(set(lengths))
+    if not lengths or lengths[0] < 1:
+        raise M3CompileError(f"lengths must be positive token counts, got {lengths}")
+    too_long = [n for n in lengths if context is not None and n > context]
+    if too_long:
+        raise M3CompileError(f"length {too_long[0]} is above the model's context ({context} tokens, "
+                             f"max_position_embeddings)")
+    if not any(model.args.is_sparse(i) for i in range(model.args.n_layers)):
+        selections = ["dense"]  # no MSA layer: every selection is dense attention
+    selections = list(dict.fromkeys(selections))
+    start = time.perf_counter()
+    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
+    haystacks = Haystacks(text, data_name)
+    render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
+    total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
+    for name in tasks:
+        report.scores[name] = {s: {} for s in selections}
+    for length in report.lengths:
+        counted = []
+        for name in tasks:
+            task = TASKS[name]
+            if progress:
+                progress(done, total, f"{name} at {length}: building prompts")
+            built = build_samples(task, length, samples, seed, haystacks, render, codec.encode_batch)
+            counted += [len(s.ids) for s in built]
+            for sel in selections:
+                def advance(n, _what=f"{name} at {length}: {sel}"):
+                    nonlocal done
+                    done += n
+                    if progress:
+                        progress(done, total, _what)
+                if progress:
+                    progress(done, total, f"{name} at {length}: {sel}")
+                got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
+                                  selection=SELECTIONS[sel], batch=batch, progress=advance, backend=backend,
+                                  kv_cache=kv_cache)
+                report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
+        report.prompt_tokens[length] = sum(counted) / len(counted)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def draw_heatmap(report: RulerReport, out: str | os.PathLike) -> Path:
+    """Write a PNG: per selection, the score of every task (rows; excluded ones marked) at every length (columns),
+    with the average over the tasks kept as the last row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise M3CompileError(f"{out}: the heatmap is written as PNG; name the file *.png")
+    rows = [t + (" (excluded)" if t in report.excluded else "") for t in report.tasks] + ["average"]
+    cols = [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in report.lengths]
+    n_sel = len(report.selections)
+    fig, axes = plt.subplots(1, n_sel, figsize=(1.2 + (0.9 * len(cols) + 0.6) * n_sel + 1.6, 0.4 * len(rows) + 1.4),
+                             squeeze=False, sharey=True)
+    for ax, sel in zip(axes[0], report.selections):
+        grid = [[report.scores[t][sel][n] for n in report.lengths] for t in report.tasks]
+        grid.append([math.nan if report.average(sel, n) is None else report.average(sel, n) for n in report.lengths])
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
+                            fontweight="bold" if i == len(grid) - 1 else "normal")
+        ax.axhline(len(grid) - 1.5, color="black", linewidth=1)
+        ax.set_xticks(range(len(cols)), cols)
+        ax.set_title(sel)
+        ax.set_xlabel("length (tokens)")
+    axes[0][0].set_yticks(range(len(rows)), rows)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, pad=0.02, label="score (share of answers found, %)")
+    fig.suptitle(f"RULER-style suite: {report.samples} samples per task and length, greedy", fontsize=10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    try:
+        fig.savefig(tmp, dpi=130, format="png", bbox_inches="tight")
+        tmp.replace(out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return out

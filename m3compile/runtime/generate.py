@@ -1,0 +1,233 @@
+"""Generation with paged caches: prefill each prompt, then decode all sequences token by token.
+
+The caches, the prefill, the decode step and its CUDA graph are m3compile.runtime's; this module drives them for
+a user: checks the request, sizes the caches, picks each next token (greedy or top-p sampling), stops at the
+end-of-sequence token (text <-> tokens: m3compile.io.tokenizer).
+
+    result = m3compile.generate(m3compile.load("out", device="cuda", dtype="bf16"), [[1, 2, 3], [4, 5]], 32)
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from m3compile.errors import M3CompileError
+from m3compile.io.hf_config import check_positions
+from m3compile.models.decoder import Decoder, ModelArgs
+from m3compile import memory
+from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
+from m3compile.runtime.forward import kernels_default, prefill
+from m3compile.runtime.paged_cache import PagedCache
+from m3compile.runtime.selection import RUNTIME_SELECTIONS
+from m3compile.runtime.timings import NULL_TIMINGS, Timings
+
+__all__ = ["generate", "GenerationResult", "KV_CACHE_DTYPES", "resolve_kv_cache", "resolve_index_cache"]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per sequence (prompt excluded)
+    prefill_logits: list[torch.Tensor]  # [vocab] logits after each prompt
+    step_logits: torch.Tensor  # [steps, B, vocab] logits of each decode step (fp32)
+    timings: dict | None = None  # with generate(..., timings=True): seconds per phase (runtime/timings.py)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, vocab]: argmax at temperature 0, else a sample from the top-p nucleus of
+    softmax(logits / temperature) (drawn on the CPU, so a seed gives the same tokens on any device)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    scaled = logits.float().cpu() / temperature
+    if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows the logits: shift them to <= 0 first
+        if not bool(torch.isfinite(logits).all()):
+            raise M3CompileError("the model's logits are not finite (NaN or infinity): nothing to sample from")
+        shifted = logits.float().cpu()
+        scaled = (shifted - shifted.amax(-1, keepdim=True)) / temperature  # -inf below the top: its probability 0
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the most likely token always stays
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+
+def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
+             index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
+             eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
+             cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
+             prefill_chunk: int | None = None, timings: bool = False,
+             selection: str = "index") -> GenerationResult:
+    """Generation with paged caches: prompts of any lengths, one batched decode per new token.
+
+    Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
+    index_cache_dtype: "auto" (the model's dtype; fp8 when the model scores its index in fp8, index_dtype "fp8") or
+    "fp8" (e4m3 index keys, one fp32 scale per page).
+    kv_cache_dtype: the K/V cache's: "auto" (the model's dtype), "bf16", "fp8" (e4m3, one fp32 scale per token
+    and head: half the bytes of bf16, read by the decode kernels and dequantised in registers), or "int8" (the same
+    bytes: 8-bit integer rows after an exact rotation, runtime.key_shift.rotation; about 1/10 of fp8's loss on the
+    real 32K model, BENCHMARKS.md).
+    prefill_chunk: tokens per prefill pass (runtime.prefill). None (default): the whole prompt where its activations
+    fit beside the caches, else the largest chunk that does (m3compile.memory.prefill_chunk).
+    Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
+    the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
+    and what would fit (an fp8 KV cache, a smaller batch or chunk, fewer positions).
+    page_size: tokens per cache page; MSA models use their block size (required to be equal).
+    on_token(sequence, token) is called for every generated token as it is chosen (streaming).
+    cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
+    step is capturable (`graph_unavailable`) and at least 8 decode steps follow; eager on a CPU. True: required.
+    kernels: prefill and decode run the model's fused backbone kernels (Decoder.set_kernels: RMSNorm, RoPE, the
+    index branch), the model's setting restored after. None (default): on a CUDA device unless backend "torch"
+    (kernels_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
+    timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
+    decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
+    launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
+    traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels),
+    and its projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
+    index q/k, one for gate/up; the same parameters and state dict, no memory added).
+    eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
+    selection: how MSA layers pick their blocks in prefill and decode (m3compile.runtime.selection): "index" (the
+    model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise M3CompileError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise M3CompileError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise M3CompileError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if not isinstance(model, Decoder):
+        raise M3CompileError("generate needs a Decoder (m3compile.load or m3compile.from_preset)")
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise M3CompileError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise M3CompileError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if selection not in RUNTIME_SELECTIONS:
+        raise M3CompileError(f"unknown selection {selection!r} (use one of {', '.join(RUNTIME_SELECTIONS)})")
+    stop = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    a = model.args
+    vocab = a.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise M3CompileError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+    block = a.msa.block_size if a.msa is not None and any(a.is_sparse(i) for i in range(a.n_layers)) else None
+    if block is not None and page_size not in (None, block):
+        raise M3CompileError(f"page_size ({page_size}) must equal the MSA block size ({block}): a page is a block")
+    page = block or page_size or 128
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
+    index_dtype = resolve_index_cache(index_cache_dtype, a, dtype)
+    kv_dtype = resolve_kv_cache(kv_cache_dtype, dtype, device)
+    B = len(prompts)
+    longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
+    check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
+                    f"{longest:,} prompt tokens + {max_new_tokens:,} new tokens ({longest + max_new_tokens - 1:,} "
+                    f"positions)")
+    max_len = longest + max_new_tokens
+    chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
+    if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
+        chunk = None
+    timer = Timings(device) if timings else NULL_TIMINGS
+    timer.mark("cache")
+    cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
+    model.fuse_projections()
+    kernels = kernels_default(device, backend) if kernels is None else kernels
+    with model.using_kernels(kernels), timer.watch():  # the fused backbone kernels (CUDA by default)
+        timer.mark("prefill")
+        prefill_logits = []
+        for b, p in enumerate(prompts):
+            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, chunk,
+                                          selection))
+            cache.seq_lens[b] = len(p)
+        auto = cuda_graph is None
+        if auto:
+            cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
+        timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
+        try:
+            step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1,
+                                 kernels=kernels, selection=selection)
+        except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
+            if not auto:
+                raise
+            warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
+            step_fn = DecodeStep(model, cache, B, backend, kernels=kernels, selection=selection)
+        out = [[] for _ in range(B)]
+        done = [False] * B
+        step_logits = []
+        timer.mark("decode")
+        next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
+        for step in range(max_new_tokens):
+            chosen = next_tok.tolist()  # one host synchronisation per step
+            for b in range(B):
+                if not done[b]:
+                    out[b].append(chosen[b])
+                    if on_token is not None:
+                        on_token(b, chosen[b])
+                    done[b] = chosen[b] in stop
+            if stop and all(done):
+                break
+            if step == max_new_tokens - 1:
+                break
+            logits = step_fn(next_tok)
+            step_logits.append(logits.clone() if step_fn.graph is not None else logits)
+            next_tok = _pick(logits, temperature, top_p, generator)
+        timer.stop()
+    steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
+    timer.add("prompt_tokens", sum(map(len, prompts)))
+    timer.add("decode_steps", len(step_logits))
+    return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
+
+
+# kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype:
+    """The K/V cache's torch dtype for a kv_cache_dtype name ("auto": `model_dtype`), checked before any cache is
+    allocated: an unknown name, or a dtype this torch build cannot hold on `device` (fp8 without float8 support),
+    is a one-line M3CompileError."""
+    if name not in KV_CACHE_DTYPES:
+        raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype is None:
+        return model_dtype
+    try:
+        torch.zeros(1, device=device).to(dtype)
+    except (RuntimeError, TypeError) as e:
+        raise M3CompileError(f"a {name} K/V cache needs {str(dtype).replace('torch.', '')} tensors on "
+                             f"{torch.device(device)}, which this torch build does not support "
+                             f"({str(e).splitlines()[0][:100]}); use bf16") from None
+    return dtype
+
+
+def resolve_index_cache(name: str, args: ModelArgs, model_dtype: torch.dtype) -> torch.dtype:
+    """The index-key cache's torch dtype for an index_cache_dtype name: "fp8", or "auto" (fp8 where the model scores
+    its index in fp8, `args.msa.index_dtype`, else `model_dtype`); any other name is a one-line M3CompileError."""
+    if name not in ("auto", "fp8"):
+        raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {name!r}")
+    fp8_model = args.msa is not None and args.msa.index_dtype == "fp8"
+    return torch.float8_e4m3fn if name == "fp8" or fp8_model else model_dtype
+
+
+def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int, page: int, kv_dtype, index_dtype,
+                          chunk: int | None) -> int:
+    """The prefill chunk (`chunk`, or the one that fits), after checking that the caches of `batch` sequences of
+    `max_len` positions and that chunk's activations fit in the model's device's free memory (m3compile.memory)."""
+    p0 = next(model.parameters())
+    free = memory.available_bytes(p0.device)
+    plan = memory.fitted_plan(memory.ModelShape.from_args(model.args), batch, max_len, longest, free,
+                              kv_dtype=kv_dtype, index_dtype=index_dtype, model_dtype=p0.dtype, chunk=chunk,
+                              page=page, weights=memory.weight_bytes(model))
+    memory.check_memory(plan, free, str(p0.device), auto_chunk=chunk is None)
+    return plan.chunk
