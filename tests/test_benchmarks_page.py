@@ -1,5 +1,6 @@
 """BENCHMARKS.md and benchmarks/ back each other: every results path the page cites exists, every results folder
-and every script in benchmarks/ is cited by the page (or, for the GPU check scripts, by README.md)."""
+and every script in benchmarks/ is cited by the page (or, for the GPU check scripts, by README.md); and the page stays
+a reference: at most 400 lines, no diary words."""
 import re
 import subprocess
 from pathlib import Path
@@ -35,3 +36,18 @@ def test_every_script_is_cited():
     assert scripts
     uncited = [s for s in scripts if Path(s).name not in PAGE and s not in readme]
     assert not uncited, uncited
+
+
+def test_the_page_is_a_reference_of_at_most_400_lines():
+    lines = PAGE.splitlines()
+    assert len(lines) <= 400, len(lines)
+
+
+# the page gives figures, not the story of how they were reached (missed targets, attempts, next steps: git history)
+DIARY_WORDS = ("missed", "next to try", "not yet re-run", "second attempt", "attempt")
+
+
+def test_the_page_holds_no_diary_words():
+    text = PAGE.lower()
+    found = [w for w in DIARY_WORDS if w in text]
+    assert not found, found
