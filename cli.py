@@ -1513,7 +1513,7 @@ def passes():
     pipelines.add_column("pipeline")
     pipelines.add_column("passes, in order")
     for name, make in pipelines_.PIPELINES.items():
-        passes_ = make(lowered=True) if name == "distill" else make()  # distill: as on CUDA
+        passes_ = make()
         pipelines.add_row(name, " -> ".join(p.name for p in passes_))
     console.print(pipelines)
 

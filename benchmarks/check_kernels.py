@@ -148,7 +148,9 @@ def check_kl_warmup(B, Hq, Hkv, T, D, Di, bs, k, dtype):
     """The lowered hook's dense-support (warm-up) KL, recall and index-branch gradients against the torch reference:
     the fused KL over every visible block with the teacher LSE from the fused causal log-sum-exp and recall from
     the KL kernel's per-block teacher mass (m3compile.ops)."""
-    from m3compile.ops import msa_index_kl_triton
+    from m3compile.ops import LOWERING, msa_index_kl
+
+    msa_index_kl_triton = LOWERING[msa_index_kl]
 
     q_idx = torch.randn(B, T, Hkv, Di, device="cuda", dtype=dtype, requires_grad=True)
     k_idx = torch.randn(B, T, Di, device="cuda", dtype=dtype, requires_grad=True)
@@ -463,7 +465,7 @@ def check_generate_long():
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     kw = dict(kv_cache_dtype="fp8", prefill_chunk=77)
     fast = m3compile.generate(model, [prompt], 20, **kw)
-    slow = m3compile.generate(model, [prompt], 20, backend="torch", **kw)
+    slow = m3compile.generate(model, [prompt], 20, kernels=False, **kw)
     whole = m3compile.generate(model, [prompt], 1, kv_cache_dtype="fp8")
     same = fast.tokens == slow.tokens
     err = (fast.step_logits - slow.step_logits).abs().max().item()
@@ -491,7 +493,7 @@ def check_generate():
                             dtype=torch.uint8).long()
     prompts = [data[:1000].tolist(), data[1000:1700].tolist(), data[2000:2300].tolist()]
     fast = m3compile.generate(model, prompts, 16)
-    slow = m3compile.generate(model, prompts, 16, backend="torch")
+    slow = m3compile.generate(model, prompts, 16, kernels=False)
     same = fast.tokens == slow.tokens
     err = (fast.step_logits - slow.step_logits).abs().max().item()
     report("generate dense-llama-byte (block 64, top-4) fp32, Triton vs torch reference", same and err < 1e-3,
@@ -511,7 +513,7 @@ def check_generate_fp8():
     model = m3compile.load(out, device="cuda", dtype="float32")
     prompt = torch.randint(0, 256, (22,), generator=torch.Generator().manual_seed(1)).tolist()
     fast = m3compile.generate(model, [prompt], 26)
-    slow = m3compile.generate(model, [prompt], 26, backend="torch")
+    slow = m3compile.generate(model, [prompt], 26, kernels=False)
     with torch.no_grad():
         want = model(torch.tensor([prompt + fast.tokens[0][:-1]], device="cuda"))[0, len(prompt):].float().cpu()
     same = fast.tokens == slow.tokens

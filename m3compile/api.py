@@ -1,13 +1,16 @@
 """The public verbs, one per job, re-exported from the stage that implements each.
 
-    load / from_preset          io/load.py          a checkpoint directory or a preset as a model
-    convert / lower             pipelines.py        the convert and lower pipelines on a model in memory
-    save / convert_checkpoint   io/save.py, io/convert.py   converted checkpoints on disk (streaming for directories)
-    load_module                 io/module_io.py     the generated graph/module.py of a converted checkpoint
-    evaluate / attention_map    tools/              dense vs sparse loss and recall; what the index branch selects
-    distill / train             train/distill.py    the index branch's KL distillation; continued training
-    export_onnx                 export/onnx.py      model.onnx (+ model.onnx.data, vision.onnx)
-    generate                    runtime/generate.py   batched decoding over runtime/'s paged KV and index-K caches
+    load / from_preset          io/load.py                  a checkpoint directory or a preset as a model
+    convert                     conversion/convert.py       the convert pipeline on a model in memory
+    convert_checkpoint / save   conversion/checkpoint.py,   converted checkpoints on disk (streaming for
+                                conversion/save.py          directories)
+    lower                       pipelines.py                a model running the ops' lowerings (the Triton kernels)
+    load_module                 io/module_io.py             the generated graph/module.py of a converted checkpoint
+    evaluate                    evaluation/loss.py          dense vs sparse loss and recall
+    attention_map               tools/attention_map.py      what the index branch selects
+    distill / train             train/distill.py            the index branch's KL distillation; continued training
+    export_onnx                 export/onnx.py              model.onnx (+ model.onnx.data, vision.onnx)
+    generate                    runtime/generate.py         batched decoding over runtime/'s paged KV and index-K caches
 """
 from m3compile.config import MSAConfig, parse_dtype
 from m3compile.export.onnx import export_onnx

@@ -11,18 +11,30 @@ from dataclasses import dataclass
 from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES",
-           "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
+           "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM",
+           "MAX_INDEX_HEADS", "max_positions"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
 INDEX_DTYPES = ("auto", "fp8")
-# The index branch's RoPE table (ops.apply_index_rope): "m3" the main table cut to the index width (transformers' M3
+# The index branch's RoPE rule (kernels/norm_rope/index_rope.py): "m3" the main table cut to the index width (transformers' M3
 # rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary pairs turn at the
 # main table's Di/2 lowest frequencies (what the converter writes when index_dim < R: sparse_index_rope "low");
 # "tile" an index head wider than R turns every one of its Di/2 pairs, each at one of the main table's R/2
 # frequencies, every frequency at least once (what the converter writes when index_dim > R = head_dim:
 # sparse_index_rope "tile"; the init fits a dense pair's groups with as many shared-key ranks as it has index pairs)
 INDEX_ROPES = ("m3", "low", "tile")
+
+# How an MSA layer picks the key blocks it attends to, on every path (the model's forward, the paged prefill and
+# decode, evaluation, the RULER-style suite): "index" the index branch's top-k (the converted model itself),
+# "oracle" the blocks of most dense group-mean attention mass (what a perfect index branch would pick), "dense"
+# every visible key, "recent" the newest blocks (a sliding window with the top-k's budget: a baseline)
+SELECTIONS = ("index", "oracle", "dense", "recent")
+# The paged K/V cache's dtype: "auto" (the model's), "bf16", "fp8" (e4m3 with one scale per token and head) or "int8"
+# (the same bytes: integer rows after an exact rotation); the index-key cache's: "auto" (the model's, fp8 where it
+# scores its index in fp8) or "fp8"
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "int8")
+INDEX_CACHE_DTYPES = ("auto", "fp8")
 
 # The largest MSA settings accepted (M3: block 128, top-16, 4 index heads of 128): far past any model, well short of
 # what would exhaust memory or overflow the kernels' offsets

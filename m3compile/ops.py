@@ -1,32 +1,38 @@
-"""The graph ops: every function that stands as one node in a traced or rewritten graph, with its reference, its
-lowering beside it, and access to its arguments by name.
+"""The graph ops: every function that stands as one node in a traced or rewritten graph, with its reference and its
+lowering, the one switch that picks between them, and access to the ops' arguments by name.
 
-    op                 reference (plain torch, any device)          lowering (Triton on CUDA, reference elsewhere)
-    apply_rope         NeoX RoPE on the first R channels            apply_rope_triton (one fused kernel, + backward)
-    apply_index_rope   the index branch's RoPE: the table cut to the index width (transformers' M3 rule)
-                                                                    apply_index_rope_triton
-    (index projections, Gemma norms, RoPE of one layer)            index_branch_triton (fuse_index_branch)
-                                                                    index_norm_rope_triton (the same after a
-                                                                    fused q/k/v/index matmul: Decoder)
-    (an RMSNorm module)                                             rms_norm_triton (lower_norms)
-    split_heads        [B, T, H*D] -> [B, T, H, D]                  -
-    msa_select         kernels.indexer.naive.select_blocks          msa_select_triton (fused scores + top-k)
-                       (index_dtype "fp8": e4m3-rounded q and k)    (index_dtype "fp8": fp8 x fp8 scores)
-    msa_attention      kernels.sparse_attention.naive               msa_attention_triton (gather-Q sparse prefill)
-                       .sparse_attention                            msa_attention_lse_triton (+ per-head LSE)
-    msa_index_kl       kernels.sparse_kl.naive.index_kl             msa_index_kl_triton (fused sparse-support KL)
-    msa_block_loss     kernels.block_stats.naive.block_rank_kl      msa_block_loss_triton (fused block stats, then
-                                                                    the loss and its backward in vectorised torch)
-    msa (torch.ops.m3compile.msa)  msa_select then msa_attention: the one node per layer that ONNX export emits
-    frame_segments / window_segments / segment_attention   the ViT's attention segments and varlen attention
+    op                 reference (plain torch, any device)          lowering (Triton on CUDA and under TRITON_INTERPRET=1)
+    apply_rope         NeoX RoPE on the first R channels            kernels.norm_rope.rope (+ backward)
+    rms_norm           the models' RMSNorm                          kernels.norm_rope.rms_norm (where no gradient)
+    add_rms_norm       a residual add and the norm after it         kernels.norm_rope.add_rms_norm (where no gradient)
+    index_norm_rope    an MSA layer's index branch after its        kernels.norm_rope.index_norm_rope (+ backward)
+                       projections: Gemma norms, the index RoPE
+    index_branch       the same from the layer's input: both        one matmul, then the same kernel
+                       projections as one matmul, then the above
+    msa_select         kernels.indexer.naive.select_blocks          kernels.indexer.select_blocks (fused scores +
+                       (index_dtype "fp8": e4m3-rounded q and k)    top-k; fp8 x fp8 for index_dtype "fp8")
+    msa_oracle_select  kernels.causal_lse.naive.oracle_blocks       kernels.causal_lse.oracle_blocks
+    msa_recent_select  kernels.indexer.naive.recent_blocks          -
+    msa_attention      kernels.sparse_attention.naive               gather-Q sparse prefill (+ backward); SDPA where
+                       .sparse_attention                            every visible block is selected
+    msa_attention_lse  msa_attention, (out, None, None)             + per-head LSE and the BlockCSR it walked
+    msa_index_kl       kernels.sparse_kl.naive.index_kl             fused sparse-support KL, streamed recall
+    msa_block_loss     kernels.block_stats.naive.block_rank_kl      fused block statistics, then the loss in torch
+    frame_segments / window_segments / segment_attention (the ViT's segments and varlen attention),
+    msa (torch.ops.m3compile.msa: msa_select then msa_attention, the one node per layer ONNX export emits)
 
-Passes never read these nodes' arguments by position: `op_args(node)` binds them to the op's parameter names and
-`set_op_arg(node, name, value)` rewrites one (the node keeps its arguments as keywords from then on). The
-project's Tracer (m3compile.graph.tracing) keeps every op here a single node, wherever it is called from.
+The switch: inside `lowering()` (or `lowering(True)`) every op of LOWERING runs its lowering, outside it its
+reference. It is the one place that decides which kernel an op runs: the eager model, a traced or rewritten graph
+and the paged runtime read it alike (m3compile.lower and the commands that run kernels turn it on; on a CPU without
+TRITON_INTERPRET=1 a lowering runs the reference itself). Passes never read these nodes' arguments by position:
+`op_args(node)` binds them to the op's parameter names and `set_op_arg(node, name, value)` rewrites one (the node
+keeps its arguments as keywords from then on). The project's Tracer (m3compile.graph.tracing) keeps every op here a
+single node, wherever it is called from.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
@@ -36,29 +42,27 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES
+from m3compile.config import INDEX_DTYPES
 from m3compile.kernels import block_stats, causal_lse, indexer, norm_rope
-from m3compile.kernels.block_stats.naive import block_rank_kl, choice_rows
-from m3compile.kernels.indexer.naive import select_blocks
-from m3compile.kernels.norm_rope.naive import gemma_rms_norm
-from m3compile.kernels.sparse_attention.naive import sparse_attention
-from m3compile.kernels.sparse_kl.naive import index_kl
 from m3compile.kernels import sparse_attention as _sparse, sparse_kl
-from m3compile.kernels.sparse_attention import tile as sparse_tile
 from m3compile.kernels import varlen_attention as varlen
 from m3compile.kernels._common import use_triton
+from m3compile.kernels.block_stats.naive import block_rank_kl, choice_rows
+from m3compile.kernels.causal_lse import naive as causal_lse_naive
+from m3compile.kernels.indexer.naive import recent_blocks, select_blocks
+from m3compile.kernels.norm_rope import naive as norm_rope_naive
+from m3compile.kernels.norm_rope.index_rope import index_rope_tables
+from m3compile.kernels.sparse_attention import tile as sparse_tile
+from m3compile.kernels.sparse_attention.naive import sparse_attention
+from m3compile.kernels.sparse_kl.naive import index_kl
 
 __all__ = [
-    "apply_rope", "apply_index_rope", "index_rope_dim", "index_rope_rule", "index_rope_tables", "tile_pairs",
-    "split_heads", "msa_select",
-    "msa_attention", "msa_index_kl", "msa_block_loss", "msa_select_triton", "SPARSE_KERNELS", "sparse_kernel",
-    "using_sparse_kernel",
-    "msa_attention_triton", "msa_attention_lse_triton", "msa_index_kl_triton", "msa_block_loss_triton",
-    "frame_segments", "window_segments",
-    "segment_attention", "msa_fused", "GRAPH_OPS", "LOWERING", "is_op", "op_args", "set_op_arg", "recall_rows",
-    "RECALL_ROWS", "BLOCK_LOSS_ROWS", "block_loss_rows", "visible_blocks", "dense_support", "scope",
-    "recording_scopes", "apply_rope_triton",
-    "apply_index_rope_triton", "index_branch_triton", "index_norm_rope_triton", "rms_norm_triton",
+    "lowering", "lowering_enabled", "LOWERING", "GRAPH_OPS", "apply_rope", "rms_norm", "add_rms_norm",
+    "index_norm_rope", "index_branch", "msa_select", "msa_oracle_select", "msa_recent_select", "msa_attention",
+    "msa_attention_lse", "msa_index_kl", "msa_block_loss", "frame_segments", "window_segments", "segment_attention",
+    "msa_fused", "is_op", "op_args", "set_op_arg", "recall_rows", "RECALL_ROWS", "BLOCK_LOSS_ROWS",
+    "block_loss_rows", "visible_blocks", "dense_support", "SPARSE_KERNELS", "sparse_kernel", "using_sparse_kernel",
+    "scope", "recording_scopes",
 ]
 
 RECALL_ROWS = 1024  # queries the lowered KL hook measures block recall on, at most
@@ -86,15 +90,60 @@ def recording_scopes():
         _FORCED_SCOPES[0] -= 1
 
 
-def _scoped(name: str):
-    """Run the op inside `scope("m3c.<name>")`."""
-    def decorate(fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with scope(f"m3c.{name}"):
+# ----------------------------------------------------------------------------------------------------------------
+# The switch
+
+_LOWERING: contextvars.ContextVar[bool] = contextvars.ContextVar("m3compile_lowering", default=False)
+
+# reference op -> its lowering (registered by `_lowers`)
+LOWERING: dict[Callable, Callable] = {}
+
+
+@contextlib.contextmanager
+def lowering(enabled: bool = True):
+    """Inside the block, every op of LOWERING runs its lowering (enabled) or its reference (not); the setting of
+    the enclosing block comes back after. Context-local: threads and tasks each see their own."""
+    token = _LOWERING.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _LOWERING.reset(token)
+
+
+def lowering_enabled() -> bool:
+    """Whether the ops run their lowerings here (the innermost `lowering` block says; off outside any)."""
+    return _LOWERING.get()
+
+
+def _lowerable(scope_name: str | None = None):
+    """Make `reference` a graph op: it runs the lowering registered for it (`_lowers`) while the switch is on, else
+    `reference` itself (also at `op.reference`, which a lowering calls where its kernels do not apply); inside
+    `scope("m3c.<scope_name>")` when a name is given."""
+    def decorate(reference: Callable) -> Callable:
+        @functools.wraps(reference)
+        def op(*args, **kwargs):
+            fn = (LOWERING.get(op) or reference) if _LOWERING.get() else reference
+            if scope_name is None:
                 return fn(*args, **kwargs)
-        return run
+            with scope(f"m3c.{scope_name}"):
+                return fn(*args, **kwargs)
+
+        op.reference = reference
+        return op
     return decorate
+
+
+def _lowers(op: Callable):
+    """Register the decorated function as the lowering of `op`."""
+    def register(fn: Callable) -> Callable:
+        LOWERING[op] = fn
+        return fn
+    return register
+
+
+def _backend() -> str:
+    """The kernels' backend argument that follows the switch: "auto" (Triton where it runs) or "torch"."""
+    return "auto" if _LOWERING.get() else "torch"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,6 +151,7 @@ def _scoped(name: str):
 
 
 @torch.fx.wrap
+@_lowerable()
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX RoPE on the first cos.shape[-1] channels. x [B, T, H, D], cos/sin [B, T, R] -> [B, T, H, D]."""
     r = cos.shape[-1]
@@ -114,79 +164,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def index_rope_dim(rope_dim: int, index_dim: int) -> int:
-    """Width of the index branch's RoPE table: the main table (R = rope_dim) cut to the index head's first index_dim
-    channels, so min(R, index_dim) (transformers' MiniMaxM3VLIndexer: cos[..., :index_head_dim])."""
-    return min(rope_dim, index_dim)
-
-
-def index_rope_rule(head_dim: int, rope_dim: int, index_dim: int) -> str:
-    """The index RoPE rule (config.INDEX_ROPES) a conversion writes for these widths: "low" below the rotary width
-    R, "tile" above it when the dense head rotates all its channels (no non-rotated channels to fit; an even index
-    dim), else M3's own "m3"."""
-    if index_dim < rope_dim:
-        return "low"
-    if index_dim > rope_dim == head_dim and index_dim % 2 == 0:
-        return "tile"
-    return "m3"
-
-
-def tile_pairs(rope_dim: int, index_dim: int, device=None) -> torch.Tensor:
-    """Rule "tile": the main table's pair (0 .. R/2 - 1) that each of the index head's Di/2 pairs turns as, [Di/2]
-    int64. Every pair of the main table once, then again from the lowest frequencies (the highest pair numbers:
-    the long-range ones a block selection needs) while index pairs remain: Di = 2R gives each pair twice.
-    Built on `device` (no host-to-device copy: a CUDA graph can capture the decode step that builds it)."""
-    h, n = rope_dim // 2, index_dim // 2
-    return (torch.arange(n, device=device) + (h - n % h) % h) % h
-
-
-def index_rope_tables(cos: torch.Tensor, sin: torch.Tensor, index_dim: int, rope: str = "m3"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index branch's RoPE tables [.., T, w] from the main ones [.., T, R] (NeoX layout: the R/2 frequencies
-    twice), as `rope` (config.INDEX_ROPES) says:
-        "m3"   the first w = min(R, Di) channels (transformers' M3 rule; see apply_index_rope)
-        "low"  the Di/2 lowest frequencies, twice (w = Di <= R): channel p of the index head and p + Di/2 turn as
-               one pair at frequency R/2 - Di/2 + p, a true rotation at any index width (even Di < R).
-        "tile" (Di > R, even) all Di channels: channel c and c + Di/2 turn as one pair at the frequency of the main
-               table's pair tile_pairs(R, Di)[c] (each frequency at least once)."""
-    if rope not in INDEX_ROPES:
-        raise ValueError(f"index rope must be one of {', '.join(INDEX_ROPES)}, got {rope!r}")
-    R = cos.shape[-1]
-    if rope == "tile":
-        if index_dim % 2 or index_dim < R:
-            raise ValueError(f"index rope 'tile' needs an even index dim of at least the rotary width {R}, got "
-                             f"{index_dim}")
-        pairs = tile_pairs(R, index_dim, cos.device)
-        c, s = cos[..., :R // 2].index_select(-1, pairs), sin[..., :R // 2].index_select(-1, pairs)
-        return torch.cat((c, c), -1), torch.cat((s, s), -1)
-    if rope == "m3" or index_dim >= R:
-        w = index_rope_dim(R, index_dim)
-        return cos[..., :w], sin[..., :w]
-    if index_dim % 2:
-        raise ValueError(f"index rope 'low' needs an even index dim, got {index_dim}")
-    h, n = R // 2, index_dim // 2
-    return (torch.cat((cos[..., h - n:h], cos[..., R - n:]), -1), torch.cat((sin[..., h - n:h], sin[..., R - n:]), -1))
+@torch.fx.wrap
+@_lowerable()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
+    """The models' RMSNorm over the last dim: style "rms" w * x_hat (x_hat rounded to x's dtype first), "gemma"
+    x_hat * (1 + w) in x's dtype; x_hat = x * rsqrt(mean(x^2) + eps) in fp32."""
+    return norm_rope_naive.rms_norm(x, weight, eps, style)
 
 
 @torch.fx.wrap
-def apply_index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
-    """RoPE of the index branch, the one rule every path uses: x [B, T, H, Di], cos/sin the main table [B, T, R].
-
-    rope "m3" (the default): the table is cut to its first index_rope_dim(R, Di) channels and NeoX RoPE runs over
-    that cut width w, as transformers' M3 indexer does. With Di >= R this is the main branch's RoPE; with Di < R the
-    cut table keeps the first w entries of the frequencies [f_0 .. f_{R/2-1}, f_0 .. f_{R/2-1}] and rotate_half
-    pairs channel p with p + w/2 of the cut width (not p + R/2): each pair then mixes two frequencies, so it is not
-    a rotation, but it is the reference. rope "low" (a converted model whose index head is narrower than R): the
-    Di/2 lowest frequencies (index_rope_tables), so scores depend on relative position only.
-    """
-    cos, sin = index_rope_tables(cos, sin, x.shape[-1], rope)
-    return apply_rope(x, cos, sin)
+@_lowerable()
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float,
+                 style: str = "rms") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, rms_norm(x + d)): a residual add and the norm after it."""
+    return norm_rope_naive.add_rms_norm(x, d, weight, eps, style)
 
 
 @torch.fx.wrap
-def split_heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """[B, T, n_heads * head_dim] -> [B, T, n_heads, head_dim]."""
-    return x.view(*x.shape[:-1], n_heads, head_dim)
+@_lowerable("index_branch")
+def index_norm_rope(y: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, eps: float, rope: str = "m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """One MSA layer's index branch after its projections: y [B, T, (Hi + 1) * Di] (the index query heads, then the
+    key head) -> per head the Gemma RMSNorm (q_norm_weight for the query heads, k_norm_weight for the key) and the
+    index RoPE of rule `rope` (kernels/norm_rope/index_rope.py) from the main tables cos/sin [B, T, R] ->
+    (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Differentiable in y and both weights."""
+    cos, sin = index_rope_tables(cos, sin, q_norm_weight.shape[0], rope)
+    return norm_rope_naive.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps, width=cos.shape[-1])
+
+
+@torch.fx.wrap
+@_lowerable("index_branch")
+def index_branch(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_norm_weight: torch.Tensor,
+                 k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 rope: str = "m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """One MSA layer's index branch from its (detached) input x [B, T, hidden]: both projections (q_weight
+    [Hi * Di, hidden], k_weight [Di, hidden]) as one matmul over their concatenated weights, then index_norm_rope
+    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Differentiable in the four weights."""
+    return index_norm_rope.reference(F.linear(x, torch.cat((q_weight, k_weight))), q_norm_weight, k_norm_weight,
+                                     cos, sin, eps, rope)
 
 
 def _fp8_scoring(index_dtype: str) -> bool:
@@ -196,7 +211,7 @@ def _fp8_scoring(index_dtype: str) -> bool:
 
 
 @torch.fx.wrap
-@_scoped("msa_select")
+@_lowerable("msa_select")
 def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
                index_dtype: str = "auto"):
     """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty).
@@ -209,7 +224,27 @@ def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, l
 
 
 @torch.fx.wrap
-@_scoped("msa_attention")
+@_lowerable("msa_select")
+def msa_oracle_select(q, k, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+                      scale: float | None = None):
+    """The oracle's blocks: per KV group and query, the forced blocks, then the earlier blocks of most group-mean
+    dense attention mass (what a perfect index branch would select). q [B, Hq, T, D], k [B, Hkv, T, D] ->
+    [B, Hkv, T, topk] (-1 = empty)."""
+    return causal_lse_naive.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                          local_blocks=local_blocks, scale=scale)
+
+
+@torch.fx.wrap
+def msa_recent_select(q, k, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1):
+    """The forced blocks, then the most recent ones: a sliding window with the top-k's budget (a baseline that finds
+    nothing further back). q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T, topk] (-1 = empty)."""
+    B, Hkv, T = k.shape[:3]
+    return recent_blocks(B, Hkv, T, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                         local_blocks=local_blocks, device=k.device)
+
+
+@torch.fx.wrap
+@_lowerable("msa_attention")
 def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
     """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
 
@@ -221,14 +256,26 @@ def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool =
 
 
 @torch.fx.wrap
-@_scoped("msa_index_kl")
+@_lowerable("msa_attention")
+def msa_attention_lse(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """msa_attention that also gives the per-head log-sum-exp over the selected keys ([B, T, Hq] fp32, base 2, no
+    gradient) and the BlockCSR of the selection its kernel walked: (out, lse, csr). The reference gives
+    (out, None, None); the lowering gives both where its sparse kernel ran (None, None where SDPA did: dense
+    support, or every visible block selected). A layer with a KL hook (passes/kl_distill.py) wires them into the
+    hook, its teacher's normaliser and its kernel's layout, so the hook needs no attention pass and no CSR build of
+    its own; evaluation reads block recall off the lse."""
+    return msa_attention.reference(q, k, v, blocks, block_size, scale, sparse), None, None
+
+
+@torch.fx.wrap
+@_lowerable("msa_index_kl")
 def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
                  csr=None):
     """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di], blocks [B, Hi, T, K] -> two scalars.
-    `teacher_lse` (the attention's per-head log-sum-exp) and `csr` (the BlockCSR its kernel walked), given by a
-    lowered graph, are only used by the lowering.
+    `teacher_lse` (the attention's per-head log-sum-exp) and `csr` (the BlockCSR its kernel walked), from the
+    layer's msa_attention_lse, are only used by the lowering.
     """
     kl, recall = index_kl(q_idx.transpose(1, 2), k_idx, q, k, blocks, block_size=block_size, sparse=sparse,
                           scale=scale)
@@ -249,14 +296,13 @@ def _block_loss_rows(T: int, block_size: int, topk: int, n: int, device: torch.d
 
 
 @torch.fx.wrap
-@_scoped("msa_block_loss")
+@_lowerable("msa_block_loss")
 def msa_block_loss(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
                    local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
     """The block-ranking loss of one MSA layer (kernels.block_stats.naive.block_rank_kl): mean over (batch, group,
     sampled query) of KL(teacher block mass || softmax of the index branch's block-max scores) over the non-forced
     visible blocks, on at most `rows` queries per sequence that have a choice (block_loss_rows). fp32, autocast off
-    (the query-chunked torch reference; msa_block_loss_triton is the lowering); gradients reach q_idx and k_idx
-    only.
+    (the query-chunked torch reference); gradients reach q_idx and k_idx only.
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
     positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
@@ -312,8 +358,8 @@ msa_fused = torch.ops.m3compile.msa.default  # what passes/fuse_msa.py puts in p
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Lowered ops: the same signatures, the Triton kernels on CUDA tensors (and under TRITON_INTERPRET=1), the torch
-# reference elsewhere, so a lowered graph still runs anywhere.
+# Lowerings: the same signatures, the Triton kernels on CUDA tensors (and under TRITON_INTERPRET=1), the reference
+# elsewhere, so a lowered model still runs anywhere.
 
 
 def recall_rows(T: int, device=None) -> torch.Tensor:
@@ -359,17 +405,51 @@ def using_sparse_kernel(name: str):
 
 
 def _all_selected(T: int, block_size: int, topk: int) -> bool:
-    """Every visible block is selected: MSA is dense causal attention exactly (MSA_SPEC 2.6)."""
+    """Every visible block is selected: MSA is dense causal attention exactly (docs/msa.md 2.6)."""
     return -(-T // block_size) <= topk
 
 
-@torch.fx.wrap
-@_scoped("msa_select")
+@_lowers(apply_rope)
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one fused kernel (forward and backward; the reference's roundings)."""
+    if not use_triton(x, cos, sin):
+        return apply_rope.reference(x, cos, sin)
+    return norm_rope.rope(x, cos, sin)
+
+
+@_lowers(rms_norm)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
+    """The norm as one kernel where no gradient is needed (a frozen backbone, inference), the formula elsewhere."""
+    return norm_rope.rms_norm(x, weight, eps=eps, style=style)
+
+
+@_lowers(add_rms_norm)
+def add_rms_norm_triton(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float,
+                        style: str = "rms") -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm in one kernel where no gradient is needed (the same values)."""
+    return norm_rope.add_rms_norm(x, d, weight, eps=eps, style=style)
+
+
+@_lowers(index_norm_rope)
+def index_norm_rope_triton(y, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str = "m3"):
+    """Per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward); y may be a slice of a wider fused
+    projection's output (read in place)."""
+    cos, sin = index_rope_tables(cos, sin, q_norm_weight.shape[0], rope)
+    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps, width=cos.shape[-1])
+
+
+@_lowers(index_branch)
+def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str = "m3"):
+    """The two projections as one matmul, then the norms and RoPE of every index head in one kernel (+ backward)."""
+    return index_norm_rope_triton(F.linear(x, torch.cat((q_weight, k_weight))), q_norm_weight, k_norm_weight, cos,
+                                  sin, eps, rope)
+
+
+@_lowers(msa_select)
 def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
                       index_dtype: str = "auto"):
-    """Fused index scoring + top-k. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] int32 (-1 = empty).
-
-    index_dtype "fp8": the keys are quantised here (one scale per key block), the query rows inside the kernel."""
+    """Fused index scoring + top-k -> [B, Hi, T, topk] int32 (-1 = empty). index_dtype "fp8": the keys are
+    quantised here (one scale per key block), the query rows inside the kernel."""
     k_scale = None
     if _fp8_scoring(index_dtype):
         k_idx, k_scale = indexer.quantize_index_keys(k_idx, block_size)
@@ -377,14 +457,19 @@ def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int
                                  local_blocks=local_blocks, k_scale=k_scale)
 
 
-@torch.fx.wrap
-@_scoped("msa_attention")
-def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
-    """Gather-Q block-sparse attention. q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
-    Where no gradient is needed and sparse_kernel() is "tile": the query-tile union kernel instead (same result).
+@_lowers(msa_oracle_select)
+def msa_oracle_select_triton(q, k, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+                             scale: float | None = None):
+    """The oracle's blocks with each chunk's block log-sum-exps from one kernel (kernels.causal_lse.oracle_blocks)."""
+    return causal_lse.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                    local_blocks=local_blocks, scale=scale)
 
-    When every visible block is selected MSA is dense causal attention exactly, and the dense kernel (SDPA) runs.
-    """
+
+@_lowers(msa_attention)
+def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+    """Gather-Q block-sparse attention. Where no gradient is needed and sparse_kernel() is "tile": the query-tile
+    union kernel instead (same result). When every visible block is selected MSA is dense causal attention exactly,
+    and the dense kernel (SDPA) runs."""
     if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -393,13 +478,10 @@ def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse:
     return _sparse.sparse_attention(q, k, v, blocks, block_size=block_size, scale=scale)
 
 
-@torch.fx.wrap
-@_scoped("msa_attention")
+@_lowers(msa_attention_lse)
 def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
-    """msa_attention_triton that also returns each head's log-sum-exp over the selected keys ([B, T, Hq] fp32, base
-    2, no gradient) and the BlockCSR of the selection its kernel walked (None where SDPA or the torch reference
-    runs): lowering wires both into the same layer's KL hook, the teacher's normaliser and the KL kernel's
-    layout, so the hook needs no attention pass and no CSR build of its own."""
+    """(out, lse, csr) from the gather-Q kernel; (SDPA, None, None) where every visible block is selected or the
+    support is dense; the reference's (out, None, None) where Triton does not run."""
     if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True), None, None
     return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale, return_csr=True)
@@ -424,15 +506,14 @@ def dense_support(B: int, H: int, T: int, block_size: int, chunk: int, device: t
     return support, _sparse.block_csr(support, -(-T // block_size), chunk)
 
 
-@torch.fx.wrap
-@_scoped("msa_index_kl")
+@_lowers(msa_index_kl)
 def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
                         csr=None):
     """Mean KL and mean block recall of one MSA layer, as msa_index_kl; Triton on CUDA for both supports.
 
     Sparse support: the KL is the fused kernel (kernels/sparse_kl/) fed with the sparse attention's per-head
-    log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse_triton; computed here by an LSE-only pass when
-    not given) and its BlockCSR (`csr`; built here when not given); recall = mean over the group's heads of
+    log-sum-exp (`teacher_lse`, from the layer's msa_attention_lse; computed here by an LSE-only pass when not
+    given) and its BlockCSR (`csr`; built here when not given); recall = mean over the group's heads of
     exp2(lse_selected - lse_all) (the dense teacher's mass inside the selected blocks) by one fused kernel
     (kernels/causal_lse/), no T x T tensor and no gradient. lse_all, over every visible key, is O(T) per query,
     so recall is measured on `recall_rows`.
@@ -443,7 +524,7 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
     """
     T = q.shape[2]
     if not use_triton(q, k, q_idx, k_idx):
-        return msa_index_kl(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
+        return msa_index_kl.reference(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
     q = q.detach() if q.requires_grad else q  # (a detach is a dispatch; the frozen backbone's need none)
     k = k.detach() if k.requires_grad else k
     everything = _all_selected(T, block_size, blocks.shape[-1])
@@ -471,99 +552,28 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
     return kl, recall
 
 
-@torch.fx.wrap
-@_scoped("msa_block_loss")
+@_lowers(msa_block_loss)
 def msa_block_loss_triton(q, k, q_idx, k_idx, block_size: int, scale: float, topk: int, init_blocks: int = 0,
                           local_blocks: int = 1, rows: int = BLOCK_LOSS_ROWS):
     """msa_block_loss with the per-block statistics of its rows (teacher log-sum-exp per head, the index branch's
     block max and its key) from one Triton kernel (kernels/block_stats/), then the loss and its backward over all
     rows at once in vectorised torch: no chunk loop, no host read (a CUDA graph captures it). fp32 (the kernel
-    takes the bf16 inputs as they come), autocast off. CPU tensors keep the chunked torch reference.
-
-    q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> a scalar."""
+    takes the bf16 inputs as they come), autocast off. CPU tensors keep the chunked torch reference."""
     if not use_triton(q, k, q_idx, k_idx):
-        return msa_block_loss(q, k, q_idx, k_idx, block_size, scale, topk, init_blocks, local_blocks, rows)
+        return msa_block_loss.reference(q, k, q_idx, k_idx, block_size, scale, topk, init_blocks, local_blocks, rows)
     positions = block_loss_rows(q.shape[2], block_size, topk, rows, q.device)
     with torch.autocast(q.device.type, enabled=False):
         return block_stats.block_rank_kl(q_idx, k_idx, q, k, block_size=block_size, rows=positions,
                                          init_blocks=init_blocks, local_blocks=local_blocks, scale=scale)
 
 
-@torch.fx.wrap
-def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope as one fused kernel (forward and backward; the reference's roundings), the reference elsewhere."""
-    if not use_triton(x, cos, sin):
-        return apply_rope(x, cos, sin)
-    return norm_rope.rope(x, cos, sin)
-
-
-@torch.fx.wrap
-def apply_index_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: str = "m3") -> torch.Tensor:
-    """apply_index_rope as one fused kernel, the reference elsewhere."""
-    if not use_triton(x, cos, sin):
-        return apply_index_rope(x, cos, sin, rope)
-    cos, sin = index_rope_tables(cos, sin, x.shape[-1], rope)
-    return norm_rope.rope(x, cos, sin, width=cos.shape[-1])
-
-
-@torch.fx.wrap
-@_scoped("index_branch")
-def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos, sin, eps: float, qk_weight=None,
-                        rope: str = "m3"):
-    """One MSA layer's index branch after its (detached) input, fused (passes/fuse_index_branch.py): the two
-    projections as one matmul, then per head the Gemma RMSNorm and the index RoPE in one kernel (+ backward).
-
-    x [B, T, hidden], q_weight [Hi * Di, hidden], k_weight [Di, hidden], q/k_norm_weight [Di], cos/sin [B, T, R]
-    -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Elsewhere the reference: the layer's own ops, in order.
-    qk_weight: [q_weight; k_weight] concatenated by the caller (the eager Decoder keeps it per layer), so no
-    concatenation runs per call; None: concatenated here (differentiable in both weights). rope: as apply_index_rope."""
-    Di = q_norm_weight.shape[0]
-    if not use_triton(x, cos, sin):
-        q = gemma_rms_norm(split_heads(F.linear(x, q_weight), q_weight.shape[0] // Di, Di), q_norm_weight, eps)
-        k = gemma_rms_norm(split_heads(F.linear(x, k_weight), 1, Di), k_norm_weight, eps)
-        return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
-    y = F.linear(x, torch.cat((q_weight, k_weight)) if qk_weight is None else qk_weight)
-    return _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps, rope)
-
-
-@_scoped("index_branch")
-def index_norm_rope_triton(y, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str = "m3"):
-    """index_branch_triton after its matmul, for a caller that computed the index projections in a wider one (the
-    fused projections of Decoder.fuse_projections): y [B, T, (Hi + 1) * Di] (the index query heads, then the key;
-    a slice of the wider output is read in place) -> (q_idx [B, T, Hi, Di], k_idx [B, T, Di]). Per head the Gemma
-    RMSNorm and the index RoPE in one kernel; elsewhere the reference ops, in order."""
-    Di = q_norm_weight.shape[0]
-    if not use_triton(y, cos, sin):
-        q = gemma_rms_norm(split_heads(y[..., :-Di], y.shape[-1] // Di - 1, Di), q_norm_weight, eps)
-        k = gemma_rms_norm(split_heads(y[..., -Di:], 1, Di), k_norm_weight, eps)
-        return apply_index_rope(q, cos, sin, rope), apply_index_rope(k, cos, sin, rope)[:, :, 0]
-    return _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps, rope)
-
-
-def _index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps: float, rope: str):
-    cos, sin = index_rope_tables(cos, sin, q_norm_weight.shape[0], rope)
-    return norm_rope.index_norm_rope(y, q_norm_weight, k_norm_weight, cos, sin, eps=eps, width=cos.shape[-1])
-
-
-@torch.fx.wrap
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
-    """A model's RMSNorm module as one kernel where no gradient is needed (the frozen backbone while distilling,
-    inference), the module's own formula elsewhere (passes/lower_norms.py)."""
-    return norm_rope.rms_norm(x, weight, eps=eps, style=style)
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# The vocabulary: what the tracer keeps as single nodes, what lowering swaps, and arguments by name
+# The vocabulary: what the tracer keeps as single nodes, and arguments by name
 
-LOWERING: dict[Callable, Callable] = {
-    msa_select: msa_select_triton, msa_attention: msa_attention_triton, msa_index_kl: msa_index_kl_triton,
-    msa_block_loss: msa_block_loss_triton, apply_rope: apply_rope_triton, apply_index_rope: apply_index_rope_triton,
-}
 GRAPH_OPS: tuple[Callable, ...] = (
-    apply_rope, apply_index_rope, split_heads, msa_select, msa_attention, msa_index_kl, msa_block_loss,
-    frame_segments, window_segments, segment_attention, msa_select_triton, msa_attention_triton,
-    msa_attention_lse_triton, msa_index_kl_triton, msa_block_loss_triton, apply_rope_triton, apply_index_rope_triton,
-    index_branch_triton, rms_norm_triton,
+    apply_rope, rms_norm, add_rms_norm, index_norm_rope, index_branch, msa_select, msa_oracle_select,
+    msa_recent_select, msa_attention, msa_attention_lse, msa_index_kl, msa_block_loss, frame_segments,
+    window_segments, segment_attention,
 )
 _SIGNATURES: dict[Any, inspect.Signature] = {}
 

@@ -4,7 +4,11 @@ It covers what people convert: GQA with any group size, optional q/k/v bias (Qwe
 (Qwen3 plain, M3 Gemma-style `1 + w`), full or partial NeoX RoPE, SwiGLU (or M3's clamped SwiGLU-OAI) MLPs, an
 optional MoE block (M3's sigmoid router with correction bias and shared experts), tied or untied embeddings, and
 MSA layers (index branch + block-sparse attention) natively, so converted and M3 checkpoints run without tracing.
-The graph ops it calls (apply_rope, msa_select, msa_attention, ...) live in m3compile.ops.
+The graph ops it calls (apply_rope, rms_norm, index_branch, msa_select, msa_attention, ...) live in m3compile.ops,
+each with its reference and its lowering; which of the two runs is the ops' switch (m3compile.ops.lowering), never a
+setting of the model. One forward serves every path: the Decoder's forward(input_ids, positions, cache) walks the
+layers once, without a cache over its own tokens, with one (a view of m3compile.runtime's paged caches) over what
+the cache holds.
 
 Attention is written in one of three forms (`attn_impl`), all of which the graph matcher recognises:
     "sdpa_gqa"    scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -13,32 +17,21 @@ Attention is written in one of three forms (`attn_impl`), all of which the graph
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES, SELECTIONS
 from m3compile.errors import M3CompileError
-from m3compile.kernels._common import use_triton
-from m3compile.kernels.norm_rope import add_rms_norm
-from m3compile.kernels.causal_lse import oracle_blocks
 from m3compile.models.fused import Fusable
-from m3compile.ops import (apply_index_rope, apply_rope, apply_rope_triton, index_branch_triton,
-                           index_norm_rope_triton, msa_attention, msa_attention_lse_triton, msa_attention_triton,
-                           msa_select, msa_select_triton, rms_norm_triton, scope, split_heads)
+from m3compile.ops import (add_rms_norm, apply_rope, index_branch, index_norm_rope, msa_attention, msa_attention_lse,
+                           msa_oracle_select, msa_recent_select, msa_select, rms_norm, scope)
 
-__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "PRESETS", "Selection", "SELECTIONS"]
-
-# How a sparse MSA layer picks its blocks: "index" (the index branch, the model itself) or "oracle" (the blocks of
-# most dense, group-mean attention mass from the layer's own q/k: what a perfect index branch would pick; evaluation)
-Selection = Literal["index", "oracle"]
-SELECTIONS: tuple[Selection, ...] = ("index", "oracle")
+__all__ = ["ModelArgs", "MSALayerArgs", "Decoder", "Backbone", "DecoderLayer", "Attention", "RMSNorm", "PRESETS"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,7 @@ class MSALayerArgs:
     init_blocks: int = 0
     local_blocks: int = 1
     index_dtype: str = "auto"  # "fp8": e4m3 index scoring (m3compile.config.INDEX_DTYPES)
-    index_rope: str = "m3"  # the index RoPE table (m3compile.config.INDEX_ROPES; ops.index_rope_tables)
+    index_rope: str = "m3"  # the index RoPE rule (config.INDEX_ROPES; kernels/norm_rope/index_rope.py)
 
     def __post_init__(self):
         if self.index_dtype not in INDEX_DTYPES:
@@ -141,7 +134,10 @@ def causal_mask(length, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. style "rms": w * x (Llama, Qwen); "gemma": x * (1 + w) (M3)."""
+    """RMSNorm over the last dim. style "rms": w * x (Llama, Qwen); "gemma": x * (1 + w) (M3).
+
+    norm(x) -> normed x; norm(x, residual=d) -> (x + d, norm(x + d)): a residual add and this norm (one kernel where
+    the ops are lowered)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, style: str = "rms"):
         super().__init__()
@@ -149,24 +145,11 @@ class RMSNorm(nn.Module):
             raise ValueError(f"unknown norm style {style!r}")
         self.eps, self.style = eps, style
         self.weight = nn.Parameter(torch.ones(dim) if style == "rms" else torch.zeros(dim))
-        # True: rms_norm_triton, one kernel where no gradient is needed (this formula elsewhere; Decoder.set_kernels)
-        self.kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels:
-            return rms_norm_triton(x, self.weight, self.eps, self.style)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.style == "gemma":
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + d, self(x + d)): a residual add and this norm, one kernel where `kernels` is set (add_rms_norm)."""
-        if self.kernels:
-            return add_rms_norm(x, d, self.weight, eps=self.eps, style=self.style)
-        s = x + d
-        return s, self(s)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, self.style)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.style)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, style={self.style}"
@@ -227,11 +210,19 @@ def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Te
 
 class Attention(Fusable):
     """GQA attention; with `msa` it is an MSA layer: index branch (selection only) + block-sparse attention.
-    Fused (Decoder.fuse_projections): q/k/v (and an MSA layer's index q/k) as one matmul where no gradient is
-    needed."""
+
+    forward(x, cos, sin, cache=None): x [B, T, hidden] -> [B, T, hidden]. Without a cache the layer attends over x's
+    own tokens (training, evaluation, tracing); with one (a view of m3compile.runtime's paged caches, which has
+    `attend(attention, q, k, v, q_idx, k_idx)`) it stores this forward's keys, values and index keys there and
+    attends over everything the cache holds (prefill in chunks, decode). How an MSA layer picks its blocks is
+    `selection` (m3compile.config.SELECTIONS); `observer(attention, q, k, blocks, lse)`, when set, sees each sparse
+    forward without a cache (evaluation: block recall; lse the attention's per-head log-sum-exp [B, T, Hq], base 2,
+    or None where the kernel that ran gives none). Fused (Decoder.fuse_projections): q/k/v (and an MSA layer's index
+    q/k) as one matmul where no gradient is needed."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.attn_impl = args.attn_impl
         self.scale = args.head_dim**-0.5
@@ -243,17 +234,8 @@ class Attention(Fusable):
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.qk_norm)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.qk_norm)
         self.msa = args.msa if args.is_sparse(layer) else None
-        self.sparse = True  # False runs an MSA layer densely (the "dense loss" of `m3c eval`)
-        self.selection: Selection = "index"  # "oracle": the dense attention's own top-k blocks (`m3c eval`)
-        self.probe = None  # evaluation hook: probe(attn, q, k, blocks) sees each sparse forward
-        # evaluation hook: lse_probe(attn, q, k, blocks, lse) sees each sparse forward after its attention, with the
-        # attention's per-head log-sum-exp over the selected keys (lse [B, T, Hq] fp32 base 2; None where the
-        # lowered kernel did not run or every visible block was selected)
-        self.lse_probe = None
-        # True: the lowered ops (Triton on CUDA / under the interpreter, the references elsewhere): fused RoPE, the
-        # fused index branch, the MSA selection and attention kernels (Decoder.set_kernels: `m3c eval`, decode)
-        self.kernels = False
-        self._index_weight = None  # (q weight, k weight, their versions and storages, [W_qi; W_ki]) while kernels
+        self.selection = "index"
+        self.observer = None
         if self.msa is not None:
             m = self.msa
             self.index_q_proj = nn.Linear(args.hidden_size, m.index_heads * m.index_dim, bias=False)
@@ -268,26 +250,24 @@ class Attention(Fusable):
             out.update(index_q_proj=self.index_q_proj, index_k_proj=self.index_k_proj)
         return out
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, Hq, T, D], k/v [B, Hkv, T, D]: projections, QK norm and RoPE (also used by the decode path)."""
-        return self._project(x, cos, sin, False)[:3]
-
-    def project_with_index(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(q, k, v, q_idx, k_idx): `project` and, for an MSA layer, `index_branch` of the same input (else None,
-        None); fused, one matmul computes q, k, v and the index projections."""
-        q, k, v, y_idx = self._project(x, cos, sin, self.msa is not None)
-        if self.msa is None:
-            return q, k, v, None, None
-        return (q, k, v, *self.index_branch(x, cos, sin, y_idx))
-
-    def _project(self, x, cos, sin, index: bool):
-        """(q, k, v, y_idx): y_idx the index projections [B, T, (Hi + 1) * Di] where `index` and fused, else None."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True):
+        """(q [B, Hq, T, D], k/v [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di]): the projections, QK norm
+        and RoPE, and for an MSA layer when `index` its index branch (else None, None). The index branch reads the
+        input detached (it never trains the backbone): both projections as one matmul, then per head the Gemma norm
+        and the index RoPE (ops.index_branch). Fused, one matmul computes q, k, v and the index projections, and
+        ops.index_norm_rope the rest."""
         B, T, _ = x.shape
+        index = index and self.msa is not None
         f = self.fused(x)
+        qn, kn = (self.index_q_norm, self.index_k_norm) if index else (None, None)
+        q_idx = k_idx = y_idx = None
         if f is None:
-            q, k, v, y_idx = self.q_proj(x), self.k_proj(x), self.v_proj(x), None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if index:
+                q_idx, k_idx = index_branch(x.detach(), self.index_q_proj.weight, self.index_k_proj.weight, qn.weight,
+                                            kn.weight, cos, sin, qn.eps, self.msa.index_rope)
         else:  # [q | k | v (| index q | index k)] from one matmul, each part read in place
-            weight, bias = (f.weight, f.bias) if index or self.msa is None else f.rows(3)  # (oracle / dense)
+            weight, bias = (f.weight, f.bias) if index or self.msa is None else f.rows(3)
             with scope("m3c.proj_mlp"):
                 y = F.linear(x, weight, bias)
             q, k, v, *rest = y.split(f.sizes[:3] + ((sum(f.sizes[3:]),) if index else ()), dim=-1)
@@ -297,19 +277,20 @@ class Attention(Fusable):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = apply_rope_triton if self.kernels else apply_rope
-        q = rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
-        k = rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
-        return q, k, v.transpose(1, 2), y_idx
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        if y_idx is not None:
+            q_idx, k_idx = index_norm_rope(y_idx, qn.weight, kn.weight, cos, sin, qn.eps, self.msa.index_rope)
+        return q, k, v.transpose(1, 2), q_idx, k_idx
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        # an MSA layer's index branch runs unless dense attention (with the kernels) or oracle selection replace it
-        index = self.msa is not None and not (self.kernels and not self.sparse) and not (
-            self.selection == "oracle" and self.sparse)
-        q, k, v, *idx = self.project_with_index(x, cos, sin) if index else self.project(x, cos, sin)
-        if self.msa is not None:
-            o = self._msa(q, k, v, idx)
+        # a cache keeps every MSA layer's index keys; without one the index branch runs for its own selection only
+        q, k, v, q_idx, k_idx = self.project(x, cos, sin, index=cache is not None or self.selection == "index")
+        if cache is not None:
+            o = cache.attend(self, q, k, v, q_idx, k_idx)
+        elif self.msa is not None:
+            o = self._msa(q, k, v, q_idx, k_idx)
         elif self.attn_impl == "sdpa_gqa":
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif self.attn_impl == "sdpa_repeat":
@@ -323,78 +304,27 @@ class Attention(Fusable):
             o = torch.matmul(p, repeat_kv(v, n_rep))
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def index_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     projected: torch.Tensor | None = None):
-        """q_idx [B, T, Hi, Di], k_idx [B, T, Di]; input detached (the index branch never trains the backbone).
-        projected: x's index projections [B, T, (Hi + 1) * Di] where the caller computed them (project_with_index's
-        fused matmul, no gradient); then only the norms and RoPE run here."""
-        x = x.detach()
-        qn, kn = self.index_q_norm, self.index_k_norm
+    def select(self, q, k, q_idx, k_idx):
+        """The blocks [B, Hkv, T, topk] (-1 = empty) each (KV group, query) attends to, as `selection` says:
+        "index" the index branch's top-k, "oracle" the blocks of most dense group-mean attention mass (from this
+        layer's own q/k: what a perfect index branch would pick), "recent" the newest blocks (a baseline); the
+        forced blocks in every one (docs/msa.md 2.5)."""
         m = self.msa
-        if self.kernels and qn.eps == kn.eps and qn.style == kn.style == "gemma":  # one matmul, one norm + RoPE kernel
-            if projected is not None:
-                return index_norm_rope_triton(projected, qn.weight, kn.weight, cos, sin, qn.eps, rope=m.index_rope)
-            return index_branch_triton(x, self.index_q_proj.weight, self.index_k_proj.weight, qn.weight, kn.weight,
-                                       cos, sin, qn.eps, qk_weight=self.fused_index_weight() if use_triton(x) else None,
-                                       rope=m.index_rope)
-        width = m.index_heads * m.index_dim
-        yq = self.index_q_proj(x) if projected is None else projected[..., :width]
-        yk = self.index_k_proj(x) if projected is None else projected[..., width:]
-        q_idx = self.index_q_norm(split_heads(yq, m.index_heads, m.index_dim))
-        k_idx = self.index_k_norm(split_heads(yk, 1, m.index_dim))
-        rope = m.index_rope
-        return apply_index_rope(q_idx, cos, sin, rope), apply_index_rope(k_idx, cos, sin, rope)[:, :, 0]
+        if self.selection == "index":
+            return msa_select(q_idx, k_idx, m.block_size, m.topk, m.init_blocks, m.local_blocks, m.index_dtype)
+        if self.selection == "oracle":
+            return msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, self.scale)
+        return msa_recent_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks)
 
-    def fused_index_weight(self) -> torch.Tensor | None:
-        """[W_qi; W_ki] [(Hi + 1) * Di, hidden], the two index projections' weights as index_branch_triton's one
-        matmul reads them: with the projections fused, the fused weight's last rows (no copy); else concatenated
-        once and kept while both weights are the same tensors with the same in-place version and storage (a plain
-        optimizer step, load_state_dict or .to() rebuilds it on the next call; a fused optimizer's step bumps no
-        version: its caller drops the kept weight, Decoder.drop_kept_weights).
-        None (the op then concatenates per call) for a dense layer, where a gradient is needed (a kept
-        concatenation would carry a spent autograd graph) and for inference-mode weights (no version counter: an
-        in-place change would go unseen). A CUDA graph that read it keeps reading the tensor it had."""
-        if self.msa is None:
-            return None
-        f = self.fused()
-        if f is not None:
-            return f.weight[sum(f.sizes[:3]):]
-        wq, wk = self.index_q_proj.weight, self.index_k_proj.weight
-        grad = torch.is_grad_enabled() and (wq.requires_grad or wk.requires_grad)
-        if grad or wq.is_inference() or wk.is_inference():
-            return None
-        key = (wq._version, wk._version, wq.data_ptr(), wk.data_ptr(), wq.dtype, wk.dtype, wq.device, wk.device)
-        kept = self._index_weight
-        if kept is None or kept[0] is not wq or kept[1] is not wk or kept[2] != key:
-            with torch.no_grad():
-                kept = self._index_weight = (wq, wk, key, torch.cat((wq, wk)))
-        return kept[3]
-
-    def _msa(self, q, k, v, idx):
-        """idx: (q_idx, k_idx), the index branch's output (empty where dense attention or oracle selection run)."""
+    def _msa(self, q, k, v, q_idx, k_idx):
         m = self.msa
-        if self.kernels and not self.sparse:  # dense: no selection to compute (the reference path still runs it)
-            return msa_attention(q, k, v, None, block_size=m.block_size, scale=self.scale, sparse=False)
-        if self.selection == "oracle" and self.sparse:
-            blocks = oracle_blocks(q, k, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                   local_blocks=m.local_blocks, scale=self.scale,
-                                   backend="auto" if self.kernels else "torch")
-        else:
-            q_idx, k_idx = idx
-            select = msa_select_triton if self.kernels else msa_select
-            blocks = select(q_idx, k_idx, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                            local_blocks=m.local_blocks, index_dtype=m.index_dtype)
-        if self.probe is not None and self.sparse:
-            self.probe(self, q, k, blocks)
-        if not self.kernels:
-            o = msa_attention(q, k, v, blocks, block_size=m.block_size, scale=self.scale, sparse=self.sparse)
-            if self.lse_probe is not None and self.sparse:
-                self.lse_probe(self, q, k, blocks, None)
-            return o
-        if self.lse_probe is None:
-            return msa_attention_triton(q, k, v, blocks, block_size=m.block_size, scale=self.scale)
-        o, lse, _ = msa_attention_lse_triton(q, k, v, blocks, block_size=m.block_size, scale=self.scale)
-        self.lse_probe(self, q, k, blocks, lse)
+        if self.selection == "dense":  # every visible key: no selection to compute
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        blocks = self.select(q, k, q_idx, k_idx)
+        if self.observer is None:
+            return msa_attention(q, k, v, blocks, m.block_size, self.scale)
+        o, lse, _ = msa_attention_lse(q, k, v, blocks, m.block_size, self.scale)
+        self.observer(self, q, k, blocks, lse)
         return o
 
 
@@ -485,6 +415,10 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.)). It takes its input normed already, h =
+    input_layernorm(x) (the previous layer computed it with its last residual add), and hands the next norm's output
+    on the same way: (x, h) -> (x', next_norm(x'))."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
@@ -492,12 +426,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
         self.mlp = MoE(args) if args.is_moe(layer) else MLP(args, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                next_norm: RMSNorm | None = None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x', next_norm(x')); without a next norm (a layer run alone) (x', None)."""
+        x, h = self.post_attention_layernorm(x, residual=self.self_attn(h, cos, sin, cache))
+        if next_norm is None:
+            return x + self.mlp(h), None
+        return next_norm(x, residual=self.mlp(h))
 
 
 class Backbone(nn.Module):
+    """input_ids [B, T] (at `positions`, default 0 .. T-1) -> the final norm's hidden states [B, T, hidden]: the
+    model's one walk over its layers, for every path (training, evaluation, tracing, prefill, decode)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         # _weight skips Embedding's own normal_ init, which on the meta device imports torch._dynamo (seconds)
@@ -508,20 +449,28 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_style)
         self.rotary_emb = RotaryEmbedding(args)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.forward_embeds(self.embed_tokens(input_ids))  # [B, T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        return self.forward_embeds(self.embed_tokens(input_ids), positions, cache)  # [B, T, hidden]
 
-    def forward_embeds(self, x: torch.Tensor) -> torch.Tensor:
-        """The layers and final norm from input embeddings [B, T, hidden] (multimodal inputs enter here)."""
-        positions = torch.arange(x.shape[1], device=x.device)[None]
-        cos, sin = self.rotary_emb(x, positions)  # [1, T, R]
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """The layers and final norm from input embeddings [B, T, hidden] (multimodal inputs enter here).
+
+        positions: [B | 1, T] each token's position (default 0 .. T-1: a whole sequence). cache: a view of the
+        runtime's paged caches for this forward (Attention.forward); the layers store their keys there and attend
+        over what it holds."""
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+        cos, sin = self.rotary_emb(x, positions)  # [B | 1, T, R]
+        h = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer(x, h, cos, sin, next_norm, cache)
+        return h
 
 
 class Decoder(nn.Module):
-    """Causal LM: input_ids [B, T] -> logits [B, T, vocab]. State-dict names follow Hugging Face (`model.`, `lm_head`)."""
+    """Causal LM: input_ids [B, T] -> logits [B, T, vocab], optionally at `positions` over a `cache` (Backbone).
+    State-dict names follow Hugging Face (`model.`, `lm_head`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -530,10 +479,9 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._kernels = False  # the last set_kernels / using_kernels setting
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids, positions, cache))
 
     def fuse_projections(self, *twins: "Decoder") -> None:
         """For inference: per layer, one contiguous weight [q; k; v (; index q; index k in an MSA layer)] (and one
@@ -569,12 +517,6 @@ class Decoder(nn.Module):
                             lin.bias.data = src.bias.data
                     other.fuse()
 
-    def set_sparse(self, enabled: bool) -> None:
-        """Run MSA layers sparsely (True) or with dense causal attention (False)."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.sparse = enabled
-
     def set_index_dtype(self, index_dtype: str) -> None:
         """How MSA layers score their index branch from now on: "auto" (the compute dtype) or "fp8" (e4m3 x e4m3,
         per-token key scale). Changes `args.msa` too, so what is saved or traced afterwards scores the same way.
@@ -591,54 +533,10 @@ class Decoder(nn.Module):
             if isinstance(module, Attention) and module.msa is not None:
                 module.msa = self.args.msa
 
-    def set_kernels(self, enabled: bool) -> None:
-        """Run the whole model with the lowered ops (True) or the plain-torch reference ops (False, the default,
-        what tracing sees). True: every RMSNorm (input, post-attention and final norms, QK norms) is rms_norm_triton
-        (one kernel where no gradient is needed, its own formula where one is), the attention's RoPE
-        apply_rope_triton, each MSA layer's index branch index_branch_triton (one matmul over the two index weights,
-        concatenated once per layer: Attention.fused_index_weight; one norm + RoPE kernel) and its selection and
-        attention msa_select_triton / msa_attention(_lse)_triton. They launch Triton on CUDA tensors or under
-        TRITON_INTERPRET=1 and run the references elsewhere. Same results within the kernels' tolerance.
-        False also drops the kept index weights. The switch of the model: set module flags through it (or
-        `using_kernels`), which remembers the setting."""
-        for module in self.modules():
-            if isinstance(module, (Attention, RMSNorm)):
-                module.kernels = enabled
-        if not enabled:
-            self.drop_kept_weights()
-        self._kernels = enabled
-
-    def drop_kept_weights(self) -> None:
-        """Forget every layer's kept [W_qi; W_ki] (Attention.fused_index_weight), so that the next forward reads the
-        index weights as they are now. Needed after weights change in place without a version bump: a fused
-        optimizer's step (torch.optim.AdamW(fused=True), the distillation's) changes neither version counter nor
-        storage, so the kept concatenation would go on serving the weights of before."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module._index_weight = None
-
-    @contextlib.contextmanager
-    def using_kernels(self, enabled: bool):
-        """set_kernels(enabled) inside the block, each module's own setting restored after (the kept index
-        weights stay: the next block with kernels on reuses them). A no-op where the model is already so set."""
-        if self._kernels == enabled:
-            yield
-            return
-        kept = [(m, m.kernels) for m in self.modules() if isinstance(m, (Attention, RMSNorm))]
-        before = self._kernels
-        for m, _ in kept:
-            m.kernels = enabled
-        self._kernels = enabled
-        try:
-            yield
-        finally:
-            for m, k in kept:
-                m.kernels = k
-            self._kernels = before
-
-    def set_selection(self, selection: Selection) -> None:
-        """How sparse MSA layers pick their blocks: "index" (the index branch) or "oracle" (each layer's dense
-        attention's own top-k blocks, from that layer's q/k in this forward; MSA_SPEC section 2's forced blocks kept)."""
+    def set_selection(self, selection: str) -> None:
+        """How the MSA layers pick their blocks from now on (m3compile.config.SELECTIONS): "index" (the index branch,
+        the model itself), "oracle" (each layer's dense attention's own top-k blocks, from that layer's q/k in this
+        forward), "dense" (every visible key) or "recent" (the newest blocks); the forced blocks in every one."""
         if selection not in SELECTIONS:
             raise ValueError(f"unknown selection {selection!r} (use one of {', '.join(SELECTIONS)})")
         for module in self.modules():

@@ -27,15 +27,15 @@ SmolLM2-135M at 4K tokens this lifts layer 3's block recall from 0.53 to 0.80 (o
 KL fitting on the same data; 256 calibration tokens already give it (m3compile/conversion/calibration.py collects C).
 
 An index dim below the rotary width R (a cheaper indexer: its cost is linear in Di): M3's rule would give the
-index head the main table cut to its width (ops.apply_index_rope "m3"), whose channel pairs (p, p + Di/2) mix two
+index head the main table cut to its width (rule "m3", kernels/norm_rope/index_rope.py), whose channel pairs (p, p + Di/2) mix two
 frequencies, so no per-pair map commutes with it. The converter then gives the index head the rule "low"
-(ops.index_rope_tables): its Di/2 pairs turn at the model's Di/2 lowest frequencies, pair p + R/2 - Di/2 of the main
+(kernels/norm_rope/index_rope.py): its Di/2 pairs turn at the model's Di/2 lowest frequencies, pair p + R/2 - Di/2 of the main
 table in index channels (p, p + Di/2), and the fit above runs on exactly those pairs; the higher-frequency pairs
 (which mostly tell nearby positions apart, inside the always-kept local block) and any non-rotated channels are
 dropped. An odd index dim below R is refused with an M3CompileError.
 
-An index dim above the head dim of a fully rotated head (index rope "tile", ops.index_rope_rule): every index pair
-turns at one of the model's R/2 frequencies, each at least once and the lowest ones again (ops.tile_pairs), so a
+An index dim above the head dim of a fully rotated head (index rope "tile", index_rope_rule): every index pair
+turns at one of the model's R/2 frequencies, each at least once and the lowest ones again (tile_pairs), so a
 dense pair p with r_p index pairs is fitted with r_p shared key rows instead of one: nu_1 .. nu_r the top r
 eigenvectors of the same form, mu_g,j = alpha_g (beta_g^H nu_j), which minimises the same error over a rank-r
 shared key (exact once r_p >= Hkv). Twice the head dim gives two ranks. SmolLM2-135M (3 KV heads, head dim 64),
@@ -59,7 +59,7 @@ from __future__ import annotations
 import torch
 
 from m3compile.errors import M3CompileError
-from m3compile.ops import index_rope_rule, tile_pairs
+from m3compile.kernels.norm_rope.index_rope import index_rope_rule, tile_pairs
 
 __all__ = ["init_index_weights", "index_branch_weights"]
 
@@ -141,7 +141,7 @@ def init_index_weights(
     wk_idx = torch.zeros(index_dim, hidden, dtype=torch.float64, device=wq.device)
     fitted = torch.zeros(index_dim, dtype=torch.bool)  # index channels the fit fills
     if index_rope_rule(head_dim, rope_dim, index_dim) == "tile":
-        # every index pair turns at one dense pair's frequency (ops.tile_pairs); a dense pair with r index pairs is
+        # every index pair turns at one dense pair's frequency (tile_pairs); a dense pair with r index pairs is
         # fitted with r shared-key ranks (at most G: beyond that nothing is left to fit)
         n = index_dim // 2
         alpha = torch.complex(a[:, :half], a[:, half:rope_dim]).transpose(0, 1)  # [half, G, hidden]

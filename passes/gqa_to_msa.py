@@ -13,9 +13,9 @@ from m3compile.graph.matching import AttentionMatch, find_attention, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.graph.tracing import propagate_shapes
 from m3compile.models.decoder import MSALayerArgs, RMSNorm
-from m3compile.ops import (apply_index_rope, index_rope_rule, is_op, msa_attention, msa_select, op_args,
-                           split_heads)
+from m3compile.kernels.norm_rope.index_rope import index_rope_rule
 from m3compile.models.index_init import index_branch_weights
+from m3compile.ops import index_branch, is_op, msa_attention, msa_select, op_args
 
 __all__ = ["GQAToMSA"]
 
@@ -26,11 +26,12 @@ class GQAToMSA(Pass):
 
     Adds, per converted layer, `index_q_proj` [Hkv*Di, hidden], `index_k_proj` [Di, hidden], `index_q_norm` and
     `index_k_norm` [Di] beside the layer's q/k/v projections (M3's names), initialised from the dense weights
-    (models/index_init.py). The index branch reads the detached input of the projections, applies the main
-    branch's RoPE table cut to the index width (apply_index_rope; an index head narrower than the rotary width
-    turns its pairs at the model's lowest frequencies instead, index_rope "low"), and `msa_select` picks top-k
-    blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8); `msa_attention` replaces the
-    attention op.
+    (models/index_init.py). The index branch is the model's own (models.decoder.Attention.project): one
+    `index_branch` op on the detached input of the layer's projections (both index projections as one matmul, then
+    per head the Gemma norm and the index RoPE from the main branch's tables, by the rule
+    kernels/norm_rope/index_rope.py picks for the widths); then
+    `msa_select` picks top-k blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8) and
+    `msa_attention` replaces the attention op.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
     of the layers' attention inputs on calibration data (m3compile/conversion/calibration.py), for the calibrated init; a layer
     without one gets the weight-only init. Requires: shapes propagated (done if missing).
@@ -44,8 +45,6 @@ class GQAToMSA(Pass):
         self.layer_settings: dict[int, MSALayerArgs] = {}
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
-        if gm.meta.get("m3_lowered"):
-            raise M3CompileError("the graph is lowered: convert the reference graph, then lower it")
         if not any(n.op == "placeholder" for n in gm.graph.nodes):
             raise M3CompileError("the graph has no inputs")
         propagate_shapes(gm)
@@ -90,10 +89,10 @@ class GQAToMSA(Pass):
         index_dim = cfg.index_dim or m.head_dim
         # first: the init refuses an index dim it cannot fit (odd below the rotary width) before any setting is made
         weights = self._index_weights(gm, m, index_dim, self.moments.get(m.layer))
-        # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies (ops.
-        # index_rope_tables "low"); M3's own rule (the table cut to the index width) is no rotation there. Wider
-        # than a fully rotated head: every index pair turns ("tile"), so the init can fit each dense pair's KV
-        # groups with more than one shared-key rank (models/index_init.py)
+        # narrower than the rotary width: the index head's pairs turn at the model's lowest frequencies ("low"); M3's
+        # own rule (the table cut to the index width) is no rotation there. Wider than a fully rotated head: every
+        # index pair turns ("tile"), so the init can fit each dense pair's KV groups with more than one shared-key
+        # rank (models/index_init.py)
         rope = index_rope_rule(m.head_dim, m.rope_dim, index_dim)
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
                                 cfg.index_dtype, rope)
@@ -112,15 +111,13 @@ class GQAToMSA(Pass):
         g = gm.graph
         with g.inserting_before(m.output):
             x = g.call_method("detach", (m.x,))
-            q_idx = g.call_module(names["index_q_proj"], (x,))
-            k_idx = g.call_module(names["index_k_proj"], (x,))
-            q_idx = g.call_function(split_heads, (), dict(x=q_idx, n_heads=index_heads, head_dim=index_dim))
-            k_idx = g.call_function(split_heads, (), dict(x=k_idx, n_heads=1, head_dim=index_dim))
-            q_idx = g.call_module(names["index_q_norm"], (q_idx,))
-            k_idx = g.call_module(names["index_k_norm"], (k_idx,))
-            q_idx = g.call_function(apply_index_rope, (), dict(x=q_idx, cos=m.cos, sin=m.sin, rope=rope))
-            k_idx = g.call_function(apply_index_rope, (), dict(x=k_idx, cos=m.cos, sin=m.sin, rope=rope))
-            k_idx = g.call_function(operator.getitem, (k_idx, (slice(None), slice(None), 0)))
+            weights = {leaf: g.get_attr(f"{name}.weight") for leaf, name in names.items()}
+            index = g.call_function(index_branch, (), dict(
+                x=x, q_weight=weights["index_q_proj"], k_weight=weights["index_k_proj"],
+                q_norm_weight=weights["index_q_norm"], k_norm_weight=weights["index_k_norm"], cos=m.cos, sin=m.sin,
+                eps=eps, rope=rope))
+            q_idx = g.call_function(operator.getitem, (index, 0))
+            k_idx = g.call_function(operator.getitem, (index, 1))
             blocks = g.call_function(msa_select, (), dict(
                 q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,
                 local_blocks=cfg.local_blocks, index_dtype=cfg.index_dtype))

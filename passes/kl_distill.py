@@ -1,18 +1,23 @@
 """kl_distill: add the index-branch distillation hooks (MSA_SPEC section 4) to a converted graph, and remove them.
 
     msa_select(q_idx, k_idx) -> blocks --> msa_attention(q, k, v, blocks)          (inference graph)
-                                     \\--> msa_index_kl(q, k, q_idx, k_idx, blocks) -> (kl, recall) per layer
+    becomes
+    msa_select(q_idx, k_idx) -> blocks --> msa_attention_lse(q, k, v, blocks) -> out, lse, csr
+                                     \\--> msa_index_kl(q, k, q_idx, k_idx, blocks, teacher_lse=lse, csr=csr)
+                                            -> (kl, recall) per layer
                                      \\--> msa_block_loss(q, k, q_idx, k_idx) -> block loss per layer (block_loss)
     output: logits  ->  (logits, kl [n_msa_layers], recall [n_msa_layers] [, block [n_msa_layers]])
+
+The attention gives the hook its per-head log-sum-exp and the CSR of the selection where its kernel ran (lowered,
+m3compile.ops.lowering): the KL's teacher normaliser and its kernel's layout come without an attention pass or a CSR
+build of its own; the references give None and the hook computes what it needs.
 
 Mode "warmup": the support of teacher and student is every visible key and the main branch runs dense attention
 (the warm-up of a dense checkpoint); mode "sparse": the support is the selected blocks and the main branch is
 sparse. With `block_loss`, each layer also gets the block-ranking loss (teacher block mass vs the index branch's
-block-max scores, kernels/block_stats/naive.py: block_rank_kl; the same in both modes; lowering swaps in
-msa_block_loss_triton, kernels/block_stats/), returned as a fourth output; the distillation weighs it
-(DistillConfig.block_loss). Running the pass again with the other mode switches the mode
-(also on a lowered training graph); the `strip_kl_distill` pass undoes it exactly: the graph's code is again the
-inference graph's.
+block-max scores, kernels/block_stats/naive.py: block_rank_kl; the same in both modes), returned as a fourth output;
+the distillation weighs it (DistillConfig.block_loss). Running the pass again with the other mode switches the mode;
+the `strip_kl_distill` pass undoes it exactly: the graph's code is again the inference graph's.
 
 `drop_logits` is for a graph whose logits nobody reads (distillation trains the index branch on the hooks' outputs
 alone): the output's logits become None and dead code is removed, so the step no longer runs the lm head (at 32K
@@ -30,7 +35,8 @@ import torch.fx
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
-from m3compile.ops import is_op, msa_block_loss, msa_index_kl, msa_select, op_args, set_op_arg
+from m3compile.ops import is_op, msa_attention, msa_attention_lse, msa_block_loss, msa_index_kl, msa_select, op_args, \
+    set_op_arg
 
 __all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES", "drop_logits"]
 
@@ -39,7 +45,8 @@ MODES = ("warmup", "sparse")
 
 @dataclass(frozen=True)
 class KLHook:
-    """node.meta["m3_kl_hook"] of a hooked msa_attention node: its layer and its `sparse` flag before the pass."""
+    """node.meta["m3_kl_hook"] of a hooked attention node (msa_attention_lse after the pass): its layer and its
+    `sparse` flag before the pass."""
 
     layer: int
     sparse_before: bool
@@ -70,7 +77,7 @@ class KLDistill(Pass):
 
     name = "kl_distill"
     stage = "distil"
-    revisits = True  # on a hooked (possibly lowered) graph it only switches the mode
+    revisits = True  # on a hooked graph it only switches the mode
 
     def __init__(self, mode: str = "warmup", block_loss: bool = False):
         if mode not in MODES:
@@ -81,8 +88,6 @@ class KLDistill(Pass):
     def requires(self, gm: torch.fx.GraphModule) -> None:
         if gm.meta.get("m3_kl_distill") is not None:
             return
-        if gm.meta.get("m3_lowered"):
-            raise M3CompileError("distillation hooks go in before lowering (the graph is lowered)")
         if not msa_nodes(gm):
             raise M3CompileError("the graph has no MSA layers to distil (convert the model first)")
 
@@ -108,10 +113,19 @@ class KLDistill(Pass):
                 raise M3CompileError(f"{n.name}: block ids do not come from msa_select")
             sel = op_args(select)
             sparse = att["sparse"]
+            n.target = msa_attention_lse  # (out, lse, csr): out to the layer, lse and csr to the hook
             with g.inserting_after(n):
+                out = g.call_function(operator.getitem, (n, 0))
+            n.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+            with g.inserting_after(out):
+                lse = g.call_function(operator.getitem, (n, 1))
+            with g.inserting_after(lse):
+                csr = g.call_function(operator.getitem, (n, 2))
+            with g.inserting_after(csr):
                 hook = g.call_function(msa_index_kl, (), dict(
                     q=att["q"], k=att["k"], q_idx=sel["q_idx"], k_idx=sel["k_idx"], blocks=select,
-                    block_size=att["block_size"], scale=att["scale"], sparse=self.mode == "sparse"))
+                    block_size=att["block_size"], scale=att["scale"], sparse=self.mode == "sparse", teacher_lse=lse,
+                    csr=csr))
             with g.inserting_after(hook):
                 kl = g.call_function(operator.getitem, (hook, 0))
             with g.inserting_after(kl):
@@ -172,9 +186,9 @@ def drop_logits(gm: torch.fx.GraphModule) -> int:
 
 
 def _hooks(gm: torch.fx.GraphModule):
-    """(msa_attention node, its KLHook, its msa_index_kl node) for every hooked layer."""
+    """(attention node, its KLHook, its msa_index_kl node) for every hooked layer."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    for n in list(gm.graph.nodes):  # by the hook's record, so a lowered graph (other op targets) works too
+    for n in list(gm.graph.nodes):  # by the hook's record
         hook = n.meta.get("m3_kl_hook")
         if hook is not None:
             yield n, hook, by_name[hook.kl_node]
@@ -217,6 +231,12 @@ class StripKLDistill(Pass):
             for user in list(kl.users):
                 g.erase_node(user)
             g.erase_node(kl)
+            out = next(u for u in n.users if u.args[1] == 0)  # the attention's output; its lse and csr went
+            for user in [u for u in n.users if u is not out]:
+                g.erase_node(user)
+            out.replace_all_uses_with(n)
+            g.erase_node(out)
+            n.target = msa_attention
             set_op_arg(n, "sparse", hook.sparse_before)
             del n.meta["m3_kl_hook"]
             report.replaced += 1

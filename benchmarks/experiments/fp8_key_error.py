@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     model = load(args.model, dtype="float32")
-    model.set_sparse(False)
+    model.set_selection("dense")
     model.eval()
     ids = windows(load_tokens(args.data, model.args.vocab_size, args.model), args.seq_len, 1)
     T = ids.shape[1]

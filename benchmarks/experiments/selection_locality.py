@@ -48,13 +48,13 @@ def main() -> None:
     got: dict[int, list[torch.Tensor]] = {}
 
     def probe(i):
-        def f(attn, q, k, blocks):
+        def f(attn, q, k, blocks, lse):
             got.setdefault(i, []).append(blocks[0, :, start:].clone())  # [Hkv, T - start, topk]
         return f
 
     for i, layer in enumerate(model.model.layers):
         if layer.self_attn.msa is not None:
-            layer.self_attn.probe = probe(i)
+            layer.self_attn.observer = probe(i)
     with torch.no_grad():
         for window in windows(load_tokens(a.data, model.args.vocab_size), a.seq_len, a.windows):
             model(window[None, :-1])

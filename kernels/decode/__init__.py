@@ -35,13 +35,15 @@ import torch
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
 from m3compile.kernels.decode.naive import (KV_QUANTISED, dequantize_kv, paged_attention_reference,
                                             paged_block_scores_reference, paged_index_write_reference,
-                                            paged_kv_write_reference, paged_select_reference, quantize_kv,
-                                            quantize_pages, top_blocks_reference)
+                                            paged_kv_write_reference, paged_oracle_select, paged_recent_select,
+                                            paged_select_reference, quantize_kv, quantize_pages,
+                                            top_blocks_reference)
 
 __all__ = ["paged_select", "paged_select_launches", "top_blocks", "top_blocks_reference", "TOPK_CHUNK",
            "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages",
-           "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv", "KV_QUANTISED"]
+           "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv", "KV_QUANTISED",
+           "paged_oracle_select", "paged_recent_select"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:

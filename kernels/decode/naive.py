@@ -8,11 +8,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from m3compile.kernels.indexer.naive import block_masks
+from m3compile.kernels.indexer.naive import block_masks, select_from_scores
 from m3compile.kernels.naive_common import quantize_index_keys
 
-__all__ = ["paged_block_scores_reference", "paged_select_reference", "top_blocks_reference",
-           "paged_attention_reference", "quantize_pages", "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
+__all__ = ["paged_block_scores_reference", "paged_select_reference", "top_blocks_reference", "newest_top_blocks",
+           "paged_oracle_select", "paged_recent_select", "paged_attention_reference", "quantize_pages", "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
@@ -64,6 +64,49 @@ def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, l
         k = min(topk, n_blocks)
         out[b, :, :k] = top.indices[:, :k].masked_fill(top.values[:, :k] == float("-inf"), -1).int()
     return out
+
+
+def newest_top_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, topk: int,
+                      init_blocks: int = 0, local_blocks: int = 1) -> torch.Tensor:
+    """Top-k of block scores [B, Hkv, pages] for each sequence's newest token (position seq_lens - 1), forced blocks
+    first (indexer.naive.select_from_scores, the sequences as its query rows) -> [B, Hkv, topk] int32. No host
+    synchronisation: a CUDA graph captures it."""
+    rows = select_from_scores(scores.transpose(0, 1)[None], seq_lens.long() - 1, block_size, topk, init_blocks,
+                              local_blocks)  # [1, Hkv, B, topk]
+    return rows[0].transpose(0, 1).to(torch.int32)
+
+
+def paged_oracle_select(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
+                        scale: float | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle's blocks for the newest token of each sequence, from the paged KV cache: per KV group, the mean
+    over its query heads of their softmax over every cached key (fp32), summed per page (= block), then the
+    top-k with the forced blocks as `paged_select` keeps them. Plain torch over every page of the block table (one
+    query per sequence: no kernel needed), no host synchronisation, so a CUDA graph captures it.
+
+    q [B, Hq, D], k_cache [P, BS, Hkv, D] (a quantised cache with its k_scale [P, BS, Hkv]: each key row times its
+    scale), block_table [B, max_pages], seq_lens [B] -> [B, Hkv, topk] int32."""
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    keys = k_cache[block_table.long()].float()  # [B, pages, BS, Hkv, D]
+    if k_scale is not None:
+        keys = keys * k_scale[block_table.long()].float()[..., None]
+    s = torch.einsum("bhgd,bnthd->bhgnt", q.float().view(B, Hkv, Hq // Hkv, D), keys) * scale
+    pos = torch.arange(keys.shape[1] * bs, device=q.device).view(keys.shape[1], bs)
+    s = s.masked_fill(pos >= seq_lens.long()[:, None, None, None, None], float("-inf"))
+    mass = torch.softmax(s.flatten(-2), -1).view_as(s).mean(2).sum(-1)  # [B, Hkv, pages]
+    return newest_top_blocks(mass, seq_lens, block_size=bs, topk=topk, init_blocks=init_blocks,
+                             local_blocks=local_blocks)
+
+
+def paged_recent_select(block_table: torch.Tensor, seq_lens: torch.Tensor, n_kv: int, *, block_size: int, topk: int,
+                        init_blocks: int = 0, local_blocks: int = 1) -> torch.Tensor:
+    """The selection "recent" for the newest token of each sequence: the forced blocks, then the most recent pages
+    -> [B, n_kv, topk] int32 (no host synchronisation)."""
+    age = torch.arange(block_table.shape[1], dtype=torch.float32, device=block_table.device)
+    return newest_top_blocks(age.expand(block_table.shape[0], n_kv, -1), seq_lens, block_size=block_size, topk=topk,
+                             init_blocks=init_blocks, local_blocks=local_blocks)
 
 
 def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None, k_scale=None,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from m3compile.kernels.naive_common import check_index_inputs, fp8_round, query_chunk
 
-__all__ = ["block_scores", "block_masks", "select_from_scores", "select_blocks"]
+__all__ = ["block_scores", "block_masks", "select_from_scores", "select_blocks", "recent_blocks"]
 
 def block_scores(
     q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, start: int = 0, end: int | None = None
@@ -103,3 +103,13 @@ def select_blocks(
         t_pos = torch.arange(start + off, end + off, device=q_idx.device)
         out[:, :, start:end] = select_from_scores(scores, t_pos, block_size, topk, init_blocks, local_blocks)
     return out
+
+
+def recent_blocks(B: int, H: int, T: int, *, block_size: int, topk: int, init_blocks: int = 0,
+                  local_blocks: int = 1, device=None) -> torch.Tensor:
+    """The selection "recent" for the queries at positions 0 .. T-1: per query the forced blocks, then the most recent
+    earlier ones, `topk` in all (a sliding window with the top-k's budget, which finds nothing further back: a
+    baseline that should fail long-range retrieval) -> [B, H, T, topk] int64 (-1 = empty)."""
+    n_blocks = -(-T // block_size)
+    age = torch.arange(n_blocks, dtype=torch.float32, device=device).expand(B, H, T, n_blocks)
+    return select_from_scores(age, torch.arange(T, device=device), block_size, topk, init_blocks, local_blocks)

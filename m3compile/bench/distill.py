@@ -24,7 +24,7 @@ backward), the block loss (forward and backward, with `block_loss`), the rest of
 index projections), the rest of the backward, the optimizer, and the host time the GPU waited (wall time minus
 the kernels' busy time).
 
-The `eval` rows run as `m3c eval` does: the lowered ops on CUDA (Decoder.using_kernels), the reference ops
+The `eval` rows run as `m3c eval` does: the lowered ops on CUDA (m3compile.ops.lowering), the reference ops
 elsewhere, in the weights' own dtype with no autocast (the dense forward row runs under the distillation's
 autocast: on CUDA by default bf16, the same compute dtype as bf16 weights). They are timed before the
 distillation rows, on the model as converted (a distillation step casts its index weights to fp32 and trains
@@ -52,6 +52,7 @@ from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Attention, Decoder
+from m3compile.ops import lowering
 from m3compile.bench.common import bench_models, is_cuda, median_ms, profile_run, sync
 from m3compile.evaluation.loss import evaluate
 from m3compile.bench.op_count import count_ops
@@ -187,17 +188,16 @@ def _graph_check(model: Decoder, dcfg: DistillConfig, cfg: DistillBenchConfig, m
 
 
 @contextlib.contextmanager
-def _switched(model: Decoder, sparse: bool, selection: str):
-    """The model's MSA layers run sparsely or densely, with this selection, inside the block; each attention
-    module's own setting restored after."""
-    kept = [(m, m.sparse, m.selection) for m in model.modules() if isinstance(m, Attention)]
-    model.set_sparse(sparse)
+def _switched(model: Decoder, selection: str):
+    """The model's MSA layers pick their blocks as `selection` says inside the block; each attention module's own
+    setting restored after."""
+    kept = [(m, m.selection) for m in model.modules() if isinstance(m, Attention)]
     model.set_selection(selection)
     try:
         yield
     finally:
-        for m, on, sel in kept:
-            m.sparse, m.selection = on, sel
+        for m, sel in kept:
+            m.selection = sel
 
 
 def _eval_rows(model: Decoder, ids: torch.Tensor, cfg: DistillBenchConfig, record) -> list[dict]:
@@ -208,15 +208,15 @@ def _eval_rows(model: Decoder, ids: torch.Tensor, cfg: DistillBenchConfig, recor
     kernels = is_cuda(cfg.device)
     rows = []
 
-    def forward(sparse: bool, selection: str):
+    def forward(selection: str):
         def fn():
-            with torch.no_grad(), model.using_kernels(kernels), _switched(model, sparse, selection):
+            with torch.no_grad(), lowering(kernels), _switched(model, selection):
                 model(x)
         return fn
 
-    for name, sparse, selection in (("converted dense forward", False, "index"), ("msa forward", True, "index"),
-                                    ("oracle forward", True, "oracle")):
-        rows.append(record(name, forward(sparse, selection), profiled=False, into=None))
+    for name, selection in (("converted dense forward", "dense"), ("msa forward", "index"),
+                            ("oracle forward", "oracle")):
+        rows.append(record(name, forward(selection), profiled=False, into=None))
     tokens = torch.cat((x.flatten(), ids[-1, -1:]))
     ms = {r["stage"]: r["ms"] for r in rows}
     for name, oracle, passes in (("eval", True, 3), ("eval --no-oracle", False, 2)):

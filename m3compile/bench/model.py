@@ -41,7 +41,7 @@ says so (the bf16 KV cache of Llama-3-8B at 128K x 8 sequences is 137 GB); a sec
 the first L1 and L2 layers of both models (`shallow`: the same modules; L2 the deepest whose caches fit, L1 = L2 // 2)
 and extrapolates every time linearly in the depth to the whole model, marked "extrapolated" (`extrapolate_depth`:
 each layer past layer 0 does the same work, so a step's time is linear in the layer count).
-Both models run the step on the same fused backbone kernels on CUDA (Decoder.set_kernels, as `m3c generate` does:
+Both models run the step on the same lowered ops on CUDA (m3compile.ops.lowering, as `m3c generate` does:
 RMSNorm, RoPE and, for MSA, the index branch's norms + RoPE as one kernel) and, as `m3c generate` does, with fused
 projections (Decoder.fuse_projections, both models, their weights still shared: one matmul per layer for q/k/v and,
 in MSA layers, the index q/k, counted in projections_mlp; one for gate/up); --separate-projections runs the
@@ -72,7 +72,8 @@ from m3compile.pipelines import lower
 from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile import memory
-from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
+from m3compile.ops import lowering
+from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, lowering_default, prefill
 from m3compile.runtime.generate import KV_CACHE_DTYPES, resolve_index_cache
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
@@ -287,9 +288,9 @@ def _chunked_row(name: str, model: Decoder, sparse: Decoder, T: int, plan, cfg: 
     """Time to first token through runtime.prefill in chunks, into a paged cache allocated before the timing."""
     _, kv_dtype, index_dtype, page = _cache_dtypes(sparse, cfg)
     cache = PagedCache(model, 1, T, page, cfg.device, kv_dtype, index_dtype)
-    fn = lambda ids: prefill(model, cache, 0, ids[0], "auto", plan.chunk)  # noqa: E731
+    fn = lambda ids: prefill(model, cache, 0, ids[0], plan.chunk)  # noqa: E731
     try:
-        with model.using_kernels(kernels_default(cfg.device)):
+        with lowering(lowering_default(cfg.device)):
             row = _prefill_row(name, fn, model, T, cfg, log, warmup_tokens=min(T, 2 * plan.chunk + 1))
     finally:
         del cache
@@ -297,7 +298,7 @@ def _chunked_row(name: str, model: Decoder, sparse: Decoder, T: int, plan, cfg: 
 
 
 def _prefill(dense: Decoder, sparse: Decoder, cfg: ModelBenchConfig, log) -> tuple[list[dict], list[dict]]:
-    lowered = lower(sparse.model)  # the backbone: the last position's logits are taken outside it
+    lowered = lower(sparse.model)  # the backbone (the model's forward, lowered): the last position's logits outside it
     # the dense twin lowered too (its RMSNorm and RoPE kernels): both sides run the same fused backbone ops
     dense_lowered = lower(dense.model, require_msa=False)
     runners = {
@@ -436,7 +437,7 @@ def _decode_one(name: str, model: Decoder, cache: PagedCache, T: int, B: int, cf
     tokens = torch.randint(0, model.args.vocab_size, (B,), generator=g).to(dev)
     eager = DecodeStep(model, cache, B)
     # the steps' kernel switch held for the whole row (DecodeStep's own is then a no-op, not host time per step)
-    with torch.no_grad(), model.using_kernels(kernels_default(dev)):
+    with torch.no_grad(), lowering(lowering_default(dev)):
         _steps_ms(eager, tokens, cache, T, 1, dev)  # warm-up: compiles, autotunes
         eager_ms = _steps_ms(eager, tokens, cache, T, cfg.decode_steps, dev)
         with module_ranges(model, _classify):
@@ -499,7 +500,6 @@ def shallow(model: Decoder, n: int) -> Decoder:
                                                               model.model.rotary_emb)
     m.model.layers = torch.nn.ModuleList(list(model.model.layers[:n]))
     m.lm_head = model.lm_head
-    m._kernels = model._kernels
     return m
 
 

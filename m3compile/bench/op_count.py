@@ -93,21 +93,20 @@ def _category(n: torch.fx.Node, path: str, inputs: list[tuple[str, str]], output
         if "embed" in path:
             return "embedding"
         return "lm head" if path == "lm_head" else "backbone"
-    if ops.is_op(n, ops.apply_index_rope, ops.apply_index_rope_triton):
-        return "index rope"
-    if ops.is_op(n, ops.apply_rope, ops.apply_rope_triton):
+    if ops.is_op(n, ops.apply_rope):
         return "rope"
-    if ops.is_op(n, ops.index_branch_triton):
+    if ops.is_op(n, ops.index_branch, ops.index_norm_rope):
         return "index branch"
-    if ops.is_op(n, ops.msa_select, ops.msa_select_triton):
+    if ops.is_op(n, ops.msa_select):
         return "select"
-    if ops.is_op(n, ops.msa_attention, ops.msa_attention_triton, ops.msa_attention_lse_triton,
-                 F.scaled_dot_product_attention):
+    if ops.is_op(n, ops.msa_attention, ops.msa_attention_lse, F.scaled_dot_product_attention):
         return "attention"
-    if ops.is_op(n, ops.msa_index_kl, ops.msa_index_kl_triton):
+    if ops.is_op(n, ops.msa_index_kl):
         return "KL"
-    if ops.is_op(n, ops.msa_block_loss, ops.msa_block_loss_triton):
+    if ops.is_op(n, ops.msa_block_loss):
         return "block loss"
+    if ops.is_op(n, ops.rms_norm, ops.add_rms_norm):
+        return "backbone"
     if n in outputs and n.op == "call_function" and n.target is torch.stack:
         return "loss"
     if "rotary_emb" in path:

@@ -112,12 +112,13 @@ class Calibration:
         if self.hidden is None or index != self.next_layer:
             raise AssertionError(f"calibration got layer {index}, expected layer {self.next_layer} after embed()")
         layer = copy.deepcopy(layer).to(device=self.device, dtype=torch.float32)
-        layer.self_attn.sparse = False  # an MSA layer of the source runs dense: the teacher's inputs
+        layer.self_attn.selection = "dense"  # an MSA layer of the source runs dense: the teacher's inputs
         return layer
 
     def _run(self, layer: DecoderLayer) -> None:
         for i in range(self.hidden.shape[0]):  # one window at a time: activations of one sequence at most
-            self.hidden[i: i + 1] = layer(self.hidden[i: i + 1], self.cos, self.sin)
+            x = self.hidden[i: i + 1]
+            self.hidden[i: i + 1] = layer(x, layer.input_layernorm(x), self.cos, self.sin)[0]
         self.next_layer += 1
         if not torch.isfinite(self.hidden).all():
             raise M3CompileError(f"calibration: layer {self.next_layer - 1} produced non-finite hidden states")

@@ -18,7 +18,8 @@ from m3compile.io.hf_config import check_positions
 from m3compile.kernels import causal_lse
 from m3compile.kernels.causal_lse import naive as reference
 from m3compile.models.decoder import Attention, Decoder
-from m3compile.runtime import PagedCache, prefill_nll
+from m3compile.ops import lowering
+from m3compile.runtime import PagedCache, lowering_default, prefill_nll
 from m3compile.runtime.generate import resolve_index_cache, resolve_kv_cache
 
 __all__ = ["evaluate", "EvalReport", "TAIL_NATS", "RECALL_QUANTILE"]
@@ -120,7 +121,7 @@ class EvalReport:
 
 
 class _RecallProbe:
-    """The `lse_probe` of the MSA layers during one pass (sparse: the index branch's selection; oracle: the oracle's):
+    """The `observer` of the MSA layers during one pass (sparse: the index branch's selection; oracle: the oracle's):
     per layer the sum and count of the block recall of the selection that ran, and, when `hist`, a histogram of its
     per-(group, token) values for the tail quantile. Everything stays on the device: `result` and `quantile` read it
     back once, at the end.
@@ -141,7 +142,7 @@ class _RecallProbe:
         m = attn.msa
         if lse is not None:
             r = causal_lse.dense_recall(q, k, lse, scale=attn.scale)  # [B, T, Hkv]
-        elif attn.kernels and -(-q.shape[2] // m.block_size) <= blocks.shape[-1]:  # every visible block selected
+        elif -(-q.shape[2] // m.block_size) <= blocks.shape[-1]:  # every visible block selected: all the mass
             r = torch.ones(q.shape[0], q.shape[2], k.shape[1], device=q.device)
         else:
             r = reference.block_recall(q, k, blocks.long(), block_size=m.block_size, scale=attn.scale)  # [B, Hkv, T]
@@ -174,26 +175,20 @@ def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 @contextlib.contextmanager
 def _eval_mode(model: Decoder, kernels: bool):
-    """The model's MSA switches as evaluation needs them, restored afterwards: sparse on, index selection, no
-    probes, and the lowered ops when `kernels`."""
+    """The ops' switch as evaluation asks (`kernels`: the lowerings), and the model's selection and observers
+    restored afterwards (index selection, none)."""
     try:
-        with model.using_kernels(kernels):
+        with lowering(kernels):
             yield
     finally:
         for layer in model.model.layers:
-            layer.self_attn.lse_probe = None
-        model.set_sparse(True)
+            layer.self_attn.observer = None
         model.set_selection("index")
 
 
 def _attach(model: Decoder, sparse_layers: list[int], probe: _RecallProbe | None) -> None:
     for i in sparse_layers:
-        model.model.layers[i].self_attn.lse_probe = None if probe is None else (lambda *a, _i=i: probe(_i, *a))
-
-
-def _kernels_default(model: Decoder) -> bool:
-    """Whether evaluation runs the lowered (Triton) ops by default: when the model is on a CUDA device."""
-    return next(model.parameters()).is_cuda
+        model.model.layers[i].self_attn.observer = None if probe is None else (lambda *a, _i=i: probe(_i, *a))
 
 
 @torch.no_grad()
@@ -203,7 +198,7 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     """Next-token loss (nats/token) with dense attention everywhere, with MSA active and (`oracle`, one more forward
     per window) under oracle selection; block recall, its 10th percentile and the loss tail; see EvalReport.
 
-    batch: windows per forward. kernels: run the model with the lowered ops (Decoder.set_kernels: fused RMSNorm,
+    batch: windows per forward. kernels: run the model with the lowered ops (m3compile.ops.lowering: fused RMSNorm,
     RoPE and index branch, Triton selection, gather-Q sparse attention with its log-sum-exp, recall from
     causal_lse.dense_recall); default (None) on CUDA. The losses and
     counts stay on the device until the end (no host synchronisation per window).
@@ -218,7 +213,7 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window
     sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
     oracle = oracle and bool(sparse_layers)
-    kernels = _kernels_default(model) if kernels is None else kernels
+    kernels = lowering_default(device) if kernels is None else kernels
     if kv_cache != "auto":
         return _cached(model, data, seq_len, kv_cache, sparse_layers, oracle, kernels, progress, start)
     probe, oracle_probe = _RecallProbe(hist=True), _RecallProbe(hist=False)
@@ -229,11 +224,11 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
         for b in range(0, data.shape[0], batch):
             chunk = data[b:b + batch]
             x, y = chunk[:, :-1], chunk[:, 1:]
-            model.set_sparse(False)
+            model.set_selection("dense")
             dense = _token_losses(model, x, y)
             dense_sum = dense_sum + dense.sum(dtype=torch.float64)
             if sparse_layers:
-                model.set_sparse(True)
+                model.set_selection("index")
                 _attach(model, sparse_layers, probe)
                 sparse = _token_losses(model, x, y)
                 sparse_sum = sparse_sum + sparse.sum(dtype=torch.float64)
@@ -269,15 +264,13 @@ def _cached(model: Decoder, data: torch.Tensor, seq_len: int, kv_cache: str, spa
     index_dtype = resolve_index_cache("auto", a, dtype)
     cache = PagedCache(model, 1, seq_len + 1, page, device, kv_dtype, index_dtype)
     model.fuse_projections()  # the projections as generate runs them: one matmul per group, in place
-    backend = "auto" if kernels else "torch"
     rows = ["dense"] + (["index"] if sparse_layers else []) + (["oracle"] if oracle else [])
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = dict.fromkeys(rows, zero)
     tails = dict.fromkeys(rows, zero.long())
     with _eval_mode(model, kernels):
-        model.set_sparse(True)
         for w in range(data.shape[0]):
-            losses = {r: prefill_nll(model, cache, 0, data[w], backend, selection=r) for r in rows}
+            losses = {r: prefill_nll(model, cache, 0, data[w], selection=r) for r in rows}
             for r in rows:
                 sums[r] = sums[r] + losses[r].sum(dtype=torch.float64)
                 tails[r] = tails[r] + (losses[r] - losses["dense"] > TAIL_NATS).sum()

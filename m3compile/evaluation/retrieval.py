@@ -192,16 +192,16 @@ def retrieval(model: Decoder, tokens: torch.Tensor, encode: Callable[[str], list
     report = RetrievalReport(seq_len, probes, seed, skipped=skipped)
     try:
         for i, (d, made) in enumerate(planned.items()):
-            model.set_sparse(False)
+            model.set_selection("dense")
             dense = _score(model, made, device)
             sparse = (None, None)
             if has_msa:
-                model.set_sparse(True)
+                model.set_selection("index")
                 sparse = _score(model, made, device)
             report.distances.append(DistanceResult(d, len(made[0].ids), *dense, *sparse))
             if progress:
                 progress(i + 1, len(planned))
     finally:
-        model.set_sparse(True)
+        model.set_selection("index")
     report.seconds = time.perf_counter() - start
     return report

@@ -4,7 +4,7 @@ RULER scores (string_match_all).
 
 For each length, each task's samples are built once (ruler_tasks.build_samples: seeded, the same for every
 selection) and generated in batches through m3compile.generate: one prefill per prompt, then the paged cached
-decode, the MSA layers selecting as asked (runtime.selection), over a K/V cache of the dtype asked (kv_cache:
+decode, the MSA layers selecting as asked (config.SELECTIONS), over a K/V cache of the dtype asked (kv_cache:
 the model's, bf16 or fp8), up to the task's max_new_tokens or the end of the answer. A sample scores the share of its expected answers found in the generated text (case-insensitive, control
 characters read as newlines); a task's score is its samples' mean x 100.
 
@@ -32,7 +32,7 @@ from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_sam
 __all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "SELECTIONS",
            "DEFAULT_SELECTIONS", "DEFAULT_LENGTHS", "PASS_SCORE"]
 
-# the suite's selection names -> the runtime's (m3compile.runtime.selection)
+# the suite's selection names -> the model's (m3compile.config.SELECTIONS)
 SELECTIONS = {"dense": "dense", "msa": "index", "oracle": "oracle", "recent": "recent"}
 DEFAULT_SELECTIONS = ("dense", "msa", "oracle")
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
@@ -125,18 +125,18 @@ def _round(x: float | None) -> float | None:
 
 def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, decode: Callable[[list[int]], str], *,
                 stop_ids: list[int], selection: str = "index", batch: int | None = None,
-                progress: Callable[[int], None] | None = None, backend: str = "auto",
+                progress: Callable[[int], None] | None = None, kernels: bool | None = None,
                 kv_cache: str = "auto") -> list[float]:
     """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
-    the paged cached decode) with the MSA layers selecting as `selection` (runtime.selection); per sample the
+    the paged cached decode) with the MSA layers selecting as `selection` (config.SELECTIONS); per sample the
     share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
-    cache dtype (m3compile.generate's kv_cache_dtype)."""
+    cache dtype (m3compile.generate's kv_cache_dtype); kernels: as m3compile.generate's."""
     out = []
     step = batch or len(samples)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
         result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
-                          backend=backend, kv_cache_dtype=kv_cache)
+                          kernels=kernels, kv_cache_dtype=kv_cache)
         for s, tokens in zip(chunk, result.tokens):
             out.append(score(decode([t for t in tokens if t not in stop_ids]), s.answers))
         if progress:
@@ -147,7 +147,7 @@ def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, deco
 def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | None = None,
           lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
-          context: int | None = None, data_name: str = "the data file", backend: str = "auto",
+          context: int | None = None, data_name: str = "the data file", kernels: bool | None = None,
           kv_cache: str = "auto", progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
@@ -205,7 +205,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 if progress:
                     progress(done, total, f"{name} at {length}: {sel}")
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
-                                  selection=SELECTIONS[sel], batch=batch, progress=advance, backend=backend,
+                                  selection=SELECTIONS[sel], batch=batch, progress=advance, kernels=kernels,
                                   kv_cache=kv_cache)
                 report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)

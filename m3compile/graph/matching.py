@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from m3compile.graph.tracing import is_norm_module, propagate_shapes
-from m3compile.ops import apply_rope, is_op, msa_attention, op_args
+from m3compile.ops import apply_rope, is_op, msa_attention, msa_attention_lse, op_args
 
 __all__ = ["AttentionMatch", "MatchFailure", "find_attention", "msa_nodes", "msa_layer", "META_KEY"]
 
@@ -313,13 +313,15 @@ def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list
 
 
 def msa_nodes(gm: torch.fx.GraphModule) -> list[Node]:
-    """The block-sparse attention nodes already in the graph (MSA layers, reference ops)."""
-    return [n for n in gm.graph.nodes if is_op(n, msa_attention)]
+    """The block-sparse attention nodes already in the graph (MSA layers; msa_attention_lse where a distillation
+    hook reads the attention's log-sum-exp)."""
+    return [n for n in gm.graph.nodes if is_op(n, msa_attention, msa_attention_lse)]
 
 
 def msa_layer(n: Node) -> int:
-    """The decoder layer of an MSA attention node: recorded by gqa_to_msa, or read from the index projections'
-    module path (`...layers.{i}.self_attn.index_q_proj`) of a natively traced MSA model. -1 when unknown."""
+    """The decoder layer of an MSA attention node: recorded by gqa_to_msa, or read from the module path of what its
+    blocks come from (the index weights `...layers.{i}.self_attn.index_q_proj.weight`) in a natively traced MSA
+    model. -1 when unknown."""
     if "m3_msa_layer" in n.meta:
         return n.meta["m3_msa_layer"]
     todo, seen = [op_args(n)["blocks"]], set()
@@ -328,7 +330,7 @@ def msa_layer(n: Node) -> int:
         if cur in seen:
             continue
         seen.add(cur)
-        if cur.op == "call_module":
+        if cur.op in ("call_module", "get_attr"):  # the index projections' modules or weights
             m = re.search(r"layers\.(\d+)\.", str(cur.target))
             if m:
                 return int(m[1])

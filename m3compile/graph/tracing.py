@@ -5,7 +5,7 @@ the matcher has to see its dataflow. Every graph op of m3compile.ops stays one n
 """
 from __future__ import annotations
 
-import contextlib
+import inspect
 
 import torch
 import torch.fx
@@ -36,30 +36,26 @@ class Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-@contextlib.contextmanager
-def _reference_ops(model: torch.nn.Module):
-    """Modules switched to their fused kernels (Decoder.set_kernels: a `kernels` flag) run their reference ops
-    inside the block: a trace records the reference graph, which the passes rewrite and lower."""
-    on = [m for m in model.modules() if getattr(m, "kernels", None) is True]
-    for m in on:
-        m.kernels = False
-    try:
-        yield
-    finally:
-        for m in on:
-            m.kernels = True
-
-
 def trace(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """Symbolically trace `model` (forward(input_ids) -> logits) into a GraphModule with the same state-dict names
-    (always the reference ops, whatever the model's kernel setting)."""
+    """Symbolically trace `model` (forward(input_ids) -> logits) into a GraphModule with the same state-dict names.
+    Every graph op of m3compile.ops is one node, which runs its reference or its lowering as the ops' switch says
+    when the graph runs."""
     tracer = Tracer()
+    # optional inputs (a Decoder's positions and cache) are traced as absent: the graph is the whole-sequence forward
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    absent = {p.name: None for p in params if p.default is None}
     try:
-        with _reference_ops(model):
-            graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=absent or None)
     except Exception as e:  # fx raises TraceError / TypeError with long messages
         raise M3CompileError(f"torch.fx could not trace {type(model).__name__}: {str(e).splitlines()[0]}") from None
+    for n in [n for n in graph.nodes if n.op == "placeholder"]:
+        checks = [u for u in n.users if u.op == "call_function" and getattr(u.target, "__name__", "") == "_assert_is_none"]
+        if checks and len(checks) == len(n.users):  # an absent input and fx's check that it stays absent
+            for user in checks:
+                graph.erase_node(user)
+            graph.erase_node(n)
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _share_parameter_owners(gm, tracer.root)
     if hasattr(model, "args"):
         gm.meta["model_args"] = model.args
     return gm
@@ -95,3 +91,23 @@ def propagate_shapes(gm: torch.fx.GraphModule, seq_len: int = 7, batch: int = 1,
     with mode:
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         _FakeProp(gm, record).run(ids)
+
+
+def _share_parameter_owners(gm: torch.fx.GraphModule, root: torch.nn.Module) -> None:
+    """The modules whose parameters the graph reads by get_attr (an MSA layer's index norms, read by
+    index_norm_rope), as the model's own objects: fx builds a fresh container around such a parameter, and whatever
+    re-registers the module's parameters afterwards (FSDP2's sharding, `.to()`) would then reach the graph's copy
+    but not the model."""
+    params = dict(gm.named_parameters())
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or n.target not in params:
+            continue
+        owner, _, _ = n.target.rpartition(".")
+        parent, _, leaf = owner.rpartition(".")
+        try:
+            original = root.get_submodule(owner)
+        except AttributeError:
+            continue
+        holder = gm.get_submodule(parent) if parent else gm
+        if getattr(holder, leaf) is not original:
+            setattr(holder, leaf, original)

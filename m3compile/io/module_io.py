@@ -41,7 +41,8 @@ from m3compile.io.module_io import build_submodules
 
 inf, nan, NoneType, _torch_Tensor_ = float("inf"), float("nan"), type(None), torch.Tensor
 
-# (module path, kind, constructor arguments) of every leaf module the graph calls
+# (module path, kind, constructor arguments) of every leaf module the graph calls, and (path, "Parameter", shape) of
+# every parameter it reads outside them
 SUBMODULES = {table}
 # (path, shape, dtype) of the buffers the graph reads outside its modules; values in buffers.safetensors
 BUFFERS = {buffers}
@@ -93,6 +94,10 @@ def build_submodules(root: nn.Module, table: list, buffers: list = ()) -> None:
         elif kind == "MoE":
             fields = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
             m = MoE(ModelArgs(**fields))
+        elif kind == "Parameter":
+            owner, leaf = _owner(root, path)
+            owner.register_parameter(leaf, nn.Parameter(torch.empty(kw["shape"])))
+            continue
         else:
             raise M3CompileError(f"unknown module kind {kind!r} in module.py")
         owner, leaf = _owner(root, path)
@@ -106,16 +111,19 @@ def write_module(gm: torch.fx.GraphModule, folder: Path, model_name: str) -> Non
     """graph/module.py and graph/buffers.safetensors for `gm` (see the module docstring)."""
     args = gm.meta.get("model_args")
     leaves, seen = [], set()
+    params = dict(gm.named_parameters())
     for n in gm.graph.nodes:
         if n.op == "call_module" and n.target not in seen:
             seen.add(n.target)
-            sub = gm.get_submodule(n.target)
-            leaves.append(_leaf_spec(n.target, sub, args))
+            leaves.append(_leaf_spec(n.target, gm.get_submodule(n.target), args))
+        elif n.op == "get_attr" and n.target in params and n.target not in seen:  # a parameter the graph reads
+            seen.add(n.target)  # outside its modules (an index branch's norm weights): built bare
+            leaves.append((n.target, "Parameter", {"shape": list(params[n.target].shape)}))
     leaf_names = {p for p, _, _ in leaves}
     buffers = {}
     named = dict(gm.named_buffers())
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and not any(n.target.startswith(p + ".") for p in leaf_names):
+        if n.op == "get_attr" and n.target not in leaf_names and not any(n.target.startswith(p + ".") for p in leaf_names):
             if n.target not in named:
                 raise M3CompileError(f"{n.target}: the graph reads a parameter outside its modules")
             t = named[n.target]

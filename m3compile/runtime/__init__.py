@@ -13,21 +13,23 @@ before anything is allocated (m3compile.memory), against the device's free memor
 references. On a GPU the decode step is captured once as a CUDA graph and replayed per token (`DecodeStep`:
 static token buffer, the cache's tensors, block tables preallocated to the longest sequence), so per-token Python
 and kernel-launch overhead does not set the speed; the eager step is the same function on the same buffers. On a
-GPU the backbone runs its fused kernels (Decoder.set_kernels: RMSNorm, RoPE, the index branch as single kernels
-instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
+GPU the ops run their lowerings (m3compile.ops.lowering: RMSNorm, RoPE and the index branch as single kernels instead
+of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views included, halve).
 
-    paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers
+    paged_cache.py  PagedCache: the paged KV and index-key caches of one batch, one block table for all layers;
+                    the views the model's forward attends through (a prompt's pass, one decode step)
     key_shift.py    key_shifts: what an fp8 K cache subtracts from each key (the mean rotated K bias) before rounding
     forward.py      prefill (one prompt into the caches, in chunks), prefill_nll (its next-token losses),
-                    decode_step (one token per sequence), kernels_default
+                    decode_step (one token per sequence): each one call of the model's forward; lowering_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
-    selection.py    the MSA layers' block choice besides the index branch (oracle, dense, recent window), to judge a
-                    selection against its bounds (m3c eval --task ruler)
+    generate.py     generation for a user: sizes the caches, prefills, decodes, samples, stops
+    timings.py      where a generation's time goes (phases, Triton compiles, kernel variants)
 
 m3compile.runtime.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
-from m3compile.runtime.forward import decode_step, kernels_default, prefill, prefill_nll
+from m3compile.runtime.forward import decode_step, lowering_default, prefill, prefill_nll
 from m3compile.runtime.paged_cache import PagedCache
 
-__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "kernels_default", "DecodeStep", "graph_unavailable"]
+__all__ = ["PagedCache", "prefill", "prefill_nll", "decode_step", "lowering_default", "DecodeStep",
+           "graph_unavailable"]

@@ -4,18 +4,19 @@ from __future__ import annotations
 import torch
 
 from m3compile.errors import M3CompileError
-from m3compile.models.decoder import Attention, Decoder, MoE
-from m3compile.runtime.forward import decode_step, kernels_default
+from m3compile.models.decoder import Decoder, MoE
+from m3compile.ops import lowering
+from m3compile.runtime.forward import decode_step, lowering_default
 from m3compile.runtime.paged_cache import PagedCache
 
 __all__ = ["DecodeStep", "graph_unavailable"]
 
 
-def graph_unavailable(model: Decoder, device, backend: str = "auto") -> str | None:
+def graph_unavailable(model: Decoder, device, kernels: bool = True) -> str | None:
     """Why the decode step of `model` cannot be captured as a CUDA graph on `device` (None: it can)."""
     if torch.device(device).type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if backend == "torch":
+    if not kernels:
         return "the torch reference kernels synchronise with the host"
     if any(isinstance(mod, MoE) for mod in model.modules()):
         return "MoE routing is data-dependent (a host synchronisation per layer)"
@@ -33,23 +34,18 @@ class DecodeStep:
     restores seq_lens after, so capturing changes no visible state (the warm-up writes only at positions past
     each sequence's end, which the next step overwrites).
 
-    kernels: the model's backbone runs its fused kernels for the step (Decoder.using_kernels: RMSNorm, RoPE and
-    the index branch as single kernels) during the warm-up, the capture and every eager call; the model's own
-    setting is restored after each (a walk over the modules per eager call, unless the caller holds
-    `model.using_kernels(...)` around its loop, as generate does). None (default): kernels_default (on for a CUDA
-    cache unless backend "torch"). selection: how MSA layers pick their blocks (runtime.selection; captured with
-    the step).
-    The index branch's concatenated weights (Attention.fused_index_weight) are built by the warm-up, before the
-    capture, and kept alive with the graph, which reads them as they were then."""
+    kernels: the step runs the ops' lowerings (m3compile.ops.lowering: the Triton kernels) in the warm-up, the
+    capture and every eager call. None (default): lowering_default (on for a CUDA cache). selection: how MSA layers
+    pick their blocks (config.SELECTIONS; captured with the step)."""
 
-    def __init__(self, model: Decoder, cache: PagedCache, batch: int, backend: str = "auto", graph: bool = False,
-                 warmup: int = 1, kernels: bool | None = None, selection: str = "index"):
-        self.model, self.cache, self.backend, self.selection = model, cache, backend, selection
-        self.kernels = kernels_default(cache.seq_lens.device, backend) if kernels is None else kernels
+    def __init__(self, model: Decoder, cache: PagedCache, batch: int, graph: bool = False, warmup: int = 1,
+                 kernels: bool | None = None, selection: str = "index"):
+        self.model, self.cache, self.selection = model, cache, selection
+        self.kernels = lowering_default(cache.seq_lens.device) if kernels is None else kernels
         self.graph = None
         if not graph:
             return
-        why = graph_unavailable(model, cache.seq_lens.device, backend)
+        why = graph_unavailable(model, cache.seq_lens.device, self.kernels)
         if why is not None:
             raise M3CompileError(f"cannot capture the decode step as a CUDA graph: {why}")
         device = cache.seq_lens.device
@@ -58,17 +54,15 @@ class DecodeStep:
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with model.using_kernels(self.kernels):
+            with lowering(self.kernels):
                 with torch.cuda.stream(side):
-                    for _ in range(max(1, warmup)):  # (it compiles the kernels, builds the kept weights)
-                        decode_step(model, cache, self.tokens, backend, selection)
+                    for _ in range(max(1, warmup)):  # (it compiles the kernels)
+                        decode_step(model, cache, self.tokens, selection)
                         cache.seq_lens.copy_(saved)
                 torch.cuda.current_stream(device).wait_stream(side)
-                # what the graph reads besides the model's parameters and the cache: kept alive with it
-                self._kept = [m.fused_index_weight() for m in model.modules() if isinstance(m, Attention)]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    self.logits = decode_step(model, cache, self.tokens, backend, selection)
+                    self.logits = decode_step(model, cache, self.tokens, selection)
             self.graph = graph
         finally:
             cache.seq_lens.copy_(saved)  # capture runs nothing, but a failed warm-up may have counted a step
@@ -76,8 +70,8 @@ class DecodeStep:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per sequence) -> logits [B, vocab] fp32; every seq_len grows by one."""
         if self.graph is None:
-            with self.model.using_kernels(self.kernels):
-                return decode_step(self.model, self.cache, tokens, self.backend, self.selection)
+            with lowering(self.kernels):
+                return decode_step(self.model, self.cache, tokens, self.selection)
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits

@@ -15,14 +15,15 @@ from typing import Callable, Sequence
 
 import torch
 
+from m3compile.config import SELECTIONS
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder, ModelArgs
 from m3compile import memory
+from m3compile.ops import lowering
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
-from m3compile.runtime.forward import kernels_default, prefill
+from m3compile.runtime.forward import lowering_default, prefill
 from m3compile.runtime.paged_cache import PagedCache
-from m3compile.runtime.selection import RUNTIME_SELECTIONS
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
 __all__ = ["generate", "GenerationResult", "KV_CACHE_DTYPES", "resolve_kv_cache", "resolve_index_cache"]
@@ -57,7 +58,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 
 def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
-             index_cache_dtype: str = "auto", page_size: int | None = None, backend: str = "auto",
+             index_cache_dtype: str = "auto", page_size: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
@@ -81,17 +82,17 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
     step is capturable (`graph_unavailable`) and at least 8 decode steps follow; eager on a CPU. True: required.
-    kernels: prefill and decode run the model's fused backbone kernels (Decoder.set_kernels: RMSNorm, RoPE, the
-    index branch), the model's setting restored after. None (default): on a CUDA device unless backend "torch"
-    (kernels_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
+    kernels: prefill and decode run the ops' lowerings (m3compile.ops.lowering: the Triton kernels of RMSNorm, RoPE,
+    the index branch, the selection and the attention); False the plain-torch references. None (default): on a
+    CUDA device (lowering_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
     timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
     decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
     launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
-    traces nothing and runs no pass: the Decoder's modules switch to their kernels in place (Decoder.using_kernels),
-    and its projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
+    traces nothing and runs no pass: it calls the Decoder's forward over the caches (runtime.forward), and the
+    model's projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
     index q/k, one for gate/up; the same parameters and state dict, no memory added).
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
-    selection: how MSA layers pick their blocks in prefill and decode (m3compile.runtime.selection): "index" (the
+    selection: how MSA layers pick their blocks in prefill and decode (m3compile.config.SELECTIONS): "index" (the
     model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
@@ -110,8 +111,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         raise M3CompileError("every prompt needs at least one token")
     if max_new_tokens < 0:
         raise M3CompileError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if selection not in RUNTIME_SELECTIONS:
-        raise M3CompileError(f"unknown selection {selection!r} (use one of {', '.join(RUNTIME_SELECTIONS)})")
+    if selection not in SELECTIONS:
+        raise M3CompileError(f"unknown selection {selection!r} (use one of {', '.join(SELECTIONS)})")
     stop = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     a = model.args
     vocab = a.vocab_size
@@ -142,26 +143,25 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     timer.mark("cache")
     cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
     model.fuse_projections()
-    kernels = kernels_default(device, backend) if kernels is None else kernels
-    with model.using_kernels(kernels), timer.watch():  # the fused backbone kernels (CUDA by default)
+    kernels = lowering_default(device) if kernels is None else kernels
+    with lowering(kernels), timer.watch():  # the Triton kernels (CUDA by default)
         timer.mark("prefill")
         prefill_logits = []
         for b, p in enumerate(prompts):
-            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), backend, chunk,
-                                          selection))
+            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), chunk, selection))
             cache.seq_lens[b] = len(p)
         auto = cuda_graph is None
         if auto:
-            cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, backend) is None
+            cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
         timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
         try:
-            step_fn = DecodeStep(model, cache, B, backend, graph=bool(cuda_graph) and max_new_tokens > 1,
-                                 kernels=kernels, selection=selection)
+            step_fn = DecodeStep(model, cache, B, graph=bool(cuda_graph) and max_new_tokens > 1, kernels=kernels,
+                                 selection=selection)
         except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
             if not auto:
                 raise
             warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
-            step_fn = DecodeStep(model, cache, B, backend, kernels=kernels, selection=selection)
+            step_fn = DecodeStep(model, cache, B, kernels=kernels, selection=selection)
         out = [[] for _ in range(B)]
         done = [False] * B
         step_logits = []

@@ -1,16 +1,23 @@
-"""The paged KV and index-key caches of one batch: pages [P, page, ...] per layer, one block table for all layers."""
+"""The paged KV and index-key caches of one batch (pages [P, page, ...] per layer, one block table for all layers),
+and the views the model's forward attends through: a prompt's pass (`PagedCache.prompt`) and one decode step of
+every sequence (`PagedCache.step`). Each view has `attend(attention, q, k, v, q_idx, k_idx)`, which the model's
+attention layers call (models.decoder.Attention): it stores the layer's new keys, values and index keys, picks the
+blocks as its selection says (m3compile.config.SELECTIONS) and attends over what the cache holds."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from m3compile.kernels import decode as paged
-from m3compile.kernels.indexer import quantize_index_keys
+from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.naive_common import expand_block_scale
+from m3compile.kernels.sparse_attention import sparse_attention
 from m3compile.memory import DEQUANTIZE_ROWS
-from m3compile.models.decoder import Decoder
+from m3compile.models.decoder import Attention, Decoder
+from m3compile.ops import lowering_enabled, msa_oracle_select, msa_recent_select, scope
 from m3compile.runtime.key_shift import key_shifts, rotation
 
-__all__ = ["PagedCache"]
+__all__ = ["PagedCache", "PromptView", "StepView"]
 
 
 class PagedCache:
@@ -150,3 +157,116 @@ class PagedCache:
         if self.idx_scale[layer] is None:
             return keys, None
         return keys, self._rows(self.idx_scale[layer], b, length)[:: self.page][None]
+
+    def prompt(self, b: int, start: int, length: int, selection: str = "index") -> "PromptView":
+        """The view a pass of `length` prompt tokens of sequence b at positions start .. start + length - 1 attends
+        through (Decoder.forward(tokens, positions, cache=view))."""
+        return PromptView(self, b, start, length, selection)
+
+    def step(self, batch: int, selection: str = "index") -> "StepView":
+        """The view one decode step of every sequence attends through: one new token each, at position seq_lens[b]
+        (read here, then every seq_len grows by one)."""
+        return StepView(self, batch, selection)
+
+
+def _backend() -> str:
+    """The paged kernels' backend: Triton where the ops are lowered (m3compile.ops.lowering), else the references."""
+    return "auto" if lowering_enabled() else "torch"
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of the last Tq of Tk positions (Tq = Tk: the whole prompt): q [1, Hq, Tq, D], k/v
+    [1, Hkv, Tk, D]; SDPA, bottom-right aligned for a chunk over its cached prefix."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq == Tk:
+        mask = None
+    else:  # imported here: torch.nn.attention.bias imports torch._dynamo (1.7 s), which a whole-prompt prefill
+        from torch.nn.attention.bias import causal_lower_right  # and the decode never need
+
+        mask = causal_lower_right(Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)
+
+
+class PromptView:
+    """One pass of a prompt into the caches. Each layer's keys, values and index keys go to the cache first; then
+    its queries attend to the keys and values as the cache holds them (every earlier pass's and their own; a
+    quantised cache's dequantised), an MSA layer selecting over the cached index keys (fp8: one scale per page, as
+    the decode reads them). So the logits do not depend on how a prompt is cut into passes. The oracle and recent
+    selections rank a prompt's own blocks, so they take it in one pass (runtime.forward.prefill refuses less)."""
+
+    def __init__(self, cache: PagedCache, b: int, start: int, length: int, selection: str):
+        self.cache, self.b, self.start, self.end = cache, b, start, start + length
+        self.selection, self.backend = selection, _backend()
+
+    def attend(self, attn: Attention, q, k, v, q_idx, k_idx) -> torch.Tensor:
+        """q [1, Hq, C, D], k/v [1, Hkv, C, D], q_idx [1, C, Hi, Di], k_idx [1, C, Di] (MSA) -> [1, Hq, C, D]."""
+        cache, i, m, end = self.cache, attn.layer, attn.msa, self.end
+        cache.write_tokens(i, self.b, self.start, k[0].transpose(0, 1), v[0].transpose(0, 1),
+                           None if k_idx is None else k_idx[0], backend=self.backend)
+        k, v = cache.keys_values(i, self.b, end)  # [1, Hkv, end, D]: every key so far, as the cache holds it
+        if m is None or self.selection == "dense" or -(-end // m.block_size) <= m.topk:
+            return _causal(q, k, v, attn.scale)  # a dense layer, or keys that fit in the top-k: dense is exact
+        if self.selection == "index":
+            keys, k_scale = cache.index_keys(i, self.b, end)
+            with scope("m3c.msa_select"):
+                blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                       local_blocks=m.local_blocks, k_scale=k_scale, backend=self.backend)
+        elif self.selection == "oracle":
+            blocks = msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, attn.scale)
+        else:
+            blocks = msa_recent_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks)
+        with scope("m3c.msa_attention"):
+            return sparse_attention(q, k, v, blocks, block_size=m.block_size, scale=attn.scale, backend=self.backend)
+
+
+class StepView:
+    """One decode step of every sequence: one new token each at position seq_lens[b]. Reads and writes only the
+    cache's tensors, on the device, with no host synchronisation: capturable as a CUDA graph. What every layer
+    shares is computed once per step: the cache slots of the new tokens and the dense layers' blocks (every page)."""
+
+    def __init__(self, cache: PagedCache, batch: int, selection: str):
+        self.cache, self.selection, self.backend = cache, selection, _backend()
+        self.positions = cache.seq_lens.long()  # [B] the new tokens' positions
+        self.rows = cache.rows if cache.rows.shape[0] == batch else torch.arange(batch, device=cache.rows.device)
+        self.slots = cache.slots(self.rows, self.positions)
+        cache.seq_lens += 1
+        self.dense: dict[int, torch.Tensor] = {}  # n_kv -> every page of each sequence, built by the first layer
+
+    def _dense_blocks(self, n_kv: int) -> torch.Tensor:
+        """Every page of each sequence as the blocks [B, n_kv, pages] of a dense layer (-1 past the sequence's end)."""
+        if n_kv not in self.dense:
+            cache = self.cache
+            ids = cache.page_ids
+            n_pages = (cache.seq_lens + cache.page - 1) // cache.page
+            blocks = torch.where(ids[None, :] < n_pages[:, None], ids[None, :], -1)
+            self.dense[n_kv] = blocks[:, None, :].expand(-1, n_kv, -1).contiguous()
+        return self.dense[n_kv]
+
+    def attend(self, attn: Attention, q, k, v, q_idx, k_idx) -> torch.Tensor:
+        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D], q_idx [B, 1, Hi, Di], k_idx [B, 1, Di] (MSA) -> [B, Hq, 1, D]."""
+        cache, i, m = self.cache, attn.layer, attn.msa
+        cache.write(i, self.rows, self.positions, k[:, :, 0], v[:, :, 0], None if k_idx is None else k_idx[:, 0],
+                    slots=self.slots, backend=self.backend)
+        if m is not None and self.selection == "index":
+            with scope("m3c.decode_select"):
+                blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
+                                            topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
+                                            idx_scale=cache.idx_scale[i], backend=self.backend)
+        elif m is not None and self.selection == "oracle":
+            q_keys = cache.rotate_queries(q[:, :, 0])  # [B, Hq, D] in the cached keys' basis
+            blocks = paged.paged_oracle_select(q_keys, cache.k[i], cache.block_table, cache.seq_lens, topk=m.topk,
+                                               init_blocks=m.init_blocks, local_blocks=m.local_blocks,
+                                               scale=attn.scale, k_scale=cache.k_scale[i])
+        elif m is not None and self.selection == "recent":
+            blocks = paged.paged_recent_select(cache.block_table, cache.seq_lens, attn.n_kv_heads,
+                                               block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                                               local_blocks=m.local_blocks)
+        else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
+            blocks = self._dense_blocks(attn.n_kv_heads)
+        with scope("m3c.decode_attention"):
+            o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
+                                      cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],
+                                      v_scale=cache.v_scale[i], rotation=cache.rotation, hadamard=cache.hadamard,
+                                      backend=self.backend)  # [B, Hq, D]
+        return o[:, :, None]

@@ -64,20 +64,20 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
     sums: dict[int, float] = {}
     captured = {}
 
-    def probe(i, attn, q, k, blocks):
+    def probe(i, attn, q, k, blocks, lse):
         sums[i] = float(block_recall(q, k, blocks, block_size=attn.msa.block_size, scale=attn.scale).mean())
         if i == layer:
             G = q.shape[1] // k.shape[1]
             captured.update(q=q[0, group * G:(group + 1) * G], k=k[0, group], blocks=blocks[0, group], scale=attn.scale)
 
     for i in msa_layers:
-        model.model.layers[i].self_attn.probe = lambda *a, _i=i: probe(_i, *a)
+        model.model.layers[i].self_attn.observer = lambda *a, _i=i: probe(_i, *a)
     try:
-        model.set_sparse(True)
+        model.set_selection("index")
         model(x)
     finally:
         for i in msa_layers:
-            model.model.layers[i].self_attn.probe = None
+            model.model.layers[i].self_attn.observer = None
     T, bs = seq_len, args.msa.block_size
     s = torch.einsum("htd,hjd->htj", captured["q"].float(), captured["k"].float()[None].expand(captured["q"].shape[0], -1, -1))
     s = s * captured["scale"]

@@ -8,6 +8,7 @@ its input and its block selection.
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import re
 import time
@@ -119,8 +120,9 @@ def _digraph(gm: torch.fx.GraphModule) -> nx.DiGraph:
     layers: dict[str, int] = {}
     for n in gm.graph.nodes:  # topological order
         layer = _node_layer(n)
-        if layer < 0 and n.op in ("call_function", "call_method") and "nn_module_stack" not in n.meta:
-            # a node a pass added: it belongs to the layer of its inputs
+        if layer < 0 and n.op in ("call_function", "call_method") and (
+                "nn_module_stack" not in n.meta or n.target is operator.getitem):
+            # a node a pass added, or a part of a value (a norm's (sum, normed)): the layer of its inputs
             layer = max((layers[a.name] for a in n.all_input_nodes), default=-1)
         layers[n.name] = layer
         g.add_node(n.name, op=n.op, label=_op_name(gm, n) or n.op, layer=layer)
@@ -133,7 +135,7 @@ def _digraph(gm: torch.fx.GraphModule) -> nx.DiGraph:
 
 def _node_layer(n: torch.fx.Node) -> int:
     """Decoder layer of a node from the module path it was traced in (nn_module_stack), -1 outside the layers."""
-    if n.op == "call_module":
+    if n.op in ("call_module", "get_attr"):
         m = re.search(r"layers\.(\d+)\.", str(n.target))
         return int(m[1]) if m else -1
     for path in (n.meta.get("nn_module_stack") or {}).values():
@@ -173,10 +175,9 @@ def _layer_rows(gm: torch.fx.GraphModule, args: ModelArgs, converted: set[int]) 
             row.update(asdict(args.msa))
             if n is not None:  # the index branch: what feeds msa_select but not the layer's own input
                 select = op_args(n)["blocks"]
-                x = op_args(select)["q_idx"]
-                while x.op != "call_module" or "index_q_proj" not in str(x.target):
-                    x = x.all_input_nodes[0]  # the value the op transforms
-                branch = nx.ancestors(g, select.name) - nx.ancestors(g, x.args[0].name) - {x.args[0].name}
+                branch_op = op_args(select)["q_idx"].args[0]  # q_idx, k_idx = index_branch(x.detach(), ...)
+                x = op_args(branch_op)["x"].args[0]
+                branch = nx.ancestors(g, select.name) - nx.ancestors(g, x.name) - {x.name}
                 row["index_branch_nodes"] = len(branch) + 1
         rows.append(row)
     return rows

@@ -1,7 +1,7 @@
 """Index-branch distillation (MSA_SPEC section 4): teach a converted model's index branch to select the blocks the
 dense model attends to.
 
-    load converted model -> trace -> distill pipeline (kl_distill [+ lower_triton on CUDA]) -> AdamW on the index
+    load converted model -> trace -> distill pipeline (kl_distill; the lowered ops on CUDA) -> AdamW on the index
     parameters only -> checkpoint (resumable)
 
 Only the index projections and norms learn (the backbone is frozen and bit-identical afterwards). The first
@@ -42,7 +42,7 @@ from m3compile.io.shards import CheckpointWriter, SafetensorsWriter
 from m3compile.io.tensor_names import to_release_names
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
-from m3compile.ops import scope
+from m3compile.ops import lowering, scope
 from m3compile.passes.kl_distill import drop_logits
 from m3compile.pipelines import run_pipeline
 from m3compile.train.holdout import HeldOut, split_holdout
@@ -343,11 +343,11 @@ class DistillStep:
         self.amp = config.compute_dtype(device)
         self.gm = trace(model)
         # on CUDA (or when asked: lowered ops take the Triton kernels on CPU under TRITON_INTERPRET=1, the torch
-        # reference otherwise): the fused indexer, sparse attention and fused KL (+ backwards)
-        lowered = str(device).startswith("cuda") if lowered is None else lowered
-        # sharded: without the norm / index-branch fusions (they read weights outside their modules' FSDP calls)
+        # reference otherwise): the fused indexer, sparse attention and fused KL (+ backwards); every step's forward
+        # runs inside the ops' switch (m3compile.ops.lowering)
+        self.lowered = str(device).startswith("cuda") if lowered is None else lowered
         self.block_loss = config.block_loss > 0
-        run_pipeline("distill", self.gm, mode=mode, lowered=lowered, fused=not shard, block_loss=self.block_loss)
+        run_pipeline("distill", self.gm, mode=mode, block_loss=self.block_loss)
         if not self.training and not shard:
             # the index branch learns from the hooks' outputs alone: no lm head, final norm or last o_proj / MLP.
             # (A sharded run keeps them: its held-out loss runs this graph, train/holdout.py.)
@@ -394,15 +394,14 @@ class DistillStep:
                 group["lr"] = lr
 
     def set_mode(self, mode: str) -> None:
-        if self.mode != mode:
-            # switches the hooks' mode (the graph stays lowered)
+        if self.mode != mode:  # switches the hooks' mode
             run_pipeline("distill", self.gm, mode=mode, block_loss=self.block_loss)
 
     def backward(self, x: torch.Tensor, y: torch.Tensor | None = None, cache: bool = True):
         """Forward and backward of one batch: the trained parameters' .grad (the mean over ranks, sharded as the
         parameters are); returns detached (kl, recall, lm, block), lm None when distilling, block (the block-ranking
         loss per layer) None without config.block_loss."""
-        with scope("m3c.forward"), self.config.autocast_context(self.device, cache):
+        with scope("m3c.forward"), self.config.autocast_context(self.device, cache), lowering(self.lowered):
             logits, kl, recall, *block = self.net(x)
             block = block[0] if block else None
             lm = None

@@ -15,15 +15,14 @@ measured at every evaluation.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from m3compile.errors import M3CompileError
 from m3compile.data import windows
+from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention
+from m3compile.ops import lowering
 
 __all__ = ["DEFAULT_HOLDOUT_WINDOWS", "split_holdout", "HeldOut", "summary"]
 
@@ -88,15 +87,12 @@ class HeldOut:
         decide alike."""
         if stepper.sharded:
             stepper.set_mode("sparse" if sparse else "warmup")  # the warm-up mode's main branch is dense
-            forward, context = (lambda x: stepper.net(x)[0]), contextlib.nullcontext()
+            forward, context = (lambda x: stepper.net(x)[0]), lowering(stepper.lowered)
         else:
             attention = [m for m in self.model.modules() if isinstance(m, Attention)]
-            before = [m.sparse for m in attention]
-            # the run's fused AdamW steps change the index weights in place without a version bump: a concatenation
-            # kept by the last evaluation (kernels on) would score this one with the weights of back then
-            self.model.drop_kept_weights()
-            self.model.set_sparse(sparse)
-            forward, context = self.model, self.model.using_kernels(str(self.device).startswith("cuda"))
+            before = [m.selection for m in attention]
+            self.model.set_selection("index" if sparse else "dense")
+            forward, context = self.model, lowering(str(self.device).startswith("cuda"))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
             with context:
@@ -109,7 +105,7 @@ class HeldOut:
         finally:
             if not stepper.sharded:
                 for m, s in zip(attention, before):
-                    m.sparse = s
+                    m.selection = s
         out = total / self.wins[:, 1:].numel()
         if self.world > 1:
             dist.broadcast(out, 0)

@@ -206,8 +206,7 @@ def test_distill_bench_runs_every_stage_on_cpu(tmp_path, monkeypatch, shard):
     for name in evals:  # as m3c eval runs: in the weights' dtype, no autocast, the reference ops on a CPU
         assert (rows[name]["dtype"], rows[name]["autocast"], rows[name]["kernels"]) == ("bfloat16", None, False)
     attns = [m for m in built[0][1].modules() if isinstance(m, Attention)]  # the one converted model (unsharded)
-    assert len(built) == 1 and {(a.sparse, a.selection, a.lse_probe, a.kernels) for a in attns} == \
-        {(True, "index", None, False)}
+    assert len(built) == 1 and {(a.selection, a.observer) for a in attns} == {("index", None)}
 
 
 def test_distill_bench_counts_ops_of_a_shallow_preset(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from m3compile import MSAConfig, convert_checkpoint, evaluate, load
 from m3compile.data import load_tokens
 from m3compile.kernels.causal_lse import naive as ref
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs
+from m3compile.ops import lowering_enabled
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 from tests.cli.test_cli import assert_clean_failure, run, small_ckpt  # noqa: F401 (fixture)
 
@@ -57,7 +58,7 @@ def test_oracle_loss_equals_masked_dense_attention(monkeypatch):
     report = evaluate(model, tokens, seq_len=64)
     assert report.oracle_loss is not None and report.sparse_loss is not None
 
-    def masked_dense(self, q, k, v, idx):  # the independent path: SDPA with an explicit boolean mask
+    def masked_dense(self, q, k, v, q_idx, k_idx):  # the independent path: SDPA with an explicit boolean mask
         m = self.msa
         mask = _naive_oracle_mask(q, k, m.block_size, m.topk, m.init_blocks)
         G = self.n_heads // self.n_kv_heads
@@ -100,14 +101,14 @@ def _oracle_pass_recall(model, tokens, seq_len):
     sums, count = {}, 0
     msa = model.args.msa
 
-    def capture(i, attn, q, k, blocks):
+    def capture(i, attn, q, k, blocks, lse):
         r = ref.oracle_recall(q, k, block_size=msa.block_size, topk=msa.topk, init_blocks=msa.init_blocks,
                               local_blocks=msa.local_blocks, scale=attn.scale)
         sums[i] = sums.get(i, 0.0) + float(r.sum())
 
     layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
     for i in layers:
-        model.model.layers[i].self_attn.probe = lambda *a, _i=i: capture(_i, *a)
+        model.model.layers[i].self_attn.observer = lambda *a, _i=i: capture(_i, *a)
     model.set_selection("oracle")
     try:
         with torch.no_grad():
@@ -117,7 +118,7 @@ def _oracle_pass_recall(model, tokens, seq_len):
     finally:
         model.set_selection("index")
         for i in layers:
-            model.model.layers[i].self_attn.probe = None
+            model.model.layers[i].self_attn.observer = None
     return {i: sums[i] / count for i in layers}
 
 
@@ -138,7 +139,7 @@ def test_lowered_path_equals_the_reference_path(heads, kv, layers, n_windows):
     tokens = torch.randint(0, 64, (n_windows * T + 1,))
     slow = evaluate(model, tokens, seq_len=T)  # on CPU the default is the reference ops
     fast = evaluate(model, tokens, seq_len=T, kernels=True, batch=n_windows)
-    assert not any(a.kernels or a.lse_probe for a in (layer.self_attn for layer in model.model.layers))  # restored
+    assert not lowering_enabled() and not any(a.observer for a in (layer.self_attn for layer in model.model.layers))
     for name in ("dense_loss", "sparse_loss", "oracle_loss"):
         assert getattr(fast, name) == pytest.approx(getattr(slow, name), abs=1e-5), name
     assert slow.sparse_loss != pytest.approx(slow.dense_loss, abs=1e-4)  # the selection does matter here

@@ -82,7 +82,7 @@ def test_recent_blocks_fail_where_dense_and_oracle_retrieve():
     rng = random.Random(0)
     samples = [chain(rng, n) for n in (300, 257, 333, 280)]
     text = lambda ids: bytes(i for i in ids if i < 256).decode("latin-1")  # noqa: E731
-    got = {sel: run_samples(model, samples, 3, text, stop_ids=[], selection=sel, batch=3, backend="torch")
+    got = {sel: run_samples(model, samples, 3, text, stop_ids=[], selection=sel, batch=3, kernels=False)
            for sel in ("dense", "oracle", "recent", "index")}
     assert got["dense"] == got["oracle"] == [1.0] * 4
     assert got["recent"] == [0.0] * 4
@@ -108,17 +108,15 @@ def test_prefill_and_decode_selection_match_the_forward(selection):
     from each layer's q/k; dense: every MSA layer dense), so the paged decode's oracle is the forward's."""
     model = qwen_like_decoder()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (23, 17)]
-    res = generate(model, prompts, 5, backend="torch", selection=selection)
+    res = generate(model, prompts, 5, kernels=False, selection=selection)
     for b, p in enumerate(prompts):
-        model.set_sparse(selection != "dense")
-        model.set_selection("oracle")
+        model.set_selection(selection)
         with torch.no_grad():
             want = model(torch.tensor(p + res.tokens[b][:-1])[None])[0, len(p) - 1:].float()
-        model.set_sparse(True)
         model.set_selection("index")
         got = torch.stack([res.prefill_logits[b]] + [res.step_logits[s, b] for s in range(4)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    index = generate(model, prompts, 5, backend="torch")
+    index = generate(model, prompts, 5, kernels=False)
     assert any(not torch.allclose(index.step_logits[:, b], res.step_logits[:, b], atol=1e-3) for b in range(2))
 
 

@@ -91,7 +91,7 @@ def test_onnxruntime_matches_pytorch(exported, batch, length):
     (got,) = session.run(None, {"input_ids": x.numpy()})
     with torch.no_grad():
         want = model(x).numpy()
-        dense = (model.set_sparse(False), model(x).numpy())[1]
+        dense = (model.set_selection("dense"), model(x).numpy())[1]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     if length == 150:
         assert np.abs(want - dense).max() > 1e-2  # selection really dropped blocks
@@ -125,7 +125,7 @@ def test_float16_runs_on_the_cpu_provider(small):
     with torch.no_grad():
         want = fp32(x).numpy()
         torch_fp16 = load(small / "msa", dtype="float16")(x).float().numpy()
-        dense = (fp32.set_sparse(False), fp32(x).numpy())[1]
+        dense = (fp32.set_selection("dense"), fp32(x).numpy())[1]
     assert np.abs(want - dense).max() > 0.1  # the selection really dropped blocks
     assert np.abs(got.astype(np.float32) - want).max() <= 2 * np.abs(torch_fp16 - want).max()
 

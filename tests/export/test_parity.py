@@ -69,9 +69,9 @@ def test_onnx_matches_pytorch(converted):
     (got,) = session.run(None, {"input_ids": x.numpy()})
     with torch.no_grad():
         want = model(x).numpy()
-        model.set_sparse(False)
+        model.set_selection("dense")
         dense = model(x).numpy()
-        model.set_sparse(True)
+        model.set_selection("index")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want - dense).max() > 1e-2  # the selection really dropped blocks
 

@@ -56,7 +56,7 @@ def assert_same_model(path, x, prompt, steps):
         torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, return_dict_in_generate=True)
     got = out.sequences[0, len(prompt):].tolist()
-    assert got == m3compile.generate(ours, [prompt], steps, backend="torch").tokens[0]  # the CLI's choice on a CPU
+    assert got == m3compile.generate(ours, [prompt], steps, kernels=False).tokens[0]  # the CLI's choice on a CPU
     cache = getattr(out, "cache", None) or out.past_key_values  # transformers 5.2x / earlier
     assert cache.get_seq_length() == len(prompt) + steps - 1  # decoded token by token from the cache
     return hf, ours
@@ -191,7 +191,7 @@ def test_without_remote_code_transformers_refuses_or_runs_dense_when_told(llama_
         transformers.AutoConfig.from_pretrained(llama_byte)
     dense = transformers.LlamaForCausalLM.from_pretrained(llama_byte, dtype=torch.float32).eval()
     ours = m3compile.load(llama_byte, dtype="float32")
-    ours.set_sparse(False)
+    ours.set_selection("dense")
     x = load_tokens(EVAL_DATA, 256)[:600].long()[None]
     with torch.no_grad():
         torch.testing.assert_close(dense(x).logits, ours(x), rtol=1e-4, atol=1e-4)

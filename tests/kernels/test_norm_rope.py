@@ -70,8 +70,9 @@ def test_rms_norm_matches_the_models_norm_and_defers_to_it_under_autograd(style)
 @pytest.mark.parametrize("shape", [(1, 1, 40), (3, 1, 576), (2, 5, 24)], ids=["one-token", "hidden576", "D24"])
 def test_add_rms_norm_is_the_add_and_the_norm(style, shape):
     """The residual add and the norm after it in one kernel: the sum and the normed sum, bf16 and fp32, as the two ops
-    apart (the model's RMSNorm.add_forward with and without its kernels)."""
+    apart (the model's RMSNorm with a residual, lowered and not)."""
     from m3compile.models.decoder import RMSNorm
+    from m3compile.ops import lowering
 
     norm = RMSNorm(shape[-1], 1e-5, style)
     with torch.no_grad():
@@ -90,9 +91,9 @@ def test_add_rms_norm_is_the_add_and_the_norm(style, shape):
                 assert ((s.float() - ws.float()).abs() <= ws.float().abs() * 2**-7).all()
                 assert (y.float() - wy.float()).abs().max().item() < 5e-2
         x, d = torch.randn(shape), torch.randn(shape)
-        want = norm.add_forward(x, d)
-        norm.kernels = True
-        got = norm.add_forward(x, d)
+        want = norm(x, residual=d)
+        with lowering():
+            got = norm(x, residual=d)
         assert torch.equal(got[0], want[0]) and (got[1] - want[1]).abs().max().item() < 1e-6
     with pytest.raises(ValueError, match="one shape and dtype"):
         nr.add_rms_norm(x, d[..., :-1], norm.weight, eps=1e-5)

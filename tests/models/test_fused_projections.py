@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import m3compile
 from m3compile import MSAConfig
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs, MLP
+from m3compile.ops import lowering
 
 ARGS = {
     "llama": ModelArgs(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -72,8 +73,8 @@ def test_fused_model_runs_as_the_separate_linears(name, monkeypatch):
     with monkeypatch.context() as m:  # the reference: generate with the separate Linears (the reference ops: the
         # paged kernels under the interpreter would cost seconds, and read q/k/v and the index keys the same way)
         m.setattr(Decoder, "fuse_projections", lambda self, *twins: None)
-        want = m3compile.generate(ref, PROMPTS, 5, backend="torch")
-    got = m3compile.generate(fused, PROMPTS, 5, backend="torch")
+        want = m3compile.generate(ref, PROMPTS, 5, kernels=False)
+    got = m3compile.generate(fused, PROMPTS, 5, kernels=False)
     assert calls[0] == 0
     assert got.tokens == want.tokens
     torch.testing.assert_close(torch.stack(got.prefill_logits), torch.stack(want.prefill_logits), rtol=0, atol=1e-5)
@@ -86,13 +87,11 @@ def test_fused_msa_layer_on_the_kernels(B, T):
     parts in place."""
     ref, fused = _model("msa"), _model("msa")
     fused.fuse_projections()
-    ref.set_kernels(True)
-    fused.set_kernels(True)
     x = torch.randn(B, T, 32)
     cos, sin = ref.model.rotary_emb(x, torch.arange(T)[None])
-    with torch.no_grad():
-        want = ref.model.layers[1].self_attn.project_with_index(x, cos, sin)
-        got = fused.model.layers[1].self_attn.project_with_index(x, cos, sin)
+    with torch.no_grad(), lowering():
+        want = ref.model.layers[1].self_attn.project(x, cos, sin)
+        got = fused.model.layers[1].self_attn.project(x, cos, sin)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 

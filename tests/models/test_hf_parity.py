@@ -106,7 +106,7 @@ def test_m3_text_logits_and_selection_match_transformers(tmp_path, local):
     hooks = [hf.model.layers[i].self_attn.indexer.register_forward_hook(
         lambda mod, inp, out, i=i: theirs.__setitem__(i, out)) for i in (1, 2)]
     for i in (1, 2):
-        ours.model.layers[i].self_attn.probe = lambda attn, q, k, blocks, i=i: mine.__setitem__(i, blocks)
+        ours.model.layers[i].self_attn.observer = lambda attn, q, k, blocks, lse, i=i: mine.__setitem__(i, blocks)
     with torch.no_grad():
         hf(x)
         ours(x)
@@ -181,7 +181,7 @@ def test_m3_narrow_index_head_on_every_path(tmp_path):
     standalone module, the Triton-lowered model and the ONNX export all give transformers' logits."""
     from m3compile.export.onnx import export_onnx
     from m3compile.graph.tracing import trace
-    from m3compile.ops import apply_index_rope
+    from m3compile.ops import index_branch
 
     hf = m3_index_rope_model(24)
     hf.save_pretrained(tmp_path / "tf")
@@ -190,7 +190,7 @@ def test_m3_narrow_index_head_on_every_path(tmp_path):
     reloaded = m3compile.load(tmp_path / "conv", dtype="float32")
     assert reloaded.args == ours.args
     gm = trace(ours)
-    assert sum(n.target is apply_index_rope for n in gm.graph.nodes) == 2
+    assert sum(n.target is index_branch for n in gm.graph.nodes) == 1  # the MSA layer's index branch
     x = torch.randint(0, 64, (2, 70))
     with torch.no_grad():
         want = hf(x).logits

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 import m3compile
 from m3compile import M3CompileError, MSAConfig, cli
-from m3compile.ops import msa_select_triton, op_args
+from m3compile.graph.tracing import trace
+from m3compile.ops import msa_select, op_args
 
 FP8 = MSAConfig(block_size=8, topk=2, dense_layers=(0, 1), index_dtype="fp8")  # two MSA layers: keeps it quick
 
@@ -50,9 +51,10 @@ def test_fp8_setting_survives_saving_loading_and_lowering(fp8_dir):
     with torch.no_grad():
         want = model(x)
         assert torch.equal(graph(x), want)
-        lowered = m3compile.lower(model)
-        assert all(op_args(n)["index_dtype"] == "fp8" for n in lowered.graph.nodes if n.target is msa_select_triton)
-        assert (lowered(x) - want).abs().max().item() < 1e-4  # the fp8 kernel (interpreter) == the fp8 reference
+        traced = trace(model)
+        assert [op_args(n)["index_dtype"] for n in traced.graph.nodes if n.target is msa_select] == ["fp8"] * 2
+        assert (m3compile.lower(model)(x) - want).abs().max().item() < 1e-4  # the fp8 kernel (interpreter) == the
+        assert (m3compile.lower(traced)(x) - want).abs().max().item() < 1e-4  # fp8 reference, eager and traced
         model.set_index_dtype("auto")
         assert model.args.msa.index_dtype == "auto"
         assert (model(x) - want).abs().max().item() > 1e-3  # scoring really changed: other blocks somewhere
@@ -68,7 +70,7 @@ def test_generation_of_an_fp8_model_scores_in_fp8(fp8_dir):
     # requantised from its unquantised keys as it fills) and scores them once full. Quantised per token instead,
     # as the cache was before, the decode logits of this case differ by 0.54
     prompt = _tokens(22, seed=1)[0].tolist()
-    res = m3compile.generate(model, [prompt], 26, backend="torch")  # the kernels' agreement: tests/kernels
+    res = m3compile.generate(model, [prompt], 26, kernels=False)  # the kernels' agreement: tests/kernels
     seq = prompt + res.tokens[0]
     with torch.no_grad():
         want = model(torch.tensor([seq[:-1]]))[0, len(prompt) - 1:]

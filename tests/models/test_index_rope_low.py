@@ -1,6 +1,6 @@
 """An index head narrower than the rotary width (a cheaper indexer): index rope "low".
 
-Its Di/2 channel pairs turn at the model's Di/2 lowest RoPE frequencies (ops.index_rope_tables), so index scores
+Its Di/2 channel pairs turn at the model's Di/2 lowest RoPE frequencies (kernels/norm_rope/index_rope.py), so index scores
 depend on relative position only; the init fits exactly those pairs (models/index_init.py); the converter writes
 sparse_attention_config.sparse_index_rope "low", and every path (traced graph, reload, lowered kernels, remote code)
 runs the same rule.
@@ -13,8 +13,15 @@ import transformers
 
 import m3compile
 from m3compile import MSAConfig, convert_checkpoint
-from m3compile.ops import apply_index_rope, apply_index_rope_triton, index_branch_triton, index_rope_tables
+from m3compile.kernels import norm_rope
+from m3compile.kernels.norm_rope.index_rope import index_rope_tables
+from m3compile.ops import apply_rope, index_norm_rope, lowering
 from m3compile.models.index_init import init_index_weights
+
+
+def apply_index_rope(x, cos, sin, rope):
+    """The index RoPE alone (these tests' reference): the main branch's RoPE on the rule's tables."""
+    return apply_rope(x, *index_rope_tables(cos, sin, x.shape[-1], rope))
 
 
 def tables(T, R, theta=10000.0, offset=0):
@@ -56,18 +63,20 @@ def test_low_rule_is_a_rotation_and_keeps_the_lowest_frequencies(Di):
 @pytest.mark.parametrize("T,Di,heads,rope", [(1, 6, 3, "low"), (37, 6, 3, "low"), (40, 4, 1, "low"), (1, 32, 3, "tile"),
                                              (37, 24, 3, "tile"), (40, 32, 1, "tile")])
 def test_index_rope_rule_kernels_match_reference(T, Di, heads, rope):
-    """apply_index_rope_triton and the fused index branch (Triton under the interpreter) against the reference,
+    """The index RoPE kernel and the fused index branch (Triton under the interpreter) against the reference,
     for "low" and "tile" (tests/models/test_index_rope_tile.py): odd lengths and pair counts, a tile that is not a whole
     multiple of R, one token, one head."""
     torch.manual_seed(1)
     R, hidden = 16, 24
     cos, sin = (t.float() for t in tables(T, R))
     x = torch.randn(2, T, heads, Di)
-    torch.testing.assert_close(apply_index_rope_triton(x, cos, sin, rope), apply_index_rope(x, cos, sin, rope))
+    c, s = index_rope_tables(cos, sin, Di, rope)
+    torch.testing.assert_close(norm_rope.rope(x, c, s, width=c.shape[-1]), apply_index_rope(x, cos, sin, rope))
     h = torch.randn(2, T, hidden)
     wq, wk = torch.randn(heads * Di, hidden) / 5, torch.randn(Di, hidden) / 5
     nq, nk = torch.randn(Di) / 3, torch.randn(Di) / 3
-    got = index_branch_triton(h, wq, wk, nq, nk, cos, sin, 1e-6, rope=rope)
+    with lowering():
+        got = index_norm_rope(torch.cat((h @ wq.T, h @ wk.T), -1), nq, nk, cos, sin, 1e-6, rope)
     from m3compile.kernels.norm_rope import naive as ref
     q = ref.gemma_rms_norm((h @ wq.T).view(2, T, heads, Di), nq, 1e-6)
     k = ref.gemma_rms_norm((h @ wk.T).view(2, T, 1, Di), nk, 1e-6)
@@ -86,7 +95,6 @@ def test_narrow_init_is_exact_on_the_kept_pairs_with_one_kv_head():
     cos, sin = tables(T, D)
     qi = apply_index_rope((x @ wqi.T).view(1, T, 1, Di), cos, sin, "low")[0, :, 0]
     ki = apply_index_rope((x @ wki.T).view(1, T, 1, Di), cos, sin, "low")[0, :, 0]
-    from m3compile.ops import apply_rope
     qd = apply_rope((x @ wq.T).view(1, T, Hq, D), cos, sin)[0].mean(1)  # group-mean query [T, D]
     kd = apply_rope((x @ wk.T).view(1, T, 1, D), cos, sin)[0, :, 0]
     keep = torch.cat((torch.arange(D // 2 - Di // 2, D // 2), torch.arange(D - Di // 2, D)))
@@ -136,7 +144,7 @@ def every_path(tmp_path, index_dim: int, rope: str, onnx: bool = False):
     prompt = x[0, :30].tolist()  # decode from the paged caches at 30-35: past top-2 x 8 tokens
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 30:].tolist()
-    assert m3compile.generate(reloaded, [prompt], 6, backend="torch").tokens[0] == theirs
+    assert m3compile.generate(reloaded, [prompt], 6, kernels=False).tokens[0] == theirs
     if onnx:
         import onnxruntime as ort
         session = ort.InferenceSession(str(m3compile.export_onnx(tmp_path / "conv", tmp_path / "onnx")))

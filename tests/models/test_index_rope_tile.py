@@ -1,7 +1,7 @@
 """An index head wider than a fully rotated dense head (more index capacity): index rope "tile".
 
 Every one of its Di/2 channel pairs turns at one of the model's R/2 frequencies (each at least once, the lowest
-ones again: ops.tile_pairs), so a dense pair with r index pairs is fitted with r shared-key ranks
+ones again: kernels/norm_rope/index_rope.py's tile_pairs), so a dense pair with r index pairs is fitted with r shared-key ranks
 (models/index_init.py): with r >= the KV head count the index logits are the group-mean dense logits exactly. The
 converter writes sparse_attention_config.sparse_index_rope "tile", and every path (traced graph, reload, lowered
 kernels, remote code, decode) runs the same rule.
@@ -9,9 +9,10 @@ kernels, remote code, decode) runs the same rule.
 import pytest
 import torch
 
-from m3compile.ops import apply_index_rope, apply_rope, index_rope_rule, index_rope_tables, tile_pairs
+from m3compile.kernels.norm_rope.index_rope import index_rope_rule, index_rope_tables, tile_pairs
+from m3compile.ops import apply_rope
 from m3compile.models.index_init import UNFITTED_KEY_NORM, init_index_weights
-from tests.models.test_index_rope_low import every_path, scores, tables
+from tests.models.test_index_rope_low import apply_index_rope, every_path, scores, tables
 
 
 @pytest.mark.parametrize("Di", [24, 32, 48])

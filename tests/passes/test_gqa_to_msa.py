@@ -10,7 +10,7 @@ from m3compile import MSAConfig
 from m3compile.graph.matching import msa_nodes
 from m3compile.graph.pass_manager import PassManager
 from m3compile.models import Decoder, PRESETS
-from m3compile.ops import msa_select, op_args
+from m3compile.ops import index_branch, msa_select, op_args
 from m3compile.passes import GQAToMSA
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 
@@ -86,10 +86,10 @@ def test_index_branch_reads_detached_input():
     gm, _ = m3compile.convert(model, MSAConfig(block_size=4, topk=2))
     for node in gm.graph.nodes:
         if node.target is msa_select:
-            producer = op_args(node)["q_idx"]
-            while producer.op != "call_method" or producer.target != "detach":
-                producer = op_args(producer)["x"] if producer.op == "call_function" else producer.args[0]
-            assert producer.target == "detach"
+            branch = op_args(node)["q_idx"].args[0]  # q_idx, k_idx = index_branch(...)
+            assert branch.target is index_branch and op_args(node)["k_idx"].args[0] is branch
+            x = op_args(branch)["x"]
+            assert x.op == "call_method" and x.target == "detach"
     x = torch.randint(0, 256, (1, 24))
     gm(x).sum().backward()
     assert all(p.grad is None for n, p in gm.named_parameters() if ".index_" in n)  # top-k is hard: no LM gradient

@@ -25,7 +25,7 @@ def test_modes_and_exact_undo(converted):
     assert reports[0].replaced == 3  # layers 1-3 are MSA
     logits, kl, recall = gm(x)
     assert kl.shape == recall.shape == (3,) and kl.requires_grad and bool((recall < 1).all())
-    model.set_sparse(False)
+    model.set_selection("dense")
     torch.testing.assert_close(logits, model(x))  # warm-up: the main branch runs dense
     PassManager([KLDistill("sparse")]).run(gm)  # switches the mode
     logits, kl_sparse, _ = gm(x)
@@ -47,14 +47,12 @@ def test_hook_on_a_loaded_msa_model_equals_the_loss_on_its_own_tensors(tmp_path)
     x = torch.randint(0, 256, (1, 17))
     seen = {}
     attn = model.model.layers[2].self_attn
-    attn.probe = lambda a, q, k, blocks: seen.update(q=q, k=k, blocks=blocks)
-    h = model.model.embed_tokens(x)
-    cos, sin = model.model.rotary_emb(h, torch.arange(17)[None])
-    for layer in model.model.layers[:2]:
-        h = layer(h, cos, sin)
-    h = model.model.layers[2].input_layernorm(h)
-    attn(h, cos, sin)
-    q_idx, k_idx = attn.index_branch(h, cos, sin)
+    attn.observer = lambda a, q, k, blocks, lse: seen.update(q=q, k=k, blocks=blocks)
+    hook = attn.register_forward_pre_hook(lambda mod, args: seen.update(h=args[0], cos=args[1], sin=args[2]))
+    model(x)
+    hook.remove()
+    attn.observer = None
+    _, _, _, q_idx, k_idx = attn.project(seen["h"], seen["cos"], seen["sin"])
     want, _ = index_kl(q_idx.transpose(1, 2), k_idx, seen["q"], seen["k"], seen["blocks"], block_size=4,
                        scale=attn.scale)
     _, kl, _ = gm(x)
@@ -70,11 +68,12 @@ def test_hook_on_a_loaded_msa_model_equals_the_loss_on_its_own_tensors(tmp_path)
 
 
 def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
-    """block_loss adds one msa_block_loss node per layer and a fourth output; mode switches keep it, lowering swaps
-    in msa_block_loss_triton (the block-stats kernel, here under the interpreter; rewired to the fused index branch)
-    with the same loss and index gradients, a hooked graph refuses another block_loss setting, and strip_kl_distill
-    restores the inference graph's code."""
-    from m3compile.ops import msa_block_loss, msa_block_loss_triton
+    """block_loss adds one msa_block_loss node per layer and a fourth output; mode switches keep it, lowering runs
+    its lowering (the block-stats kernel, here under the interpreter; counted) with the same loss and index
+    gradients, a hooked graph refuses another block_loss setting, and strip_kl_distill restores the inference
+    graph's code."""
+    from m3compile import lower
+    from m3compile.ops import LOWERING, msa_block_loss
     from m3compile.pipelines import run_pipeline
 
     _, gm = converted
@@ -99,10 +98,15 @@ def test_block_loss_nodes_switch_modes_lower_and_strip_exactly(converted):
     PassManager([StripKLDistill()]).run(gm)
     assert gm.code == code
     torch.testing.assert_close(gm(x), inference, rtol=0, atol=0)
-    run_pipeline("distill", gm, mode="sparse", lowered=True, block_loss=True)
-    assert len([n for n in gm.graph.nodes if n.target is msa_block_loss_triton]) == 3
-    assert not any(n.target is msa_block_loss for n in gm.graph.nodes)
-    _, _, _, block_lowered = gm(x)
+    run_pipeline("distill", gm, mode="sparse", block_loss=True)
+    calls = []
+    kernel = LOWERING[msa_block_loss]
+    LOWERING[msa_block_loss] = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    try:
+        _, _, _, block_lowered = lower(gm)(x)
+    finally:
+        LOWERING[msa_block_loss] = kernel
+    assert len(calls) == 3
     torch.testing.assert_close(block_lowered, block_sparse, rtol=1e-5, atol=1e-7)
     index = [p for n, p in gm.named_parameters() if ".index_" in n]
     for got, want in zip(torch.autograd.grad(block_lowered.sum(), index), grads_sparse):
@@ -117,21 +121,22 @@ def test_needs_msa_layers():
         KLDistill("dense")
 
 
-def test_mode_switch_on_a_lowered_training_graph(converted):
-    """Training lowers the hooked graph first; switching warm-up -> sparse afterwards is the distill pipeline again
-    (kl_distill revisits), which must find the hooks on the lowered ops; adding hooks after lowering is refused."""
-    from m3compile.ops import msa_index_kl_triton, op_args
+def test_mode_switch_on_a_hooked_training_graph(converted):
+    """Switching warm-up -> sparse is the distill pipeline again (kl_distill revisits): it finds the hooks by their
+    records and sets both supports; the lowered graph then runs the switched mode."""
+    from m3compile import lower
+    from m3compile.ops import msa_attention_lse, msa_index_kl, op_args
     from m3compile.pipelines import run_pipeline
 
     _, gm = converted
-    run_pipeline("distill", gm, mode="warmup", lowered=True)
+    run_pipeline("distill", gm, mode="warmup")
     run_pipeline("distill", gm, mode="sparse")
-    kls = [n for n in gm.graph.nodes if n.target is msa_index_kl_triton]
+    kls = [n for n in gm.graph.nodes if n.target is msa_index_kl]
     assert len(kls) == 3 and all(op_args(n)["sparse"] for n in kls)
-    _, fresh = converted[0], convert(from_preset("m3-tiny"), MSAConfig(block_size=4, topk=2, dense_layers=(0,)))[0]
-    run_pipeline("lower", fresh)
-    with pytest.raises(M3CompileError, match="before lowering|distil passes come first"):
-        run_pipeline("distill", fresh, mode="sparse")
+    assert all(op_args(n)["sparse"] for n in gm.graph.nodes if n.target is msa_attention_lse)
+    x = torch.randint(0, 256, (1, 23))
+    with torch.no_grad():
+        torch.testing.assert_close(lower(gm)(x)[1], gm(x)[1], rtol=1e-5, atol=1e-6)
 
 
 def test_drop_logits_keeps_the_hooks_outputs_and_gradients_and_removes_the_head(converted):

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 import m3compile
 from m3compile import M3CompileError, cli
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs, MSALayerArgs
+from m3compile.ops import lowering
 from m3compile import memory
 from m3compile.runtime import PagedCache, decode_step, prefill, prefill_nll
 from m3compile.runtime.key_shift import key_shifts, rope_mean, rotation
@@ -44,7 +45,7 @@ def test_chunked_prefill_equals_one_pass(kv, bias):
     runs = {}
     for chunk in (None, 5, 1):
         cache = PagedCache(model, 2, 30, 4, "cpu", kv, FP8)
-        runs[chunk] = prefill(model, cache, 1, prompt, "torch", chunk), cache
+        runs[chunk] = prefill(model, cache, 1, prompt, chunk), cache
     want, ref = runs[None]
     for chunk in (5, 1):
         logits, cache = runs[chunk]
@@ -78,10 +79,11 @@ def test_prefill_reads_the_fp8_cache_it_writes(bias, kv):
     caches = {}
     for backend in ("torch", "auto") if bias else ("torch",):
         cache = caches[backend] = PagedCache(model, 1, 24, 4, "cpu", kv, FP8)
-        prefill(model, cache, 0, prompt[:-1], "torch")
+        prefill(model, cache, 0, prompt[:-1])
         cache.seq_lens[0] = 18
-        caches[backend] = decode_step(model, cache, prompt[-1:], backend)[0]
-    again = prefill(model, PagedCache(model, 1, 24, 4, "cpu", kv, FP8), 0, prompt, "torch", chunk=18)
+        with lowering(backend == "auto"):  # the decode step's kernels (interpreted) or their references
+            caches[backend] = decode_step(model, cache, prompt[-1:])[0]
+    again = prefill(model, PagedCache(model, 1, 24, 4, "cpu", kv, FP8), 0, prompt, chunk=18)
     assert (caches["torch"] - again).abs().max().item() < 1e-4
     if bias:
         assert (caches["auto"] - caches["torch"]).abs().max().item() < 1e-4
@@ -90,10 +92,10 @@ def test_prefill_reads_the_fp8_cache_it_writes(bias, kv):
 def _teacher_forced(model, ids, kv, prompt=32, steps=16):
     """Logits of positions prompt-1 .. prompt+steps-2 (prefill in chunks of 24, then decode steps fed the text)."""
     cache = PagedCache(model, 1, prompt + steps, 16, "cpu", kv, torch.float32)
-    logits = [prefill(model, cache, 0, ids[:prompt], "torch", chunk=24)]
+    logits = [prefill(model, cache, 0, ids[:prompt], chunk=24)]
     cache.seq_lens[0] = prompt
     for s in range(steps - 1):
-        logits.append(decode_step(model, cache, ids[prompt + s:prompt + s + 1], "torch")[0])
+        logits.append(decode_step(model, cache, ids[prompt + s:prompt + s + 1])[0])
     return torch.stack(logits)
 
 
@@ -128,7 +130,7 @@ def test_prefill_losses_as_the_cache_holds_the_keys():
     ids = torch.from_numpy(np.fromfile(EVAL_DATA, dtype=np.uint8)[:160].astype(np.int64))
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(model(ids[None])[0, :-1], ids[1:], reduction="none")
-    nll = {kv: prefill_nll(model, PagedCache(model, 1, 160, 16, "cpu", kv, torch.float32), 0, ids, "torch", chunk=48,
+    nll = {kv: prefill_nll(model, PagedCache(model, 1, 160, 16, "cpu", kv, torch.float32), 0, ids, chunk=48,
                            rows=20) for kv in (torch.float32, FP8)}
     assert nll[torch.float32].shape == (159,) and torch.allclose(nll[torch.float32], want, atol=1e-4)
     assert abs(nll[FP8].mean() / want.mean() - 1) < 0.03 and not torch.equal(nll[FP8], nll[torch.float32])
@@ -188,7 +190,7 @@ def test_generate_refuses_a_context_beyond_memory_before_allocating(monkeypatch)
 
     monkeypatch.setattr(generate_module, "PagedCache", no_cache)
     with pytest.raises(M3CompileError) as e:
-        m3compile.generate(model, [[1] * 100] * 4, 20, index_cache_dtype="fp8", backend="torch")
+        m3compile.generate(model, [[1] * 100] * 4, 20, index_cache_dtype="fp8", kernels=False)
     msg = str(e.value)
     assert msg.startswith("not enough memory: 4 x 120 positions need 196.9 KB of caches (float32 KV)")
     assert "KB free; it would fit with an fp8 KV cache (--kv-cache fp8: " in msg
@@ -264,17 +266,17 @@ def test_key_shift_cuts_the_fp8_loss_of_large_k_channels():
     cache stores the keys untouched (the model's own keys, bit for bit)."""
     model = _biased()
     ids = torch.randint(0, 64, (40,))
-    ref = prefill_nll(model, PagedCache(model, 1, 40, 4, "cpu", torch.float32, torch.float32), 0, ids, "torch")
+    ref = prefill_nll(model, PagedCache(model, 1, 40, 4, "cpu", torch.float32, torch.float32), 0, ids)
     shifted = PagedCache(model, 1, 40, 4, "cpu", FP8, torch.float32)
     plain = PagedCache(model, 1, 40, 4, "cpu", FP8, torch.float32)
     plain.k_shift = dict.fromkeys(plain.k_shift)
-    err = {name: (prefill_nll(model, c, 0, ids, "torch", chunk=16) - ref).abs().mean().item()
+    err = {name: (prefill_nll(model, c, 0, ids, chunk=16) - ref).abs().mean().item()
            for name, c in (("shifted", shifted), ("plain", plain))}
     assert err["shifted"] < 0.2 * err["plain"], err
-    int8 = prefill_nll(model, PagedCache(model, 1, 40, 4, "cpu", INT8, torch.float32), 0, ids, "torch", chunk=16)
+    int8 = prefill_nll(model, PagedCache(model, 1, 40, 4, "cpu", INT8, torch.float32), 0, ids, chunk=16)
     assert (int8 - ref).abs().mean().item() < 0.5 * err["shifted"], err  # rotated integer rows: finer still
     bf16 = PagedCache(model, 1, 40, 4, "cpu", torch.bfloat16, torch.float32)
-    prefill(model, bf16, 0, ids, "torch")
+    prefill(model, bf16, 0, ids)
     bb = model.model
     x = bb.embed_tokens(ids[None])
     cos, sin = bb.rotary_emb(x, torch.arange(40)[None])
@@ -286,8 +288,7 @@ def test_key_shift_cuts_the_fp8_loss_of_large_k_channels():
 def test_paged_oracle_reads_an_fp8_cache_through_its_scales():
     """The decode oracle ranks the keys an fp8 cache holds (each row times its scale), as it ranks those keys in
     fp32; keys far from 1 in magnitude make a scale-blind ranking differ."""
-    from m3compile.kernels.decode import dequantize_kv, quantize_kv
-    from m3compile.runtime.selection import paged_oracle_select
+    from m3compile.kernels.decode import dequantize_kv, paged_oracle_select, quantize_kv
 
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, D, bs, pages = 2, 6, 2, 16, 4, 5

@@ -29,7 +29,7 @@ def test_map_figures_match_the_recall_reference(converted):
     assert bool(amap.selected.sum(1).le(4).all()) and bool(amap.selected[torch.arange(200), torch.arange(200) // 16].all())
     # the same group's recall straight from the reference, on the layer's own q/k/blocks
     seen = {}
-    model.model.layers[2].self_attn.probe = lambda a, q, k, b: seen.update(q=q, k=k, b=b)
+    model.model.layers[2].self_attn.observer = lambda a, q, k, b, lse: seen.update(q=q, k=k, b=b)
     with torch.no_grad():
         model(tokens[None, 1000:1200])
     r = ref.block_recall(seen["q"], seen["k"], seen["b"], block_size=16, scale=48**-0.5)
