@@ -1,6 +1,6 @@
-"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype names.
+"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype and selection names.
 
-Importing this imports no torch (the command line reads INDEX_DTYPES at startup); parse_dtype imports it when called.
+Importing this imports no torch (the command line reads the names at startup); parse_dtype imports it when called.
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES",
-           "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
+__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
+           "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK",
+           "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -23,6 +24,12 @@ INDEX_DTYPES = ("auto", "fp8")
 # frequencies, every frequency at least once (what the converter writes when index_dim > R = head_dim:
 # sparse_index_rope "tile"; the init fits a dense pair's groups with as many shared-key ranks as it has index pairs)
 INDEX_ROPES = ("m3", "low", "tile")
+# How MSA layers pick their key blocks: index branch, oracle, every block, newest blocks (m3compile.runtime.selection)
+SELECTIONS = ("index", "oracle", "dense", "recent")
+# The paged caches' dtypes by name: K/V "auto" (the model's), bf16, fp8 (e4m3, one scale per token and head) or int8
+# (rows after an exact rotation); index keys "auto" (the model's, fp8 where it scores in fp8) or fp8
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "int8")
+INDEX_CACHE_DTYPES = ("auto", "fp8")
 
 # The largest MSA settings accepted (M3: block 128, top-16, 4 index heads of 128): far past any model, well short of
 # what would exhaust memory or overflow the kernels' offsets

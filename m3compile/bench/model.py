@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from m3compile.config import parse_dtype
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels.decode import quantize_kv, quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
@@ -73,7 +73,7 @@ from m3compile.bench.byte_floor import bandwidth_tbs, step_bytes
 from m3compile.bench.common import bench_models, is_cuda, median_ms, module_ranges, profile_run, sync
 from m3compile import memory
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, kernels_default, prefill
-from m3compile.runtime.generate import KV_CACHE_DTYPES, resolve_index_cache
+from m3compile.runtime.generate import KV_CACHE_TORCH_DTYPES, resolve_index_cache
 
 __all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]
@@ -144,7 +144,7 @@ class ModelBenchConfig:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise M3CompileError(f"{name} must be a finite number >= 0, got {v}")
-        if self.index_cache not in ("auto", "fp8"):
+        if self.index_cache not in INDEX_CACHE_DTYPES:
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
@@ -265,7 +265,7 @@ def _cache_dtypes(sparse: Decoder, cfg: ModelBenchConfig) -> tuple[torch.dtype, 
     args = sparse.args
     dtype = next(sparse.parameters()).dtype
     page = args.msa.block_size if args.msa is not None else cfg.block
-    return dtype, KV_CACHE_DTYPES[cfg.kv_cache] or dtype, resolve_index_cache(cfg.index_cache, args, dtype), page
+    return dtype, KV_CACHE_TORCH_DTYPES[cfg.kv_cache] or dtype, resolve_index_cache(cfg.index_cache, args, dtype), page
 
 
 def _prefill_plan(model: Decoder, sparse: Decoder, T: int, cfg: ModelBenchConfig) -> tuple[str, object]:
