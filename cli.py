@@ -353,8 +353,8 @@ _kv_cache_option = _kv_cache()
 @click.option("--tasks", "ruler_tasks", default=None,
               help=f"Ruler: comma-separated tasks [default: all: {', '.join(RULER_TASKS)}].")
 @click.option("--samples", default=25, show_default=True, help="Ruler: samples per task and length.")
-@click.option("--selections", default="dense,msa,oracle", show_default=True,
-              help="Ruler: how MSA layers pick blocks: dense (every block), msa (the index branch), oracle (most "
+@click.option("--selections", default="dense,index,oracle", show_default=True,
+              help="Ruler: how MSA layers pick blocks: dense (every block), index (the index branch), oracle (most "
                    "true attention mass); recent (the newest blocks only) as a baseline.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Ruler: write a heatmap PNG of the scores (task x length, one panel per selection).")
@@ -490,13 +490,12 @@ def _eval_ruler(model_dir, data, batch, seed, lengths, tasks, samples, selection
     if index_dtype:
         model.set_index_dtype(index_dtype)
     codec = _run(PromptCodec, model_dir, model.args.vocab_size, model.source_config)
-    context = model.source_config.get("max_position_embeddings") if isinstance(model.source_config, dict) else None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   transient=True, disable=as_json) as bar:
         task_id = bar.add_task("ruler", total=None)
         report = _run(run_ruler, model, codec, text, tasks=names, samples=samples, seed=seed, selections=chosen,
                       lengths=None if lengths is None else list(_parse_lengths(lengths)), batch=batch,
-                      context=context, data_name=str(data), kv_cache=kv_cache,
+                      data_name=str(data), kv_cache=kv_cache,
                       progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
     if plot is not None:
         _run(draw_heatmap, report, plot)

@@ -248,7 +248,7 @@ def test_ruler_cli_json_table_and_heatmap(qwen_like, tmp_path, monkeypatch):
     assert code == 0, err
     d = json.loads(out)
     assert d["tasks"] == ["niah_single_1", "niah_single_3"] and d["lengths"] == [1024] and d["chat"]
-    assert d["selections"] == ["dense", "msa", "oracle"] and d["context"] == 1024
+    assert d["selections"] == ["dense", "index", "oracle"] and d["context"] == 1024
     for t in d["tasks"]:
         assert all(0 <= d["scores"][t][s]["1024"] <= 100 for s in d["selections"])
     assert set(d["excluded"]) == {t for t in d["tasks"] if d["scores"][t]["dense"]["1024"] < 50}
@@ -297,8 +297,9 @@ def test_ruler_over_an_fp8_kv_cache(qwen_like, monkeypatch):
     monkeypatch.setattr(generate_module, "PagedCache", Spy)
     path, data = qwen_like
     code, out, err = _invoke("eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", "--samples", 1,
-                             "--tasks", "niah_single_1", "--selections", "msa", "--kv-cache", "fp8", "--json")
+                             "--tasks", "niah_single_1", "--selections", "index", "--kv-cache", "fp8", "--json")
     assert code == 0, err
     d = json.loads(out)
-    assert d["kv_cache"] == "fp8" and d["selections"] == ["msa"] and 0 <= d["scores"]["niah_single_1"]["msa"]["1024"]
+    assert d["kv_cache"] == "fp8" and d["selections"] == ["index"]
+    assert 0 <= d["scores"]["niah_single_1"]["index"]["1024"]
     assert made == [torch.float8_e4m3fn]
