@@ -306,9 +306,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     table.add_column("layer", justify="right")
     table.add_column("attention")
     table.add_column("change")
-    details = {int(d.split(":")[0].split()[1]): d.split(": ", 1)[1] for p in report.passes for d in p.details}
     for row in report.layers:
-        table.add_row(str(row["layer"]), row["attention"].upper(), details.get(row["layer"], "already MSA" if row["attention"] == "msa" else ""))
+        table.add_row(str(row["layer"]), row["attention"].upper(), row["change"])
     console.print(table)
     for p in report.passes:
         console.print(f"pass {p.name}: replaced {p.replaced} attention ops, +{p.added} / -{p.removed} graph nodes")
