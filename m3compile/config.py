@@ -167,7 +167,8 @@ class MSAConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """The numeric options of `m3c eval` (and evaluate / retrieval), each checked for its range and meaning.
+    """The numeric options of `m3c eval loss` and `m3c eval retrieval` (evaluate / retrieval), each checked for its
+    range and meaning.
 
     seq_len      tokens per evaluated window (retrieval: the longest probe)
     max_windows  evaluate at most this many windows; None = all (0 is not "all": it would evaluate nothing)

@@ -22,7 +22,7 @@ instead of the modules' 5-12 elementwise ops each; a decode layer's dispatches, 
                     decode_step (one token per sequence), kernels_default
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
     selection.py    the MSA layers' block choice besides the index branch (oracle, dense, recent window), to judge a
-                    selection against its bounds (m3c eval --task ruler)
+                    selection against its bounds (m3c eval ruler)
 
 m3compile.runtime.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """
