@@ -9,8 +9,8 @@
 #     convert.json                      the conversion report
 #     runs.jsonl                        one line per distillation call: steps, tokens, seconds, tokens/s, peak GB
 #     steps-NNNNNN/distill.json         the run report (without its per-step history) when the stage was reached
-#     steps-NNNNNN/loss.json            m3c eval --json (dense, sparse and oracle loss, recall)
-#     steps-NNNNNN/ruler.json           m3c eval --task ruler --selections msa --json
+#     steps-NNNNNN/loss.json            m3c eval loss --json (dense, sparse and oracle loss, recall)
+#     steps-NNNNNN/ruler.json           m3c eval ruler --selections index --json
 # steps-000000 is the calibrated init (a "0" in TOKENS). Every step whose JSON exists is skipped, so the same command
 # called again continues where the last call stopped: with DEADLINE (seconds), the script stops by itself before it
 # (a distillation is sent SIGINT SAVE_MARGIN seconds before, finishes its step and saves its state; an eval is not
@@ -112,13 +112,13 @@ for spec in $TOKENS; do
   fi
   if [ "$LOSS_WINDOWS" != 0 ] && [ ! -f "$S/loss.json" ]; then
     [ $(left) -ge $EST_LOSS ] || stop_for_time "the loss eval of $spec"
-    t to_json "$S/loss.json" $M3C eval "$evaluated" --data "$OUT/eval_ids.npy" --seq-len $SEQ_LEN \
+    t to_json "$S/loss.json" $M3C eval loss "$evaluated" --data "$OUT/eval_ids.npy" --seq-len $SEQ_LEN \
       --max-windows $LOSS_WINDOWS --dtype $EVAL_DTYPE --device "$DEVICE" --json
   fi
   if wants_ruler "$spec" && [ ! -f "$S/ruler.json" ]; then
     [ $(left) -ge $EST_RULER ] || stop_for_time "the RULER eval of $spec"
-    t to_json "$S/ruler.json" $M3C eval "$evaluated" --data "$SHARED/data/long_code_eval.txt" --task ruler \
-      --lengths "$LENGTHS" --samples $SAMPLES --selections msa ${TASKS:+--tasks $TASKS} --dtype $EVAL_DTYPE \
+    t to_json "$S/ruler.json" $M3C eval ruler "$evaluated" --data "$SHARED/data/long_code_eval.txt" \
+      --lengths "$LENGTHS" --samples $SAMPLES --selections index ${TASKS:+--tasks $TASKS} --dtype $EVAL_DTYPE \
       --device "$DEVICE" --json
   fi
 done

@@ -9,8 +9,8 @@ dense (%) against distillation tokens with the oracle selection's as a dashed li
 oracle %, the RULER average at each length and over all, the distillation's tokens/s and peak GPU memory (over the
 calls that reached the stage).
 
-The RULER average leaves out the tasks the dense model fails: those `excluded` in --reference (an `m3c eval --task
-ruler --json` run with the dense row, e.g. benchmarks/ruler_real.sh's ruler.json; its dense averages become the
+The RULER average leaves out the tasks the dense model fails: those `excluded` in --reference (an `m3c eval ruler
+--json` run with the dense row, e.g. benchmarks/ruler_real.sh's ruler.json; its dense averages become the
 reference lines), or those named by --exclude; with neither, every task counts (the table says which).
 """
 from __future__ import annotations
@@ -34,10 +34,12 @@ def _runs(budget: Path) -> list[dict]:
 
 
 def ruler_average(r: dict, excluded: set[str], length: str | None = None) -> float | None:
-    """Mean MSA score over the tasks not excluded, at one length (None: over every length)."""
+    """Mean score of the index selection over the tasks not excluded, at one length (None: over every length). The
+    suite's JSON names it "index"; the results of its runs before that, "msa"."""
     lengths = [str(n) for n in r["lengths"]] if length is None else [length]
-    values = [r["scores"][t]["msa"][n] for t in r["tasks"] if t not in excluded for n in lengths
-              if r["scores"][t]["msa"].get(n) is not None]
+    sel = "index" if "index" in r["selections"] else "msa"
+    values = [r["scores"][t][sel][n] for t in r["tasks"] if t not in excluded for n in lengths
+              if r["scores"][t][sel].get(n) is not None]
     return sum(values) / len(values) if values else None
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The quality figures on both checkpoints, at 8K: dense / oracle / weight-only init / calibrated init /
 # distilled from the calibrated init, at block 64 / top-8 and M3's block 128 / top-16 (layer 0 dense), with the
-# retrieval test. Every figure is an `m3c eval --json` file in OUT.
+# retrieval test. Every figure is an `m3c eval loss --json` or `m3c eval retrieval --json` file in OUT.
 #
 #   benchmarks/quality_real.sh HF_SMOLLM2_DIR SHARED_DIR DATA_DIR OUT_DIR
 #   DATA_DIR: calib_code_smollm2.npy / eval_code_smollm2.npy (calib_code.bin / eval_code.bin decoded as UTF-8 with
@@ -29,18 +29,18 @@ for model in ${MODELS:-smollm2 byte}; do
       >"$OUT/$tag-w.convert.json"
     t $M3C convert "$src" "$OUT/$tag-c" --block-size $1 --topk $2 --dense-layers 0 "${IDX[@]}" --calib "$calib" \
       --calib-tokens $CT --calib-device "$DEVICE" --force --json >"$OUT/$tag-c.convert.json"
-    t $M3C eval "$OUT/$tag-w" --data "$ev" --seq-len 8192 --device "$DEVICE" --json >"$OUT/$tag-w.eval.json"
-    t $M3C eval "$OUT/$tag-c" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-c.eval.json"
+    t $M3C eval loss "$OUT/$tag-w" --data "$ev" --seq-len 8192 --device "$DEVICE" --json >"$OUT/$tag-w.eval.json"
+    t $M3C eval loss "$OUT/$tag-c" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-c.eval.json"
     if [[ " ${DISTILL_SETTINGS:-64/8} " == *" $setting "* ]]; then
       resume=(--force)
       for steps in $STEPS; do
         t $M3C distill "$OUT/$tag-c" --data "$calib" --out "$OUT/$tag-d" --steps $steps --warmup-steps $WARMUP \
           --seq-len 8192 --batch $BATCH --lr $LR --checkpoint-every 100000 --device "$DEVICE" "${resume[@]}" "${BL[@]}" --json \
           >"$OUT/$tag-d$steps.distill.json"
-        t $M3C eval "$OUT/$tag-d" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-d$steps.eval.json"
+        t $M3C eval loss "$OUT/$tag-d" --data "$ev" --seq-len 8192 --device "$DEVICE" --json --no-oracle >"$OUT/$tag-d$steps.eval.json"
         resume=(--resume)
       done
-      t $M3C eval "$OUT/$tag-d" --data "$ev" --task retrieval --seq-len 8192 --device "$DEVICE" --json >"$OUT/$tag-d.retrieval.json"
+      t $M3C eval retrieval "$OUT/$tag-d" --data "$ev" --seq-len 8192 --device "$DEVICE" --json >"$OUT/$tag-d.retrieval.json"
     fi
   done
 done

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The RULER-style suite on the real 32K-context model: Qwen2.5-Coder-0.5B-Instruct (as ../shared/fixtures/qwen25_coder.py
 # builds it) converted at block 128 / top-16 with a 128-wide index head calibrated on long code, then
-# `m3c eval --task ruler` with dense, MSA and oracle selection at 4K-32K, 25 samples per task and length, on the
+# `m3c eval ruler` with dense, index and oracle selection at 4K-32K, 25 samples per task and length, on the
 # held-out long code; and the 32K loss eval with and without its oracle row (their seconds show what the oracle
 # pass costs). Every figure is a JSON file in OUT, the heatmap OUT/ruler.png.
 #
 #   benchmarks/ruler_real.sh HF_QWEN_DIR SHARED_DIR OUT_DIR
 #   env: M3C (m3c), DEVICE (cuda), MODEL (a converted or distilled checkpoint to evaluate instead of converting
-#        HF_QWEN_DIR), SAMPLES (25), LENGTHS (4K,8K,16K,32K), SELECTIONS (dense,msa,oracle), BLOCK (128),
+#        HF_QWEN_DIR), SAMPLES (25), LENGTHS (4K,8K,16K,32K), SELECTIONS (dense,index,oracle), BLOCK (128),
 #        TOPK (16), CALIB_TOKENS (65536), LOSS_WINDOWS (8; 0 skips the loss evals)
 # On one H200 the suite took 424 s (11 tasks x 4 lengths x 25 samples x 3 selections: prompts built on the CPU in
 # 20 s, 25 prompts per generation batch, the decode step replayed as a CUDA graph; dense 116 s, MSA 93 s, oracle
@@ -15,7 +15,7 @@
 set -euo pipefail
 HF=$1; SHARED=$2; OUT=$3
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; SAMPLES=${SAMPLES:-25}; LENGTHS=${LENGTHS:-4K,8K,16K,32K}
-SELECTIONS=${SELECTIONS:-dense,msa,oracle}; BLOCK=${BLOCK:-128}; TOPK=${TOPK:-16}; CT=${CALIB_TOKENS:-65536}
+SELECTIONS=${SELECTIONS:-dense,index,oracle}; BLOCK=${BLOCK:-128}; TOPK=${TOPK:-16}; CT=${CALIB_TOKENS:-65536}
 LOSS_WINDOWS=${LOSS_WINDOWS:-8}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 mkdir -p "$OUT"
@@ -32,11 +32,11 @@ PY
   t $M3C convert "$HF" "$model" --block-size $BLOCK --topk $TOPK --index-dim 128 --calib "$OUT/calib_ids.npy" \
     --calib-tokens $CT --calib-seq-len 8192 --calib-device "$DEVICE" --force --json >"$OUT/convert.json"
 fi
-t $M3C eval "$model" --data "$SHARED/data/long_code_eval.txt" --task ruler --lengths "$LENGTHS" --samples $SAMPLES \
+t $M3C eval ruler "$model" --data "$SHARED/data/long_code_eval.txt" --lengths "$LENGTHS" --samples $SAMPLES \
   --selections "$SELECTIONS" --dtype bfloat16 --device "$DEVICE" --json --plot "$OUT/ruler.png" >"$OUT/ruler.json"
 if [ "$LOSS_WINDOWS" != 0 ]; then
   for oracle in --no-oracle ""; do
-    t $M3C eval "$model" --data "$SHARED/data/long_code_eval.txt" --seq-len 32768 --max-windows $LOSS_WINDOWS \
+    t $M3C eval loss "$model" --data "$SHARED/data/long_code_eval.txt" --seq-len 32768 --max-windows $LOSS_WINDOWS \
       --dtype bfloat16 --device "$DEVICE" --json $oracle >"$OUT/loss32k${oracle:+-no-oracle}.json"
   done
 fi

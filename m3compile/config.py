@@ -1,6 +1,6 @@
-"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype names.
+"""MSAConfig: what the GQA -> MSA rewrite produces, with M3's key names on the way out; dtype and selection names.
 
-Importing this imports no torch (the command line reads INDEX_DTYPES at startup); parse_dtype imports it when called.
+Importing this imports no torch (the command line reads the names at startup); parse_dtype imports it when called.
 """
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from dataclasses import dataclass
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES",
-           "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM",
-           "MAX_INDEX_HEADS", "max_positions"]
+__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
+           "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK",
+           "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
 INDEX_DTYPES = ("auto", "fp8")
-# The index branch's RoPE rule (kernels/norm_rope/index_rope.py): "m3" the main table cut to the index width (transformers' M3
-# rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary pairs turn at the
-# main table's Di/2 lowest frequencies (what the converter writes when index_dim < R: sparse_index_rope "low");
+# The index branch's RoPE rule (kernels/norm_rope/index_rope.py): "m3" the main table cut to the index width
+# (transformers' M3 rule; a rotation only when index_dim >= the rotary width R); "low" the index head's Di/2 rotary
+# pairs turn at the main table's Di/2 lowest frequencies (what the converter writes when index_dim < R:
+# sparse_index_rope "low");
 # "tile" an index head wider than R turns every one of its Di/2 pairs, each at one of the main table's R/2
 # frequencies, every frequency at least once (what the converter writes when index_dim > R = head_dim:
 # sparse_index_rope "tile"; the init fits a dense pair's groups with as many shared-key ranks as it has index pairs)
 INDEX_ROPES = ("m3", "low", "tile")
-
 # How an MSA layer picks the key blocks it attends to, on every path (the model's forward, the paged prefill and
 # decode, evaluation, the RULER-style suite): "index" the index branch's top-k (the converted model itself),
 # "oracle" the blocks of most dense group-mean attention mass (what a perfect index branch would pick), "dense"
@@ -172,7 +172,8 @@ class MSAConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """The numeric options of `m3c eval` (and evaluate / retrieval), each checked for its range and meaning.
+    """The numeric options of `m3c eval loss` and `m3c eval retrieval` (evaluate / retrieval), each checked for its
+    range and meaning.
 
     seq_len      tokens per evaluated window (retrieval: the longest probe)
     max_windows  evaluate at most this many windows; None = all (0 is not "all": it would evaluate nothing)

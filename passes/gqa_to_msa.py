@@ -43,6 +43,7 @@ class GQAToMSA(Pass):
         self.config = config or MSAConfig()
         self.moments = moments or {}
         self.layer_settings: dict[int, MSALayerArgs] = {}
+        self.layer_changes: dict[int, str] = {}  # what the last call did to each matched layer (the report's lines)
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
         if not any(n.op == "placeholder" for n in gm.graph.nodes):
@@ -51,6 +52,7 @@ class GQAToMSA(Pass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassReport:
         report = PassReport(self.name)
+        self.layer_changes = {}
         matches, failures = find_attention(gm)
         existing = len(msa_nodes(gm))
         if not matches and not existing:
@@ -58,16 +60,16 @@ class GQAToMSA(Pass):
             raise M3CompileError(f"no causal GQA attention found in the graph{why}")
         for m in matches:
             if m.layer in self.config.dense_layers:
-                report.details.append(f"layer {m.layer}: kept dense (dense_layers)")
-                continue
-            self._rewrite(gm, m)
-            report.replaced += 1
-            s = self.layer_settings[m.layer]
-            report.details.append(
-                f"layer {m.layer}: {m.form} attention -> MSA (Hq {m.n_heads}, Hkv {m.n_kv_heads}, "
-                f"index {s.index_heads}x{s.index_dim}{'' if s.index_rope == 'm3' else f' rope {s.index_rope}'}, "
-                f"block {s.block_size}, top-k {s.topk})"
-            )
+                self.layer_changes[m.layer] = "kept dense (dense_layers)"
+            else:
+                self._rewrite(gm, m)
+                report.replaced += 1
+                s = self.layer_settings[m.layer]
+                self.layer_changes[m.layer] = (
+                    f"{m.form} attention -> MSA (Hq {m.n_heads}, Hkv {m.n_kv_heads}, "
+                    f"index {s.index_heads}x{s.index_dim}{'' if s.index_rope == 'm3' else f' rope {s.index_rope}'}, "
+                    f"block {s.block_size}, top-k {s.topk})")
+            report.details.append(f"layer {m.layer}: {self.layer_changes[m.layer]}")
         if report.replaced:
             gm.graph.eliminate_dead_code()
             gm.delete_all_unused_submodules()

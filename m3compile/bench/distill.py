@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from rich.table import Table
 
 from m3compile.config import parse_dtype
 from m3compile.errors import M3CompileError
@@ -59,7 +60,7 @@ from m3compile.bench.op_count import count_ops
 from m3compile.train.distill import DistillConfig, DistillStep, TrainConfig
 from m3compile.train.shard import process_group
 
-__all__ = ["DistillBenchConfig", "run_distill_bench"]
+__all__ = ["DistillBenchConfig", "run_distill_bench", "render"]
 
 _SCOPES = {"select": "m3c.msa_select", "attention": "m3c.msa_attention", "kl": "m3c.msa_index_kl",
            "block_loss": "m3c.msa_block_loss", "forward": "m3c.forward", "backward": "m3c.backward", "optimizer": "m3c.optimizer"}
@@ -351,3 +352,57 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
     return {"model": what, "config": asdict(cfg), "layers": args.n_layers, "msa": asdict(args.msa),
             "autocast": str(amp).replace("torch.", "") if amp else None, "rows": rows, "env": env,
             **({"cuda_graph_errors": graph_errors} if graph_errors else {})}
+
+
+def render(result: dict, cfg: DistillBenchConfig, path: Path) -> list:
+    """What `m3c bench distill` prints (rich tables and lines): the host dispatches counted, the timed stages with
+    their breakdown, the CUDA-graph checks and eval's ratio, then where `result` was written."""
+    out = []
+    counted = [r for r in result["rows"] if "ops" in r]
+    if counted:
+        t = Table(title=f"host dispatches per step ({result['layers']} layers"
+                        + (f", extrapolated to {counted[0]['ops']['full_depth_layers']}" if cfg.layers else "") + ")")
+        for c in ("stage", "total", "aten", "triton", "per MSA layer", "casts", "syncs", "at full depth"):
+            t.add_column(c, justify="right")
+        for r in counted:
+            o = r["ops"]
+            t.add_row(r["stage"], f"{o['total']:,}", f"{o['aten']:,}", f"{o['triton']:,}", str(o["per_msa_layer"]),
+                      str(o["casts"]), str(o["syncs"]), f"{o['ops_at_full_depth']:,}")
+        out.append(t)
+        for r in counted:
+            stages = sorted(r["ops"]["stages"].items(), key=lambda kv: -sum(kv[1].values()))[:6]
+            out.append(f"{r['stage']}, largest stages: " + ", ".join(f"{k} {sum(v.values())}" for k, v in stages))
+    if cfg.count_only:
+        out.append(f"wrote {path}")
+        return out
+    t = Table(title=f"{result['model']}: {result['layers']} layers, {cfg.batch} x {cfg.seq_len:,} tokens, block "
+                    f"{result['msa']['block_size']}, top-{result['msa']['topk']}, autocast {result['autocast']}"
+                    f"{', sharded over ' + str(result['world_size']) + ' process(es)' if cfg.shard else ''}")
+    for c in ("stage", "ms", "tokens/s", "ratio", "vs", "peak GB", "select", "attention", "KL fwd", "KL bwd",
+              "block loss", "rest fwd", "rest bwd", "optimizer", "host wait"):
+        t.add_column(c, justify="right")
+    for r in result["rows"]:
+        b = r.get("breakdown") or {}
+        cell = (lambda k: f"{b[k]:.1f}" if k in b else "-")
+        attention = f"{b['attention_fwd_ms'] + b['attention_bwd_ms']:.1f}" if b else "-"
+        block = f"{b['block_loss_fwd_ms'] + b['block_loss_bwd_ms']:.1f}" if b else "-"
+        t.add_row(r["stage"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", r["ratio_to"],
+                  f"{r['peak_gb']:.1f}", cell("select_ms"), attention, cell("kl_fwd_ms"), cell("kl_bwd_ms"),
+                  block, cell("rest_of_forward_ms"), cell("rest_of_backward_ms"), cell("optimizer_ms"),
+                  cell("host_wait_ms"))
+    out.append(t)
+    for r in result["rows"]:
+        if "check" in r:
+            c = r["check"]
+            out.append(f"{r['stage']}: {'same' if c['ok'] else 'DIFFERENT'} as the eager step (relative: KL "
+                          f"{c['kl_rel']:.1e}, recall {c['recall_rel']:.1e}, gradients {c['grad_rel_max']:.1e}, "
+                          f"weights {c['param_rel_max']:.1e})")
+    for name, error in result.get("cuda_graph_errors", {}).items():
+        out.append(f"{name}, CUDA graph: {error}")
+    for r in result["rows"]:
+        if "passes" in r:
+            out.append(f"{r['stage']}: its {r['passes']} forwards {r['forwards_ms']:.1f} ms / its {r['ms']:.1f} ms "
+                          f"= {r['ratio']:.2f} (1: at the forwards' speed; {r['dtype']}, no autocast, "
+                          f"{'lowered' if r['kernels'] else 'reference'} ops)")
+    out.append(f"stage columns: GPU ms of one profiled step; wrote {path}")
+    return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.table import Table
 
 from m3compile.errors import M3CompileError
 from m3compile.kernels.decode import paged_attention, paged_select, quantize_pages
@@ -40,6 +42,7 @@ from m3compile.kernels.sparse_kl import sparse_index_kl
 from m3compile.kernels.varlen_attention import varlen_attention, window_segments
 
 __all__ = ["BenchConfig", "BenchResult", "VisionBenchConfig", "run_bench", "run_backward_bench", "run_vision_bench",
+           "render", "render_backward", "render_vision", "write_json",
            "speedups", "write_outputs", "visible_keys", "flex_block_mask", "prefill_flops", "selection_agreement",
            "prefill_inputs"]
 
@@ -410,8 +413,6 @@ def speedups(result: BenchResult) -> tuple[list[dict], list[dict]]:
 
 def write_outputs(result: BenchResult, out: Path) -> None:
     """bench.json and bench.png (speedup over dense against context length), written atomically."""
-    import os
-
     out.mkdir(parents=True, exist_ok=True)
     pre, dec = speedups(result)
     payload = asdict(result) | {"speedups": {"prefill": pre, "decode": dec}}
@@ -457,6 +458,46 @@ def write_outputs(result: BenchResult, out: Path) -> None:
     fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     os.replace(tmp, out / "bench.png")
+
+
+def render(result: BenchResult, cfg: BenchConfig, out_dir: Path) -> list:
+    """What `m3c bench kernels` prints (rich tables and lines): the prefill and decode tables, then what was written
+    to `out_dir`."""
+    out = []
+    pre, dec = speedups(result)
+
+    def ms(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    if result.prefill:
+        t = Table(title=f"prefill ({cfg.heads} q heads, {cfg.kv_heads} kv heads, d {cfg.head_dim}, block {cfg.block}, "
+                        f"top-{cfg.topk})")
+        for c in ("T", "selection", "dense ms", "flex ms", "attention ms", "indexer ms", "indexer fp8 ms",
+                  "fp8 same blocks", "msa ms", "attention x", "ideal x", "share of ideal", "flex x", "msa x",
+                  "msa fp8 x"):
+            t.add_column(c, justify="right")
+        for r, s in zip(result.prefill, pre):
+            dense = ms(r["dense_ms"]) + ("*" if r["dense"] == "extrapolated" else "")
+            t.add_row(f"{r['T']:,}", r["selection"], dense, ms(r["flex_ms"]), ms(r["attention_ms"]),
+                      ms(r["indexer_ms"]), ms(r["indexer_fp8_ms"]), f"{100 * r['fp8_same_blocks']:.1f}%",
+                      ms(r["msa_ms"]), f"{s['attention_x']:.1f}", f"{s['ideal']:.1f}",
+                      f"{s['share_of_ideal']:.2f}", "-" if s["flex_x"] is None else f"{s['flex_x']:.1f}",
+                      f"{s['msa_x']:.1f}", f"{s['msa_fp8_x']:.1f}")
+        out.append(t)
+        out.append("indexer fp8: keys quantised per key block, then fp8 x fp8 scores (query rows quantised in the "
+                      "kernel); fp8 same blocks: share of the bf16 selection's blocks fp8 scoring also selects")
+        if any(r["dense"] == "extrapolated" for r in result.prefill):
+            out.append("* dense time extrapolated from the longest measured length as causal FLOPs (T^2)")
+    if result.decode:
+        t = Table(title=f"decode (batch {cfg.batch})")
+        for c in ("T", "dense ms", "msa bf16 ms", "msa fp8 ms", "bf16 x", "fp8 x", "byte limit bf16", "byte limit fp8"):
+            t.add_column(c, justify="right")
+        for r, s in zip(result.decode, dec):
+            t.add_row(f"{r['T']:,}", ms(r["dense_ms"]), f"{r['msa_bf16_ms']:.4f}", f"{r['msa_fp8_ms']:.4f}",
+                      f"{s['bf16_x']:.2f}", f"{s['fp8_x']:.2f}", f"{s['ideal_bf16']:.2f}", f"{s['ideal_fp8']:.2f}")
+        out.append(t)
+    out.append(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -617,3 +658,49 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
         if dev == "cuda":
             torch.cuda.empty_cache()
     return {"config": asdict(cfg), "rows": rows, "autotune": _autotune_choices()}
+
+
+def write_json(result: dict, path: Path) -> Path:
+    """`result` as indented JSON at `path` (its folder made), written atomically: a temporary file, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def render_backward(result: dict, cfg: BenchConfig, path: Path) -> list:
+    """What `m3c bench backward` prints: the forward + backward table, then where `result` was written."""
+    out = []
+    t = Table(title=f"forward + backward ({cfg.heads} q heads, {cfg.kv_heads} kv heads, d {cfg.head_dim}, block "
+                    f"{cfg.block}, top-{cfg.topk})")
+    for c in ("T", "dense fwd+bwd ms", "sparse fwd+bwd ms", "sparse fwd ms", "speedup", "ideal", "share of ideal",
+              "KL fwd+bwd ms", "KL, LSE given ms", "KL peak MB"):
+        t.add_column(c, justify="right")
+    for r in result["rows"]:
+        f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        t.add_row(f"{r['T']:,}", f(r["dense_fwd_bwd_ms"], 3), f(r["sparse_fwd_bwd_ms"], 3), f(r["sparse_fwd_ms"], 3),
+                  f(r["speedup"]),
+                  f(r["ideal"]), f(r["share_of_ideal"]), f(r["kl_fwd_bwd_ms"], 3), f(r["kl_given_lse_fwd_bwd_ms"], 3),
+                  "-" if r["kl_peak_bytes"] is None else f"{r['kl_peak_bytes'] / 2**20:.1f}")
+    out.append(t)
+    out.append(f"wrote {path}")
+    return out
+
+
+def render_vision(result: dict, cfg: VisionBenchConfig, path: Path) -> list:
+    """What `m3c bench vision` prints: the table of the three methods, then the speedup and where it was written."""
+    out = []
+    t = Table(title=f"3D windowed attention: {result['windows']} windows of <= {cfg.window} steps, "
+                    f"{result['tokens']:,} tokens, {cfg.heads} heads x {cfg.head_dim}")
+    for c in ("method", "ms", "TFLOP/s", "rel. error vs loop"):
+        t.add_column(c, justify="right")
+    for name, label in (("loop", "Python loop of SDPA per window"),
+                        ("padded", "SDPA over windows padded to the longest"),
+                        ("fused", f"fused varlen kernel (one launch, BLOCK_M {result['best_block_m']})")):
+        ms = result["ms"][name]
+        t.add_row(label, f"{ms:.3f}", f"{result['flops'] / ms / 1e9:.0f}",
+                  "-" if name == "loop" else f"{result['rel_err_vs_loop'][name]:.1e}")
+    out.append(t)
+    out.append(f"fused vs the faster baseline: {result['speedup_vs_best_baseline']:.2f}x; wrote {path}")
+    return out

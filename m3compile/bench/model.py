@@ -62,8 +62,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from rich.table import Table
 
-from m3compile.config import parse_dtype
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels.decode import quantize_kv, quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
@@ -74,9 +75,9 @@ from m3compile.bench.common import bench_models, is_cuda, median_ms, module_rang
 from m3compile import memory
 from m3compile.ops import lowering
 from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable, lowering_default, prefill
-from m3compile.runtime.generate import KV_CACHE_DTYPES, resolve_index_cache
+from m3compile.runtime.generate import KV_CACHE_TORCH_DTYPES, resolve_index_cache
 
-__all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "decode_batch", "decode_depths",
+__all__ = ["ModelBenchConfig", "run_model_bench", "write_model_outputs", "render", "decode_batch", "decode_depths",
            "cache_bytes", "extrapolate", "extrapolate_depth", "shallow", "STAGES", "GROUPS"]
 
 # range name -> fine stage; a kernel counts once, for the innermost labelled range that launched it, except that a
@@ -145,7 +146,7 @@ class ModelBenchConfig:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise M3CompileError(f"{name} must be a finite number >= 0, got {v}")
-        if self.index_cache not in ("auto", "fp8"):
+        if self.index_cache not in INDEX_CACHE_DTYPES:
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
@@ -266,7 +267,7 @@ def _cache_dtypes(sparse: Decoder, cfg: ModelBenchConfig) -> tuple[torch.dtype, 
     args = sparse.args
     dtype = next(sparse.parameters()).dtype
     page = args.msa.block_size if args.msa is not None else cfg.block
-    return dtype, KV_CACHE_DTYPES[cfg.kv_cache] or dtype, resolve_index_cache(cfg.index_cache, args, dtype), page
+    return dtype, KV_CACHE_TORCH_DTYPES[cfg.kv_cache] or dtype, resolve_index_cache(cfg.index_cache, args, dtype), page
 
 
 def _prefill_plan(model: Decoder, sparse: Decoder, T: int, cfg: ModelBenchConfig) -> tuple[str, object]:
@@ -691,6 +692,95 @@ def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
     png = out / "model_speedup.png"
     _plot(results, png)
     return path, png
+
+
+def render(result: dict, path: Path, png: Path) -> list:
+    """What `m3c bench model` prints (rich tables and lines): time to first token and the prefill speedup, decode and
+    its byte floor, then the files written."""
+    out = []
+    shapes = result["shapes"]
+    title = (f"{result['model']}: {result['layers']} layers ({result['msa_layers']} MSA), {shapes['heads']} q / "
+             f"{shapes['kv_heads']} kv heads, block {result['msa']['block_size']}, top-{result['msa']['topk']}")
+
+    def f(x, p=1):
+        return "-" if x is None else f"{x:,.{p}f}"
+
+    if result["prefill"]:
+        t = Table(title=f"time to first token, ms: {title}")
+        for c in ("T", "model", "ms", "attention", "indexer", "proj + MLP", "rest", "host", "runs"):
+            t.add_column(c, justify="right")
+        for r in result["prefill"]:
+            b = r["breakdown"] or {}
+            mark = {"timed": "", "extrapolated": "*"}.get(r["measured"], " (not run)")
+            mark += f" (chunks of {r['chunk']:,})" if r.get("chunk") else ""
+            t.add_row(f"{r['T']:,}", r["model"], f(r["ms"]) + mark, f(b.get("attention")), f(b.get("indexer")),
+                      f(b.get("projections_mlp")), f(b.get("rest")), f(b.get("host")), str(r.get("runs", "-")))
+        out.append(t)
+        t = Table(title="prefill speedup (dense / MSA)")
+        for c in ("T", "dense ms", "MSA ms", "speedup", "ceiling", "dense attention share"):
+            t.add_column(c, justify="right")
+        for s in result["prefill_summary"]:
+            star = lambda k: "*" if s[k] == "extrapolated" else ""  # noqa: E731
+            t.add_row(f"{s['T']:,}", f(s["dense_ms"]) + star("dense"), f(s["msa_ms"]) + star("msa"),
+                      f"{s['speedup']:.2f}x", "-" if s["ceiling"] is None else f"{s['ceiling']:.2f}x",
+                      "-" if s["dense_attention_share"] is None else f"{s['dense_attention_share']:.0%}")
+        out.append(t)
+        out.append("* extrapolated per stage from the longest timed length (attention and selection as T^2, "
+                      "sparse attention as the keys top-k reaches, the rest as T); ceiling: dense / dense outside "
+                      "attention")
+        for r in result["prefill"]:
+            if r.get("note") or r.get("fits") is False:
+                out.append(f"prefill {r['T']:,} {r['model']}: " + (r.get("note") or "does not fit: "
+                              f"{r['memory']['caches_gb'] + r['memory']['activations_gb']:.1f} GB of caches and "
+                              f"activations"))
+    if result["decode"]:
+        t = Table(title="decode, ms per step (all sequences) and tokens/s")
+        for c in ("T", "batch", "dense eager", "dense graph", "MSA eager", "MSA graph", "dense tok/s", "MSA tok/s",
+                  "speedup", "graph = eager"):
+            t.add_column(c, justify="right")
+        for r in result["decode"]:
+            d, m = r.get("dense") or {}, r.get("msa") or {}
+            checks = [x.get("graph_check") for x in (d, m) if x.get("graph_check")]
+            same = "-" if not checks else ("equal" if all(c["equal"] for c in checks) else
+                                          "close" if all(c["close"] for c in checks) else "DIFFERENT")
+            tok = lambda x: x.get("graph_tokens_per_s") or x.get("eager_tokens_per_s")  # noqa: E731
+            speed = r.get("speedup") or r.get("speedup_eager")
+            t.add_row(f"{r['T']:,}", f"{r['batch']}/{r['batch_requested']}" + ("*" if r.get("extrapolated") else ""),
+                      f(d.get("eager_ms"), 2),
+                      f(d.get("graph_ms"), 2), f(m.get("eager_ms"), 2), f(m.get("graph_ms"), 2), f(tok(d), 0),
+                      f(tok(m), 0), "-" if speed is None else f"{speed:.2f}x", same)
+        out.append(t)
+        for r in result["decode"]:
+            if r["note"]:
+                out.append(("* " if r.get("extrapolated") else "") + f"decode {r['T']:,}: {r['note']}")
+        tbs = result.get("bandwidth_tbs")
+        t = Table(title="decode byte floor: what a step must read, and the share of its time at "
+                        + (f"{tbs} TB/s" if tbs else "an unknown bandwidth (--bandwidth)"))
+        for c in ("T", "batch", "model", "weights GB", "KV GB", "index GB", "total GB", "floor ms", "step ms",
+                  "share"):
+            t.add_column(c, justify="right")
+        for r in result["decode"]:
+            for name in ("dense", "msa"):
+                x = r.get(name) or {}
+                if not x.get("floor"):
+                    continue
+                fb = x["floor"]["bytes"]
+                gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+                share = x["floor"]["share"]
+                t.add_row(f"{r['T']:,}", str(r["batch"]) + ("*" if r.get("extrapolated") else ""), name,
+                          gb(fb["weights"]), gb(fb["kv"]), gb(fb["index"]), gb(fb["total"]), f(x["floor"]["ms"], 3),
+                          f(x.get("graph_ms") or x.get("eager_ms"), 3), "-" if share is None else f"{share:.0%}")
+        out.append(t)
+        why = next((x.get("graph_unavailable") for r in result["decode"] for x in (r.get("dense"), r.get("msa"))
+                    if x and x.get("graph_unavailable")), None)
+        if why:
+            out.append(f"no CUDA graph: {why}")
+    check = result["conversion_check"]
+    if check is not None:
+        out.append(f"conversion kept device {check['device']} and dtype {check['dtype']}: "
+                      + ("yes" if check["ok"] else f"NO ({', '.join(check['mismatched'][:4])})"))
+    out.append(f"wrote {path} and {png}")
+    return out
 
 
 def _merge_earlier(result: dict, path: Path) -> dict:

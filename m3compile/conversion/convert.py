@@ -25,7 +25,7 @@ class ConversionReport:
 
     model: str
     config: MSAConfig
-    layers: list[dict]  # {"layer", "attention": "msa"|"dense", "converted"}
+    layers: list[dict]  # {"layer", "attention": "msa"|"dense", "converted", "change": what this conversion did}
     passes: list[PassReport]
     params_before: int
     params_after: int
@@ -89,8 +89,9 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
     layers = []
     out_args = gm.meta.get("model_args")
     for i in range(out_args.n_layers if out_args else 0):
-        layers.append({"layer": i, "attention": "msa" if out_args.is_sparse(i) else "dense",
-                       "converted": i in gqa.layer_settings})
+        msa = out_args.is_sparse(i)
+        layers.append({"layer": i, "attention": "msa" if msa else "dense", "converted": i in gqa.layer_settings,
+                       "change": gqa.layer_changes.get(i, "already MSA" if msa else "")})
     report = ConversionReport(type(model).__name__, config, layers, reports, params_before, _count(gm),
                               index_init=info)
     report.seconds = time.perf_counter() - start

@@ -39,7 +39,7 @@ def _finite(x: float | None) -> float | None:
 
 @dataclass
 class EvalReport:
-    """What `evaluate` measured. `to_dict()` (the JSON of `m3c eval --json`) has these keys; losses are nats per token:
+    """What `evaluate` measured. `to_dict()` (the JSON of `m3c eval loss --json`) has these keys; losses are nats per token:
 
     seq_len, windows, tokens   window length, windows evaluated, tokens scored (windows x seq_len)
     dense_loss                 loss with every MSA layer run as dense causal attention

@@ -85,7 +85,7 @@ class DistanceResult:
 
 @dataclass
 class RetrievalReport:
-    """`to_dict()` (the JSON of `m3c eval --task retrieval --json`) has these keys:
+    """`to_dict()` (the JSON of `m3c eval retrieval --json`) has these keys:
 
     task         "retrieval"
     seq_len      the longest sequence allowed; distances whose probe does not fit are in `skipped`

@@ -1,4 +1,4 @@
-"""A RULER-style long-context suite (`m3c eval MODEL --task ruler`): every task of ruler_tasks.py at every length,
+"""A RULER-style long-context suite (`m3c eval ruler MODEL`): every task of ruler_tasks.py at every length,
 answered by greedy generation with the model's own selection (MSA), the oracle's and dense attention, scored as
 RULER scores (string_match_all).
 
@@ -8,9 +8,10 @@ decode, the MSA layers selecting as asked (config.SELECTIONS), over a K/V cache 
 the model's, bf16 or fp8), up to the task's max_new_tokens or the end of the answer. A sample scores the share of its expected answers found in the generated text (case-insensitive, control
 characters read as newlines); a task's score is its samples' mean x 100.
 
-    selections   dense (every MSA layer attends to every key), msa (the index branch: the converted model),
-                 oracle (per KV group the blocks of most true attention mass, same top-k and forced blocks);
-                 recent (a window of the newest blocks, the top-k's budget) as a baseline that cannot retrieve
+    selections   m3compile.config.SELECTIONS: index (the index branch: the converted model), dense (every MSA layer
+                 attends to every key), oracle (per KV group the blocks of most true attention mass, same top-k and
+                 forced blocks); recent (a window of the newest blocks, the top-k's budget) as a baseline that
+                 cannot retrieve
     excluded     tasks the dense model fails (below 50 at the shortest length): reported, kept out of the averages
 """
 from __future__ import annotations
@@ -23,18 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from m3compile.config import SELECTIONS, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Decoder
 from m3compile.runtime.generate import generate, resolve_kv_cache
 from m3compile.io.tokenizer import PromptCodec
 from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples
 
-__all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "SELECTIONS",
-           "DEFAULT_SELECTIONS", "DEFAULT_LENGTHS", "PASS_SCORE"]
+__all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "DEFAULT_SELECTIONS",
+           "DEFAULT_LENGTHS", "PASS_SCORE"]
 
-# the suite's selection names -> the model's (m3compile.config.SELECTIONS)
-SELECTIONS = {"dense": "dense", "msa": "index", "oracle": "oracle", "recent": "recent"}
-DEFAULT_SELECTIONS = ("dense", "msa", "oracle")
+DEFAULT_SELECTIONS = ("dense", "index", "oracle")  # of m3compile.config.SELECTIONS
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
 PASS_SCORE = 50.0  # a task the dense model scores below this at the shortest length is excluded from averages
 _CONTROL = re.compile(r"[\x00-\x1f]")
@@ -62,11 +62,12 @@ def read_text(path: str | os.PathLike) -> str:
 
 @dataclass
 class RulerReport:
-    """What `ruler` measured. `to_dict()` (the JSON of `m3c eval --task ruler --json`) has these keys:
+    """What `ruler` measured. `to_dict()` (the JSON of `m3c eval ruler --json`) has these keys:
 
     task            "ruler"
-    lengths         the prompt lengths (tokens, generation included), ascending; context: the model's
-    tasks           the task names, in suite order; selections: the selections run (dense / msa / oracle / recent)
+    lengths         the prompt lengths (tokens, generation included), ascending; context: the model's positions
+    tasks           the task names, in suite order; selections: the selections run (of index / oracle / dense /
+                    recent)
     samples, seed   samples per task and length; the seed of the prompts
     chat            whether prompts went through the checkpoint's chat template
     scores          {task: {selection: {length: score}}}, score = mean over samples of the share of expected answers
@@ -147,12 +148,12 @@ def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, deco
 def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | None = None,
           lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
-          context: int | None = None, data_name: str = "the data file", kernels: bool | None = None,
+          data_name: str = "the data file", kernels: bool | None = None,
           kv_cache: str = "auto", progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
-    within `context` (the model's max_position_embeddings; a length above it is an error). A model without MSA
+    within the model's positions (m3compile.config.max_positions; a length above them is an error). A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
     if samples < 1:
@@ -169,6 +170,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     bad = [s for s in selections if s not in SELECTIONS]
     if bad or not selections:
         raise M3CompileError(f"unknown selection {bad[0] if bad else '(none given)'!r} (use {', '.join(SELECTIONS)})")
+    context = max_positions(getattr(model, "source_config", None))
     if lengths is None:
         lengths = [n for n in DEFAULT_LENGTHS if context is None or n <= context] or [context]
     lengths = sorted(set(lengths))
@@ -205,7 +207,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 if progress:
                     progress(done, total, f"{name} at {length}: {sel}")
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
-                                  selection=SELECTIONS[sel], batch=batch, progress=advance, kernels=kernels,
+                                  selection=sel, batch=batch, progress=advance, kernels=kernels,
                                   kv_cache=kv_cache)
                 report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from m3compile.config import SELECTIONS
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, SELECTIONS
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder, ModelArgs
@@ -26,7 +26,7 @@ from m3compile.runtime.forward import lowering_default, prefill
 from m3compile.runtime.paged_cache import PagedCache
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
-__all__ = ["generate", "GenerationResult", "KV_CACHE_DTYPES", "resolve_kv_cache", "resolve_index_cache"]
+__all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache"]
 
 
 @dataclass
@@ -189,8 +189,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
-# kv_cache_dtype -> the K/V cache's torch dtype (None: the model's)
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# kv_cache_dtype (a name of m3compile.config.KV_CACHE_DTYPES) -> the K/V cache's torch dtype (None: the model's)
+KV_CACHE_TORCH_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype:
@@ -199,7 +199,7 @@ def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype
     is a one-line M3CompileError."""
     if name not in KV_CACHE_DTYPES:
         raise M3CompileError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    dtype = KV_CACHE_DTYPES[name]
+    dtype = KV_CACHE_TORCH_DTYPES[name]
     if dtype is None:
         return model_dtype
     try:
@@ -214,7 +214,7 @@ def resolve_kv_cache(name: str, model_dtype: torch.dtype, device) -> torch.dtype
 def resolve_index_cache(name: str, args: ModelArgs, model_dtype: torch.dtype) -> torch.dtype:
     """The index-key cache's torch dtype for an index_cache_dtype name: "fp8", or "auto" (fp8 where the model scores
     its index in fp8, `args.msa.index_dtype`, else `model_dtype`); any other name is a one-line M3CompileError."""
-    if name not in ("auto", "fp8"):
+    if name not in INDEX_CACHE_DTYPES:
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {name!r}")
     fp8_model = args.msa is not None and args.msa.index_dtype == "fp8"
     return torch.float8_e4m3fn if name == "fp8" or fp8_model else model_dtype

@@ -11,6 +11,8 @@ import collections
 import operator
 import os
 import re
+import shutil
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ import networkx as nx
 import torch
 import torch.fx
 import torch.nn.functional as F
+from rich.table import Table
+from rich.tree import Tree
 
 from m3compile.config import MSAConfig
 from m3compile.errors import M3CompileError
@@ -33,7 +37,7 @@ from m3compile.ops import is_op, op_args, segment_attention
 from m3compile.conversion.convert import convert
 from m3compile.pipelines import run_pipeline
 
-__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_mermaid", "layer_subgraph"]
+__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to_mermaid", "layer_subgraph", "render"]
 
 
 def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> dict:
@@ -276,6 +280,17 @@ def to_dot(report: InspectReport, layer: int | None = None) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
+def to_svg(report: InspectReport, layer: int | None = None) -> str:
+    """`to_dot`'s graph drawn as SVG by Graphviz's dot program (refused where it is not installed)."""
+    dot = shutil.which("dot")
+    if dot is None:
+        raise M3CompileError("--format svg needs Graphviz's dot program, which is not installed (apt-get install "
+                             "graphviz, brew install graphviz or conda install graphviz); --format dot writes the "
+                             "source")
+    return subprocess.run([dot, "-Tsvg"], input=to_dot(report, layer), capture_output=True, text=True,
+                          check=True).stdout
+
+
 def to_mermaid(report: InspectReport, layer: int | None = None) -> str:
     """Mermaid flowchart of one layer's graph after the passes; nodes the passes added use the class `added`."""
     layer = _pick_layer(report, layer)
@@ -285,3 +300,64 @@ def to_mermaid(report: InspectReport, layer: int | None = None) -> str:
         lines.append(f'  {n}["{d["label"]}<br/>{n}"]' + (":::added" if n in report.added_nodes else ""))
     lines += [f"  {a} --> {b}" for a, b in g.edges()]
     return "\n".join(lines) + "\n"
+
+
+def render(report: InspectReport) -> list:
+    """What `m3c inspect` prints (rich renderables): the summary tree, then the layers, ops and cost tables."""
+    out = []
+    c = report.cost
+    tree = Tree(f"[bold]{report.source}[/] ({report.model_type}), {report.params:,} parameters")
+    checked = (f"{report.tensors_checked} tensors checked against config.json" if report.tensors_checked else
+               "preset (no tensors)")
+    tree.add(f"{checked}; graph {report.nodes_before} -> {report.nodes_after} nodes; {report.seconds:.1f} s")
+    passes = tree.add("passes")
+    for p in report.passes:
+        passes.add(f"{p['name']}: replaced {p['replaced']}, +{p['added']} / -{p['removed']} nodes")
+    if not report.passes:
+        passes.add("none run: the model already has MSA layers")
+    if report.vision:
+        v = report.vision
+        steps = lambda w: "per frame (2D)" if w == 1 else f"3D windows of <= {w} temporal steps"  # noqa: E731
+        tree.add(f"vision tower: {v['layers']} layers, {v['heads']} heads x {v['head_dim']}, {v['params']:,} "
+                 f"parameters (with projector); {v['attention_ops']} attention ops: {steps(v['window_before'])} -> "
+                 f"{steps(v['window_after'])}")
+    out.append(tree)
+    layers = Table(title="layers")
+    for col in ("layer", "attention", "this run", "nodes", "depth", "index", "block", "top-k", "local"):
+        layers.add_column(col, justify="right")
+    for r in report.layers:
+        msa = r["attention"] == "msa"
+        index = f"{r['index_heads']}x{r['index_dim']}" if msa else ""
+        if msa and r.get("index_rope", "m3") != "m3":  # a narrow index head's own RoPE rule
+            index += f" {r['index_rope']}"
+        layers.add_row(str(r["layer"]), r["attention"].upper(), "converted" if r["converted_now"] else "",
+                       str(r["nodes"]), str(r.get("attention_depth", "")), index,
+                       str(r["block_size"]) if msa else "",
+                       str(r["topk"]) if msa else "", str(r["local_blocks"]) if msa else "")
+    out.append(layers)
+    ops = Table(title="ops before -> after (most frequent)")
+    ops.add_column("op")
+    ops.add_column("before", justify="right")
+    ops.add_column("after", justify="right")
+    names = sorted(set(report.ops_before) | set(report.ops_after),
+                   key=lambda k: (-report.ops_after.get(k, 0), k))
+    for name in names[:16]:
+        ops.add_row(name, str(report.ops_before.get(name, 0)), str(report.ops_after.get(name, 0)))
+    out.append(ops)
+    cost = Table(title=f"attention cost per token at context {c['context']:,} ({c['msa_layers']} MSA of "
+                       f"{c['layers']} layers)")
+    cost.add_column("figure")
+    cost.add_column("dense", justify="right")
+    cost.add_column("MSA", justify="right")
+    cost.add_column("dense / MSA", justify="right")
+    cost.add_row("prefill FLOPs per token (mean over the context)", f"{c['dense_prefill_flops_per_token']:.3e}",
+                 f"{c['msa_prefill_flops_per_token']:.3e}", f"{c['prefill_ratio']:.1f}x")
+    if c["prefill_ratio_per_msa_layer"]:
+        cost.add_row("  one MSA layer", "", "", f"{c['prefill_ratio_per_msa_layer']:.1f}x")
+    cost.add_row("decode FLOPs for one token at the context", f"{c['dense_decode_flops']:.3e}",
+                 f"{c['msa_decode_flops']:.3e}", f"{c['decode_ratio']:.1f}x")
+    cost.add_row("KV cache bytes per token (bf16)", f"{c['kv_cache_bytes_per_token']:,}",
+                 f"{c['kv_cache_bytes_per_token'] + c['index_k_cache_bytes_per_token']:,}", "")
+    cost.add_row("index-branch parameters", "", f"{c['index_params']:,}", "")
+    out.append(cost)
+    return out

@@ -229,19 +229,19 @@ CASES = {
     "resume-missing-file": (_corrupt_state(lambda s: (s / "optimizer.safetensors").unlink()), "is corrupt"),
     "resume-missing-tensors": (_corrupt_state(lambda s: save_file(dict(list(load_file(s / "index.safetensors").items())[:1]), str(s / "index.safetensors"))), "other tensors"),
     # data
-    "data-not-utf8-eval": (lambda b, t: (["eval", b / "msa", "--data", _bad_txt(b, t), "--seq-len", 8], None), "not UTF-8 text"),
+    "data-not-utf8-eval": (lambda b, t: (["eval", "loss", b / "msa", "--data", _bad_txt(b, t), "--seq-len", 8], None), "not UTF-8 text"),
     "data-not-utf8-distill": (lambda b, t: (["distill", b / "msa", "--data", _bad_txt(b, t), "--out", t / "o", *_TRAIN], t / "o"), "not UTF-8 text"),
     # devices
-    "device-cuda-eval": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--device", "cuda"], None), "CUDA is not available"),
+    "device-cuda-eval": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--device", "cuda"], None), "CUDA is not available"),
     "device-cuda-distill": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--device", "cuda", *_TRAIN], t / "o"), "CUDA is not available"),
-    "device-unknown": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--device", "gpu7"], None), "device 'gpu7'"),
+    "device-unknown": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--device", "gpu7"], None), "device 'gpu7'"),
     # click usage errors, one line
     "usage-bad-int": (lambda b, t: (["convert", b / "dense", t / "o", "--block-size", "abc"], t / "o"), "'abc' is not a valid integer"),
     "usage-unknown-option": (lambda b, t: (["convert", b / "dense", t / "o", "--frobnicate"], t / "o"), "No such option"),
     "usage-unknown-command": (lambda b, t: (["frobnicate"], None), "No such command"),
-    "usage-missing-option": (lambda b, t: (["eval", b / "msa"], None), "Missing option '--data'"),
+    "usage-missing-option": (lambda b, t: (["eval", "loss", b / "msa"], None), "Missing option '--data'"),
     "usage-src-and-preset": (lambda b, t: (["convert", b / "dense", "--preset", "m3-tiny", "--out", t / "o"], t / "o"), "give SRC or --preset"),
-    "usage-seq-len": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--seq-len", 0], None), "--seq-len must be >= 1"),
+    "usage-seq-len": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 0], None), "--seq-len must be >= 1"),
 }
 
 
@@ -259,13 +259,13 @@ def _bad_tensor(part, fn, command, *extra, name="msa"):
     def case(b, t):
         d = _model(b, t, name)
         _set_tensor(d, _named(d, part), fn)
-        args = {"eval": ["--data", b / "d.npy", "--seq-len", 16],
+        args = {"eval loss": ["--data", b / "d.npy", "--seq-len", 16],
                 "generate": ["--prompt", "def x ( ) :", "--max-new-tokens", 2],
                 "distill": ["--data", b / "d.npy", "--out", t / "o", *_TRAIN],
                 "export-onnx": [t / "o"],
                 "attention-map": ["--data", b / "d.npy", "--layer", 1, "--seq-len", 16, "--out", t / "o.png"],
                 "convert": [t / "o"]}[command]
-        return [command, d, *args, *extra], t / ("o.png" if command == "attention-map" else "o")
+        return [*command.split(), d, *args, *extra], t / ("o.png" if command == "attention-map" else "o")
     return case
 
 
@@ -282,7 +282,7 @@ def _cfg(name, edit, command, *extra):
         (d / "config.json").write_text(json.dumps(cfg))
         if command == "convert":
             return ["convert", d, t / "o", *extra], t / "o"
-        return ["eval", d, "--data", b / "d.npy", "--seq-len", 16, *extra], None
+        return ["eval", "loss", d, "--data", b / "d.npy", "--seq-len", 16, *extra], None
     return case
 
 
@@ -342,7 +342,7 @@ def _loop(t: Path, name: str) -> Path:
 def _jsonl(lines):
     def case(b, t):
         (t / "d.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-        return ["eval", b / "msa", "--data", t / "d.jsonl", "--seq-len", 4], None
+        return ["eval", "loss", b / "msa", "--data", t / "d.jsonl", "--seq-len", 4], None
     return case
 
 
@@ -383,7 +383,7 @@ def _tokenizer_file(write):
     def case(b, t):
         d = _model(b, t)
         write(d / "tokenizer.json")
-        return ["eval", d, "--data", b / "d.npy", "--task", "retrieval", "--seq-len", 100, "--distances", 60,
+        return ["eval", "retrieval", d, "--data", b / "d.npy", "--seq-len", 100, "--distances", 60,
                 "--probes", 1], None
     return case
 
@@ -436,12 +436,12 @@ CASES.update({
     "out-name-long-inspect": (lambda b, t: (["inspect", b / "dense", "--format", "json", "--out", t / (_LONG + ".json")], t / (_LONG + ".json")), "too long"),
     "out-name-long-map": (lambda b, t: (["attention-map", b / "msa", "--data", b / "d.npy", *_PNG, "--out", t / (_LONG + ".png")], t / (_LONG + ".png")), "too long"),
     # non-finite weights, index branch included, refused by every command that loads them
-    "weights-nan-index-eval": (_bad_tensor("index_q_proj", _nan_first, "eval"), "index_q_proj.weight holds non-finite values (nan)"),
+    "weights-nan-index-eval": (_bad_tensor("index_q_proj", _nan_first, "eval loss"), "index_q_proj.weight holds non-finite values (nan)"),
     "weights-inf-index-generate": (_bad_tensor("index_k_proj", lambda w: w.fill_(float("inf")), "generate"), "index_k_proj.weight holds non-finite values (inf)"),
     "weights-nan-index-norm-distill": (_bad_tensor("index_q_norm", _nan_first, "distill"), "index_q_norm.weight holds non-finite"),
     "weights-nan-export": (_bad_tensor("index_q_proj", _nan_first, "export-onnx"), "holds non-finite"),
     "weights-nan-map": (_bad_tensor("v_proj", _nan_first, "attention-map"), "v_proj.weight holds non-finite"),
-    "weights-ninf-embed-eval": (_bad_tensor("embed_tokens", lambda w: w.fill_(float("-inf")), "eval"), "embed_tokens.weight holds non-finite values (-inf)"),
+    "weights-ninf-embed-eval": (_bad_tensor("embed_tokens", lambda w: w.fill_(float("-inf")), "eval loss"), "embed_tokens.weight holds non-finite values (-inf)"),
     "weights-nan-resume-state": (_resume(mutate=_nan_state), "refusing to continue"),
     # the resume fingerprint knows the weights and the tokens
     "resume-other-index-weights": (_resume(model=_other_weights("index_q_proj")), "other weights"),
@@ -451,10 +451,10 @@ CASES.update({
     "resume-report-not-object": (_resume(mutate=lambda o: (o / "distill_report.json").write_text("[1, 2]")), "not a valid run report"),
     "resume-report-not-utf8": (_resume(mutate=lambda o: (o / "distill_report.json").write_bytes(b'{"history": "\xff"}')), "not a valid run report"),
     # options that cannot apply, or far past sense
-    "option-max-windows-zero": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--max-windows", 0], None), "max_windows must be >= 1"),
-    "option-max-windows-negative": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--max-windows", -2], None), "max_windows must be >= 1"),
-    "option-index-dtype-dense-eval": (lambda b, t: (["eval", b / "dense", "--data", b / "d.npy", "--seq-len", 16, "--index-dtype", "fp8"], None), "applies to MSA layers"),
-    "option-index-dtype-dense-retrieval": (lambda b, t: (["eval", b / "dense", "--data", b / "d.npy", "--task", "retrieval", "--index-dtype", "fp8"], None), "applies to MSA layers"),
+    "option-max-windows-zero": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--max-windows", 0], None), "max_windows must be >= 1"),
+    "option-max-windows-negative": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--max-windows", -2], None), "max_windows must be >= 1"),
+    "option-index-dtype-dense-eval": (lambda b, t: (["eval", "loss", b / "dense", "--data", b / "d.npy", "--seq-len", 16, "--index-dtype", "fp8"], None), "applies to MSA layers"),
+    "option-index-dtype-dense-retrieval": (lambda b, t: (["eval", "retrieval", b / "dense", "--data", b / "d.npy", "--index-dtype", "fp8"], None), "applies to MSA layers"),
     "option-index-dtype-all-dense": (lambda b, t: (["convert", b / "dense", t / "o", "--index-dtype", "fp8", "--dense-layers", "0,1,2"], t / "o"), "every layer is kept dense"),
     "option-out-twice": (lambda b, t: (["convert", b / "dense", t / "a", "--out", t / "b"], t / "a"), "OUT given twice"),
     "option-block-size-huge": (lambda b, t: (["convert", b / "dense", t / "o", "--block-size", 10**9], t / "o"), "past any sensible setting"),
@@ -487,7 +487,7 @@ CASES.update({
     "config-rope-parameters": (_cfg("dense", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "convert"), 'RoPE scaling "dynamic" is not supported'),
     # weights of the wrong kind; a directory with two checkpoints in it
     "weights-int-norm-convert": (_src_tensor("model.norm.weight", lambda w: w.long()), "model.norm.weight has dtype int64"),
-    "weights-int-norm-eval": (_bad_tensor("input_layernorm", lambda w: w.int(), "eval"), "has dtype int32"),
+    "weights-int-norm-eval": (_bad_tensor("input_layernorm", lambda w: w.int(), "eval loss"), "has dtype int32"),
     "shards-beside-single-index": (_shards_beside_single(True), "holds both model.safetensors and a sharded checkpoint"),
     "shards-beside-single-named": (_shards_beside_single(False), "holds both model.safetensors and a sharded checkpoint"),
     # JSON-lines text that is not a string
@@ -496,8 +496,8 @@ CASES.update({
     "data-jsonl-text-null": (_jsonl([{"text": None}]), "must be a string, got NoneType"),
     "data-jsonl-line-list": (_jsonl([["def", "x"]]), "expected a JSON object with a 'text' field"),
     # context lengths past the model's 512 positions
-    "context-eval": (lambda b, t: (["eval", b / "msa", "--data", b / "d.npy", "--seq-len", 600], None), "--seq-len 600 is past the model's 512 positions"),
-    "context-retrieval": (lambda b, t: (["eval", b / "msa", "--data", _ids(t, "long.npy", 2000), "--task", "retrieval", "--seq-len", 1000, "--distances", 600, "--probes", 1], None), "distance 600 needs probes"),
+    "context-eval": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 600], None), "--seq-len 600 is past the model's 512 positions"),
+    "context-retrieval": (lambda b, t: (["eval", "retrieval", b / "msa", "--data", _ids(t, "long.npy", 2000), "--seq-len", 1000, "--distances", 600, "--probes", 1], None), "distance 600 needs probes"),
     "context-distill": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 600], t / "o"), "--seq-len 600 is past the model's 512 positions"),
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
@@ -608,7 +608,7 @@ def test_distill_ctrl_c_exits_130_and_says_where(base, tmp_path, monkeypatch):
 def test_eval_of_a_nan_model_is_a_clear_error(base, tmp_path):
     model = _copy(base / "msa", tmp_path / "m")
     _set_tensor(model, "model.norm.weight", lambda w: w.fill_(float("nan")))
-    code, output, stderr, _ = _invoke("eval", model, "--data", base / "d.npy", "--seq-len", 16, "--json")
+    code, output, stderr, _ = _invoke("eval", "loss", model, "--data", base / "d.npy", "--seq-len", 16, "--json")
     assert code == 2 and stderr.startswith("error: ") and len(stderr.splitlines()) == 1  # refused as it loads
     assert "tensor model.norm.weight holds non-finite values (nan)" in stderr
     report = EvalReport(16, 1, 16, float("nan"), float("inf"), {1: float("nan")}, 0.1, {1: 0.5})
@@ -623,7 +623,7 @@ def test_convert_copies_the_tokenizer_and_eval_reads_text(base, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "generation_config.json"):
         assert (out / name).read_bytes() == (base / "dense" / name).read_bytes(), name
-    code, output, _, _ = _invoke("eval", out, "--data", base / "d.txt", "--seq-len", 16, "--json")
+    code, output, _, _ = _invoke("eval", "loss", out, "--data", base / "d.txt", "--seq-len", 16, "--json")
     assert code == 0, output
     assert json.loads(output)["windows"] == 12
     assert (base / "distilled" / "tokenizer.json").is_file()  # distill's output keeps the tokenizer too
@@ -768,7 +768,7 @@ def test_an_interrupt_between_api_calls_is_one_line(monkeypatch):
     def interrupted():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_console", interrupted)
+    monkeypatch.setattr(cli, "stdout_console", interrupted)
     code, output, stderr, _ = _invoke("passes")
     assert code == 130 and stderr == "error: interrupted; no output was written\n", (output, stderr)
 

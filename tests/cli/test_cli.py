@@ -1,5 +1,6 @@
 """The command line: end to end on a small checkpoint, and every kind of bad input -> one line, exit 2, no output."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -48,12 +49,12 @@ def test_convert_then_eval(small_ckpt, tmp_path):
     # generation_config.json: copied; modeling_m3compile.py: the model for transformers (remote code)
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.randint(0, 256, size=200).astype(np.int32))
-    code, output = run("eval", out, "--data", data, "--seq-len", 64, "--json")
+    code, output = run("eval", "loss", out, "--data", data, "--seq-len", 64, "--json")
     assert code == 0, output
     result = json.loads(output)
     assert result["windows"] == 3 and result["sparse_loss"] is not None
     assert set(result["recall"]) == {"1", "2"} and all(0 < r <= 1 for r in result["recall"].values())
-    code, output = run("eval", small_ckpt, "--data", data, "--seq-len", 64)
+    code, output = run("eval", "loss", small_ckpt, "--data", data, "--seq-len", 64)
     assert code == 0 and "not converted" in output
 
 
@@ -151,11 +152,47 @@ def test_index_dim_below_the_rotary_width(small_ckpt, tmp_path):
 def test_eval_bad_data(small_ckpt, tmp_path, make, needle):
     data = tmp_path / "d.npy"
     make(data)
-    assert_clean_failure(*run("eval", small_ckpt, "--data", data, "--seq-len", 64), None, needle)
+    assert_clean_failure(*run("eval", "loss", small_ckpt, "--data", data, "--seq-len", 64), None, needle)
 
 
 def test_eval_text_needs_tokenizer(small_ckpt, tmp_path):
     data = tmp_path / "d.txt"
     data.write_text("hello world " * 50)
-    assert_clean_failure(*run("eval", small_ckpt, "--data", data, "--seq-len", 16), None, "tokenizer.json")
-    assert_clean_failure(*run("eval", small_ckpt, "--data", tmp_path / "x.csv", "--seq-len", 16), None, "no such data file")
+    assert_clean_failure(*run("eval", "loss", small_ckpt, "--data", data, "--seq-len", 16), None, "tokenizer.json")
+    assert_clean_failure(*run("eval", "loss", small_ckpt, "--data", tmp_path / "x.csv", "--seq-len", 16), None, "no such data file")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval", "M", "--data", "x", "--task", "ruler"], "'m3c eval --task ruler' is now 'm3c eval ruler MODEL ...'"),
+    (["eval", "--task=retrieval", "M", "--data", "x"],
+     "'m3c eval --task retrieval' is now 'm3c eval retrieval MODEL ...'"),
+    (["eval", "M", "--data", "x", "--task", "loss"], "'m3c eval --task loss' is now 'm3c eval loss MODEL ...'"),
+    (["eval", "M", "--data", "x"], "'m3c eval MODEL' is now 'm3c eval loss MODEL ...'"),
+    (["eval", "M", "--data", "x", "--task", "nope"], "unknown --task 'nope': 'm3c eval' has the subcommands"),
+], ids=["ruler", "retrieval-equals", "loss", "no-task", "unknown-task"])
+def test_eval_refuses_the_single_command_form(args, message, tmp_path):
+    """`m3c eval MODEL [--task T]` (eval before it had subcommands) names the subcommand to use: one line, exit 2."""
+    code, output = run(*args)
+    assert_clean_failure(code, output, None, message)
+
+
+@pytest.mark.parametrize("sub, option", [
+    ("loss", ["--probes", 3]), ("loss", ["--lengths", "4K"]), ("loss", ["--distances", "64"]),
+    ("retrieval", ["--kv-cache", "fp8"]), ("retrieval", ["--no-oracle"]), ("retrieval", ["--selections", "index"]),
+    ("ruler", ["--seq-len", 64]), ("ruler", ["--probes", 3]), ("ruler", ["--max-windows", 1]),
+])
+def test_each_eval_subcommand_takes_only_its_own_options(sub, option, tmp_path):
+    code, output = run("eval", sub, tmp_path, "--data", tmp_path / "d.npy", *option)
+    assert_clean_failure(code, output, None, f"No such option '{option[0]}'")
+
+
+def test_eval_subcommands_list_their_own_options():
+    shared = {"--data", "--dtype", "--index-dtype", "--device", "--json"}
+    own = {"loss": {"--seq-len", "--max-windows", "--batch", "--no-oracle", "--kv-cache"},
+           "retrieval": {"--seq-len", "--distances", "--probes", "--seed"},
+           "ruler": {"--lengths", "--tasks", "--samples", "--seed", "--batch", "--selections", "--plot", "--kv-cache"}}
+    for sub, options in own.items():
+        code, output = run("eval", sub, "--help")
+        assert code == 0, output
+        listed = set(re.findall(r"^  (--[\w-]+)", output.split("\nOptions:\n")[1], re.M)) - {"--help"}
+        assert listed == shared | options, (sub, listed)

@@ -1,4 +1,4 @@
-"""m3c eval: the oracle-selection loss against an independent masked-dense path, the all-blocks identity, the oracle
+"""m3c eval loss: the oracle-selection loss against an independent masked-dense path, the all-blocks identity, the oracle
 beating the untrained index branch on the shared byte model, the tail figures, and the CLI's JSON and table."""
 import json
 import math
@@ -174,31 +174,31 @@ def test_cli_eval_json_and_table(small_ckpt, tmp_path):
     assert code == 0, output
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.randint(0, 256, size=200).astype(np.int32))
-    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json")
+    code, output = run("eval", "loss", tmp_path / "m", "--data", data, "--seq-len", 64, "--json")
     assert code == 0, output
     d = json.loads(output)
     for key in ("oracle_loss", "oracle_loss_increase", "tail_share", "oracle_tail_share", "recall_p10",
                 "min_recall_p10"):
         assert key in d and d[key] is not None, key
     assert math.isfinite(d["oracle_loss"])
-    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--json", "--no-oracle", "--batch", 2)
+    code, output = run("eval", "loss", tmp_path / "m", "--data", data, "--seq-len", 64, "--json", "--no-oracle", "--batch", 2)
     assert code == 0 and json.loads(output)["oracle_loss"] is None and json.loads(output)["oracle_recall"] is None
     assert json.loads(output)["dense_loss"] == pytest.approx(d["dense_loss"], abs=1e-5)  # batched: the same loss
-    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64, "--no-oracle")
+    code, output = run("eval", "loss", tmp_path / "m", "--data", data, "--seq-len", 64, "--no-oracle")
     assert code == 0 and "oracle loss" not in output and "recall p10" in output, output
-    assert_clean_failure(*run("eval", tmp_path / "m", "--data", data, "--batch", 0), None, "--batch")
-    code, output = run("eval", tmp_path / "m", "--data", data, "--seq-len", 64)
+    assert_clean_failure(*run("eval", "loss", tmp_path / "m", "--data", data, "--batch", 0), None, "--batch")
+    code, output = run("eval", "loss", tmp_path / "m", "--data", data, "--seq-len", 64)
     assert code == 0 and "oracle loss" in output and "recall p10" in output and "tail" in output, output
     assert_clean_failure(*run("eval", tmp_path / "m", "--data", data, "--task", "nope"), None, "unknown --task")
 
 
 def test_eval_losses_through_a_kv_cache(byte_msa, monkeypatch):
-    """m3c eval --kv-cache bf16 / fp8 on the byte model converted at block 16 / top-4 (fp32 weights, one window of
+    """m3c eval loss --kv-cache bf16 / fp8 on the byte model converted at block 16 / top-4 (fp32 weights, one window of
     192 bytes): the dense, MSA and oracle rows come from the paged prefill over a cache of that dtype, the JSON and
     the table name it and recall is not measured. The bf16 cache's rows are within 1% of the model's own forward's,
     the fp8 cache's within 3% of the bf16 cache's and not equal to them. An fp8 cache this torch build cannot hold
     is a one-line error."""
-    args = ["eval", byte_msa, "--data", EVAL_DATA, "--seq-len", 192, "--max-windows", 1]
+    args = ["eval", "loss", byte_msa, "--data", EVAL_DATA, "--seq-len", 192, "--max-windows", 1]
     rows = ("dense_loss", "sparse_loss", "oracle_loss")
     want = evaluate(load(byte_msa, dtype="float32"), load_tokens(EVAL_DATA, 256), seq_len=192, max_windows=1)
     got = {}
@@ -211,9 +211,10 @@ def test_eval_losses_through_a_kv_cache(byte_msa, monkeypatch):
         assert got["bf16"][row] == pytest.approx(getattr(want, row), rel=0.01), row
         assert got["fp8"][row] == pytest.approx(got["bf16"][row], rel=0.03) and got["fp8"][row] != got["bf16"][row]
     assert got["bf16"]["tail_share"] is not None and want.to_dict()["kv_cache"] is None
-    code, output = run(*args[:4], "--seq-len", 64, "--max-windows", 1, "--kv-cache", "fp8", "--no-oracle")
+    code, output = run(*args[:5], "--seq-len", 64, "--max-windows", 1, "--kv-cache", "fp8", "--no-oracle")
     assert code == 0 and "losses through a fp8 K/V cache" in output and "oracle loss" not in output, output
-    assert_clean_failure(*run(*args, "--kv-cache", "fp8", "--task", "retrieval"), None, "applies to the loss and ruler")
+    # retrieval scores the model's own forward: it takes no --kv-cache
+    assert_clean_failure(*run("eval", "retrieval", *args[2:5], "--kv-cache", "fp8"), None, "No such option '--kv-cache'")
     to = torch.Tensor.to
 
     def no_float8(self, *a, **k):  # a build whose CPU tensors cannot be cast to float8

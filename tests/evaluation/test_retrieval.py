@@ -1,4 +1,4 @@
-"""m3c eval --task retrieval: a model that provably copies (a hand-built induction circuit) succeeds densely and
+"""m3c eval retrieval: a model that provably copies (a hand-built induction circuit) succeeds densely and
 fails when MSA may only see the most recent blocks; probes are seeded and planted in real text; bad input."""
 import json
 import math
@@ -127,16 +127,16 @@ def test_cli_retrieval_with_a_tokenizer_model(tmp_path):
     tok.save(str(ckpt / "tokenizer.json"))
     data = tmp_path / "text.txt"
     data.write_text(text)
-    code, output = run("eval", ckpt, "--data", data, "--task", "retrieval", "--seq-len", 200, "--distances",
+    code, output = run("eval", "retrieval", ckpt, "--data", data, "--seq-len", 200, "--distances",
                        "60,120,4096", "--probes", 2, "--json")
     assert code == 0, output
     d = json.loads(output)
     assert d["task"] == "retrieval" and d["skipped"] == [4096] and [r["distance"] for r in d["distances"]] == [60, 120]
     assert all(r["sparse_accuracy"] is None and math.isfinite(r["dense_logprob"]) for r in d["distances"])
-    code, output = run("eval", ckpt, "--data", data, "--task", "retrieval", "--seq-len", 200, "--distances", "60",
+    code, output = run("eval", "retrieval", ckpt, "--data", data, "--seq-len", 200, "--distances", "60",
                        "--probes", 2)
     assert code == 0 and "retrieval" in output and "dense acc" in output, output
-    assert_clean_failure(*run("eval", ckpt, "--data", data, "--task", "retrieval", "--seq-len", 200,
+    assert_clean_failure(*run("eval", "retrieval", ckpt, "--data", data, "--seq-len", 200,
                               "--distances", "1024,2048"), None, "fits --seq-len")
-    assert_clean_failure(*run("eval", ckpt, "--data", data, "--task", "retrieval", "--distances", "1k"), None,
+    assert_clean_failure(*run("eval", "retrieval", ckpt, "--data", data, "--distances", "1k"), None,
                          "--distances")

@@ -1,4 +1,4 @@
-"""The RULER-style suite (m3c eval --task ruler) and the runtime selections it compares.
+"""The RULER-style suite (m3c eval ruler) and the runtime selections it compares.
 
 A hand-built two-layer retriever (embeddings, one MSA attention layer and an unembedding set by hand) follows a chain
 of needles planted far back in a haystack: dense and oracle selection answer every hop, a window of the most recent
@@ -223,7 +223,7 @@ def test_qwen_shaped_model_converts_evaluates_and_generates(qwen_like, monkeypat
     model = m3compile.load(path)
     assert model.args.qkv_bias and model.args.tie_embeddings and model.args.rope_theta == 1e6
     assert model.args.is_sparse(1) and not model.args.is_sparse(0) and (path / "chat_template.jinja").is_file()
-    code, out, err = _invoke("eval", path, "--data", data, "--seq-len", 64, "--max-windows", 2, "--json")
+    code, out, err = _invoke("eval", "loss", path, "--data", data, "--seq-len", 64, "--max-windows", 2, "--json")
     assert code == 0, err
     assert json.loads(out)["oracle_loss"] is not None
     x = torch.randint(0, 256, (1, 70))
@@ -240,13 +240,13 @@ def test_ruler_cli_json_table_and_heatmap(qwen_like, tmp_path, monkeypatch):
     for name in ("niah_single_1", "niah_single_3"):
         monkeypatch.setitem(TASKS, name, dataclasses.replace(TASKS[name], max_new_tokens=8))
     path, data = qwen_like
-    args = ["eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", "--samples", 2, "--tasks",
+    args = ["eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 2, "--tasks",
             "niah_single_1,niah_single_3"]
     code, out, err = _invoke(*args, "--json", "--plot", tmp_path / "r.png")
     assert code == 0, err
     d = json.loads(out)
     assert d["tasks"] == ["niah_single_1", "niah_single_3"] and d["lengths"] == [1024] and d["chat"]
-    assert d["selections"] == ["dense", "msa", "oracle"] and d["context"] == 1024
+    assert d["selections"] == ["dense", "index", "oracle"] and d["context"] == 1024
     for t in d["tasks"]:
         assert all(0 <= d["scores"][t][s]["1024"] <= 100 for s in d["selections"])
     assert set(d["excluded"]) == {t for t in d["tasks"] if d["scores"][t]["dense"]["1024"] < 50}
@@ -274,7 +274,7 @@ def test_ruler_bad_input(qwen_like, tmp_path, monkeypatch, extra, needle):
         extra = extra[:-1]
         data = tmp_path / "short.txt"
         data.write_text("def alpha_beta(gamma, delta):\n    return gamma + delta\n" * 5)
-    code, out, err = _invoke("eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", *extra)
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", *extra)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert needle in err, err
 
@@ -294,9 +294,10 @@ def test_ruler_over_an_fp8_kv_cache(qwen_like, monkeypatch):
 
     monkeypatch.setattr(generate_module, "PagedCache", Spy)
     path, data = qwen_like
-    code, out, err = _invoke("eval", path, "--data", data, "--task", "ruler", "--lengths", "1K", "--samples", 1,
-                             "--tasks", "niah_single_1", "--selections", "msa", "--kv-cache", "fp8", "--json")
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "index", "--kv-cache", "fp8", "--json")
     assert code == 0, err
     d = json.loads(out)
-    assert d["kv_cache"] == "fp8" and d["selections"] == ["msa"] and 0 <= d["scores"]["niah_single_1"]["msa"]["1024"]
+    assert d["kv_cache"] == "fp8" and d["selections"] == ["index"]
+    assert 0 <= d["scores"]["niah_single_1"]["index"]["1024"]
     assert made == [torch.float8_e4m3fn]

@@ -105,14 +105,14 @@ def test_cli_convert_and_eval_index_dtype(tmp_path):
     np.save(data, np.random.default_rng(0).integers(0, 256, 200).astype(np.int64))
     results = {}
     for choice in (None, "auto", "fp8"):
-        args = ["eval", str(out), "--data", str(data), "--seq-len", "64", "--max-windows", "1", "--no-oracle", "--json"]
+        args = ["eval", "loss", str(out), "--data", str(data), "--seq-len", "64", "--max-windows", "1", "--no-oracle", "--json"]
         r = runner.invoke(cli.main, args + (["--index-dtype", choice] if choice else []))
         assert r.exit_code == 0, r.output
         results[choice] = json.loads(r.output)
     assert results[None]["sparse_loss"] == results["fp8"]["sparse_loss"]  # the checkpoint's own setting
     assert results["auto"]["dense_loss"] == results["fp8"]["dense_loss"]
     assert results["auto"]["sparse_loss"] != results["fp8"]["sparse_loss"]
-    r = runner.invoke(cli.main, ["eval", str(out), "--data", str(data), "--index-dtype", "int4"])
+    r = runner.invoke(cli.main, ["eval", "loss", str(out), "--data", str(data), "--index-dtype", "int4"])
     assert r.exit_code == 2 and "int4" in r.output
 
 
@@ -124,6 +124,6 @@ def test_a_bad_index_dtype_in_config_json_is_one_line(fp8_dir, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["sparse_attention_config"]["sparse_index_dtype"] = "int4"
     (bad / "config.json").write_text(json.dumps(cfg))
-    r = CliRunner().invoke(cli.main, ["eval", str(bad), "--data", str(bad / "config.json"), "--seq-len", "8"])
+    r = CliRunner().invoke(cli.main, ["eval", "loss", str(bad), "--data", str(bad / "config.json"), "--seq-len", "8"])
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and "sparse_index_dtype" in lines[0], r.output

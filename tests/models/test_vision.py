@@ -230,3 +230,19 @@ def test_convert_a_dense_multimodal_model_applies_both_rewrites(tmp_path):
                   video_grid_thw=g_v).logits
         got = conv(ids, pv_i, g_i, pv_v, g_v)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_convert_command_of_a_multimodal_checkpoint_shows_each_layer(tmp_path):
+    """`m3c convert`'s table reads each layer's change from the report, so the ViT pass beside gqa_to_msa (whose
+    lines name no layer) is shown, not mistaken for a layer."""
+    from click.testing import CliRunner
+
+    from m3compile.cli import main
+
+    _hf_vl(dense_text=True).save_pretrained(tmp_path / "src")
+    out = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--block-size", "16",
+                                    "--topk", "4"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "kept dense (dense_layers)" in text and "attention -> MSA" in text
+    assert "pass vit_3d_window: replaced 2 attention ops" in text

@@ -1,0 +1,269 @@
+"""`m3c eval`: dense / sparse / oracle loss and block recall, retrieval at a distance, the RULER-style suite; one
+subcommand each, with only its own options."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from m3compile.config import INDEX_DTYPES, SELECTIONS
+from m3compile.evaluation.ruler_tasks import TASKS as RULER_TASKS
+from m3compile.commands.common import (
+    fail, kv_cache_option, load_model, parse_lengths, split_names, stacked, stdout_console,
+)
+
+__all__ = ["eval_"]
+
+
+def _task(args: list[str]) -> str | None:
+    """The value of a --task among `args` (`--task T` or `--task=T`), or None."""
+    for i, a in enumerate(args):
+        if a.startswith("--task="):
+            return a[len("--task="):]
+        if a == "--task" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+class _EvalGroup(click.Group):
+    """`m3c eval`: a first argument that is no subcommand (`m3c eval MODEL [--task T] ...`, the form of the single
+    command it replaced) is a usage error that names the subcommand to use."""
+
+    def parse_args(self, ctx, args):
+        task = _task(args)
+        if args and args[0] not in self.commands and (task is not None or not args[0].startswith("-")):
+            if task is None:
+                message = "'m3c eval MODEL' is now 'm3c eval loss MODEL ...'"
+            elif task in self.commands:
+                message = f"'m3c eval --task {task}' is now 'm3c eval {task} MODEL ...'"
+            else:
+                message = f"unknown --task {task!r}: 'm3c eval' has the subcommands {', '.join(self.commands)}"
+            raise click.UsageError(message, ctx)
+        return super().parse_args(ctx, args)
+
+
+@click.group(name="eval", cls=_EvalGroup)
+def eval_():
+    """Measure a model on data: loss and block recall, retrieval at a distance, the RULER-style suite."""
+
+
+def _eval_options(data: str, *own):
+    """MODEL_DIR and --data, the subcommand's `own` options, then the options every eval subcommand takes."""
+    return stacked(
+        click.argument("model_dir", type=click.Path(path_type=Path)),
+        click.option("--data", required=True, type=click.Path(path_type=Path), help=data),
+        *own,
+        click.option("--dtype", default="float32", show_default=True, help="Compute dtype."),
+        click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default=None,
+                     help="Score the index branch in this dtype instead of the checkpoint's own (auto: the compute "
+                          "dtype; fp8: e4m3)."),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."))
+
+
+_TOKENS = "Token data: .bin bytes, .npy ids, .txt/.jsonl text."
+
+
+@eval_.command(name="loss", short_help="Dense, sparse and oracle loss and block recall per layer.")
+@_eval_options(
+    _TOKENS,
+    click.option("--seq-len", default=4096, show_default=True, help="Tokens per evaluated window."),
+    click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows [default: all]."),
+    click.option("--batch", default=1, show_default=True,
+                 help="Windows per forward (more fill a GPU; memory grows with it)."),
+    click.option("--no-oracle", is_flag=True,
+                 help="Skip the oracle-selection loss and oracle recall (saves a third forward per window)."),
+    kv_cache_option(help="K/V cache dtype: auto scores the model's own forward (no cache); bf16, fp8 or int8 score "
+                         "each window through the paged prefill over a cache of that dtype (dense, MSA and oracle "
+                         "rows, no recall, one window at a time): `--kv-cache bf16` and `--kv-cache fp8` give the loss "
+                         "fp8 costs."))
+def eval_loss(model_dir, data, seq_len, max_windows, batch, no_oracle, kv_cache, dtype, index_dtype, device, as_json):
+    """Dense loss, sparse (MSA) loss, oracle loss and block recall per layer of MODEL_DIR on --data.
+
+    Recall is the share of the dense attention mass of each query's KV group (mean over its heads) that falls
+    in the blocks the index branch selected. The oracle loss runs every MSA layer with the blocks of most dense
+    attention mass (same block size and top-k): the best any index branch could do. Loss is in nats per token;
+    the tail is the share of tokens whose loss rises by more than 0.5 nats over dense.
+
+    --kv-cache bf16|fp8|int8 measures what a K/V cache of that dtype costs: the loss rows come from prefilling each
+    window into a paged cache of that dtype (the queries read the keys and values as the cache holds them). Run it
+    twice, e.g. --kv-cache bf16 --json and --kv-cache fp8 --json, and compare the losses (the JSON's kv_cache names
+    the dtype).
+    """
+    from m3compile.config import EvalConfig
+    from m3compile.data import load_tokens
+    from m3compile.evaluation.loss import evaluate
+
+    if seq_len < 1:
+        raise click.BadParameter("--seq-len must be >= 1")
+    if batch < 1:
+        raise click.BadParameter("--batch must be >= 1")
+    EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)
+    model = load_model(model_dir, dtype, device, index_dtype)
+    tokens = load_tokens(data, model.args.vocab_size, model_dir)
+    with Progress(transient=True, disable=as_json) as bar:
+        task_id = bar.add_task("evaluating", total=None)
+        report = evaluate(model, tokens, seq_len, max_windows, oracle=not no_oracle, batch=batch, kv_cache=kv_cache,
+                          progress=lambda i, n: bar.update(task_id, completed=i, total=n))
+    if not report.finite:
+        fail(f"{model_dir}: the loss is not finite (dense {report.dense_loss}, sparse {report.sparse_loss}): the "
+              f"model holds NaN/Inf weights or overflows {dtype}")
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+        return
+
+    console = stdout_console()
+    cache = "" if report.kv_cache is None else f"; losses through a {report.kv_cache} K/V cache"
+    console.print(f"{report.windows} windows x {report.seq_len} tokens = {report.tokens:,} tokens, "
+                  f"{report.seconds:.1f} s{cache}")
+    console.print(f"dense loss  {report.dense_loss:.4f} nats/token")
+    if report.sparse_loss is None:
+        console.print("the model has no MSA layers (not converted): no sparse loss or recall")
+        return
+    console.print(f"sparse loss {report.sparse_loss:.4f} nats/token ({100 * report.loss_increase:+.2f}%), "
+                  f"tail {100 * report.tail_share:.2f}% of tokens > +0.5 nats")
+    if report.oracle_loss is not None:
+        console.print(f"oracle loss {report.oracle_loss:.4f} nats/token ({100 * report.oracle_loss_increase:+.2f}%), "
+                      f"tail {100 * report.oracle_tail_share:.2f}% (blocks chosen by dense attention)")
+    if not report.recall:
+        console.print("block recall: measured in the model's own forward (--kv-cache auto)")
+        return
+    table = Table(title="block recall per MSA layer")
+    for name in ("layer", "recall", "recall p10", "oracle (teacher's own top-k)"):
+        table.add_column(name, justify="right")
+    opt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731 (no oracle pass with --no-oracle)
+    for layer, r in report.recall.items():
+        table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", opt(report.oracle_recall.get(layer)))
+    table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}",
+                  opt(report.mean_oracle_recall))
+    console.print(table)
+
+
+@eval_.command(name="retrieval", short_help="Dense vs sparse accuracy at copying a value planted tokens earlier.")
+@_eval_options(
+    _TOKENS,
+    click.option("--seq-len", default=4096, show_default=True, help="Tokens of the longest probe."),
+    click.option("--distances", default="1024,2048,4096,8192", show_default=True,
+                 help="Comma-separated distances in tokens (those that do not fit --seq-len are skipped)."),
+    click.option("--probes", default=16, show_default=True, help="Probes per distance."),
+    click.option("--seed", default=0, show_default=True, help="Seed of the probes."))
+def eval_retrieval(model_dir, data, seq_len, distances, probes, seed, dtype, index_dtype, device, as_json):
+    """Dense vs sparse accuracy of MODEL_DIR at copying a value planted --distances tokens earlier in --data.
+
+    Each probe plants a key and its value in text of --data and asks for the value again each of --distances
+    tokens later; it scores the greedy copy (exact) and its log-probability, with dense attention and with the MSA
+    selection, in the model's own forward (no K/V cache).
+    """
+    from m3compile.config import EvalConfig
+    from m3compile.data import load_tokens
+    from m3compile.evaluation.retrieval import retrieval, text_encoder
+
+    if seq_len < 1:
+        raise click.BadParameter("--seq-len must be >= 1")
+    EvalConfig(seq_len=seq_len, probes=probes)
+    try:
+        dists = tuple(int(d) for d in distances.split(","))
+    except ValueError:
+        fail(f"--distances: expected comma-separated token counts, got {distances!r}")
+    model = load_model(model_dir, dtype, device, index_dtype)
+    tokens = load_tokens(data, model.args.vocab_size, model_dir)
+    encode = text_encoder(model_dir, model.args.vocab_size)
+    with Progress(transient=True, disable=as_json) as bar:
+        task_id = bar.add_task("retrieval", total=None)
+        result = retrieval(model, tokens, encode, seq_len=seq_len, distances=dists, probes=probes, seed=seed,
+                           progress=lambda i, n: bar.update(task_id, completed=i, total=n))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+        return
+    console = stdout_console()
+    console.print(f"{result.probes} probes per distance, seed {result.seed}, {result.seconds:.1f} s")
+    table = Table(title="retrieval: exact greedy copy of a planted value")
+    for name in ("distance", "tokens", "dense acc", "sparse acc", "dense logprob", "sparse logprob"):
+        table.add_column(name, justify="right")
+    opt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for d in result.distances:
+        table.add_row(str(d.distance), str(d.length), f"{d.dense_accuracy:.2f}", opt(d.sparse_accuracy, ".2f"),
+                      f"{d.dense_logprob:.2f}", opt(d.sparse_logprob, ".2f"))
+    console.print(table)
+    if result.skipped:
+        console.print(f"skipped (do not fit --seq-len {seq_len}): {', '.join(map(str, result.skipped))}")
+
+
+@eval_.command(name="ruler", short_help="The RULER-style long-context suite, per task, length and selection.")
+@_eval_options(
+    "A UTF-8 text file (e.g. long code): the haystacks and the words of the prompts.",
+    click.option("--lengths", default=None,
+                 help="Prompt lengths in tokens, generation included (e.g. 4K,8K,16K,32K) [default: those of "
+                      "4K,8K,16K,32K within the model's context]."),
+    click.option("--tasks", default=None, help=f"Comma-separated tasks [default: all: {', '.join(RULER_TASKS)}]."),
+    click.option("--samples", default=25, show_default=True, help="Samples per task and length."),
+    click.option("--seed", default=0, show_default=True, help="Seed of the prompts."),
+    click.option("--batch", type=int, default=None,
+                 help="Prompts per generation batch [default: all samples of a task and length]."),
+    click.option("--selections", default="dense,index,oracle", show_default=True,
+                 help=f"Comma-separated, of {', '.join(SELECTIONS)}: how MSA layers pick blocks: index (the index "
+                      "branch), oracle (most true attention mass), dense (every block); recent (the newest blocks "
+                      "only) as a baseline."),
+    click.option("--plot", type=click.Path(path_type=Path), default=None,
+                 help="Write a heatmap PNG of the scores (task x length, one panel per selection)."),
+    kv_cache_option(help="K/V cache dtype of every prefill and decode: auto (the model's), bf16, fp8 or int8."))
+def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections, plot, kv_cache, dtype, index_dtype,
+               device, as_json):
+    """The RULER-style suite on MODEL_DIR: greedy answers to long prompts built from --data, scored per task, length
+    and selection.
+
+    The score of a task is the share of its expected answers found in the generated text (RULER's
+    string_match_all), x 100, over --samples prompts; a task the dense model scores below 50 at the shortest
+    length is reported and kept out of the averages. --kv-cache bf16|fp8|int8 generates over a K/V cache of that
+    dtype.
+    """
+    from m3compile.evaluation.ruler import draw_heatmap, read_text, ruler
+    from m3compile.io.tokenizer import PromptCodec
+
+    if samples < 1:
+        fail(f"--samples must be >= 1, got {samples}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        fail(f"--plot {plot}: the heatmap is written as PNG; name the file *.png")
+    text = read_text(data)
+    model = load_model(model_dir, dtype, device, index_dtype)
+    codec = PromptCodec(model_dir, model.args.vocab_size, model.source_config)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True, disable=as_json) as bar:
+        task_id = bar.add_task("ruler", total=None)
+        report = ruler(model, codec, text, tasks=split_names(tasks), samples=samples, seed=seed,
+                       selections=split_names(selections), batch=batch,
+                       lengths=None if lengths is None else list(parse_lengths(lengths)), data_name=str(data),
+                       kv_cache=kv_cache,
+                       progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
+    if plot is not None:
+        draw_heatmap(report, plot)
+    if as_json:
+        click.echo(json.dumps(report.to_dict() | ({"plot": str(plot)} if plot else {}), indent=2, allow_nan=False))
+        return
+    console = stdout_console()
+    fmt = lambda n: f"{n // 1024}K" if n % 1024 == 0 else str(n)  # noqa: E731
+    console.print(f"{report.samples} samples per task and length, seed {report.seed}, "
+                  f"{'chat template' if report.chat else 'plain prompts (no chat template)'}, "
+                  f"{'the model dtype' if kv_cache == 'auto' else kv_cache} K/V cache, {report.seconds:.1f} s")
+    table = Table(title=f"ruler scores ({' / '.join(report.selections)}; share of answers found, %)")
+    table.add_column("task")
+    for n in report.lengths:
+        table.add_column(fmt(n), justify="right")
+    cell = lambda values: " / ".join("-" if v is None else f"{v:.0f}" for v in values)  # noqa: E731
+    for t in report.tasks:
+        table.add_row(t + (" (excluded)" if t in report.excluded else ""),
+                      *[cell(report.scores[t][s][n] for s in report.selections) for n in report.lengths])
+    kept = len(report.tasks) - len(report.excluded)
+    table.add_row(f"average ({kept} tasks)", *[cell(report.average(s, n) for s in report.selections)
+                                               for n in report.lengths], style="bold")
+    console.print(table)
+    if report.excluded:
+        console.print(f"excluded from the averages (dense below 50 at {fmt(report.lengths[0])}): "
+                      f"{', '.join(report.excluded)}")
+    if report.selections == ["dense"]:
+        console.print("the model has no MSA layers (not converted): dense only")
+    if plot is not None:
+        console.print(f"wrote {plot}")
