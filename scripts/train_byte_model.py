@@ -9,7 +9,7 @@ Face checkpoint.
 The model: m3compile's Decoder with vocab 256 (token id = byte value), hidden 192, 6 layers, 8 query / 2 KV heads
 (group 4), head_dim 24, SwiGLU MLP of 384, RMSNorm eps 1e-6, RoPE theta 1e5, untied embeddings: 2.0M parameters,
 4 MB in bf16. Training: random windows of --seq-len + 1 bytes of DATA_DIR/train.bin, drawn by a generator seeded
-with --seed (so are the initial weights); next-byte cross-entropy; AdamW (betas 0.9 / 0.95, weight decay 0.1 on
+with --seed on the training device (the initial weights are seeded too); next-byte cross-entropy; AdamW (betas 0.9 / 0.95, weight decay 0.1 on
 weight matrices only), linear warm-up over --warmup-steps then a cosine decay to 10% of --lr; bf16 autocast on
 CUDA, fp32 on a CPU; gradients clipped to norm 1.0. A progress line every --log-every steps on stderr (loss, learning
 rate, tokens/s). At the end, the eval loss in nats/byte of the weights as saved (rounded to bf16) on up to 64
@@ -141,8 +141,8 @@ def train(model: Decoder, data: torch.Tensor, steps: int, seq_len: int, batch: i
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(seq_len + 1)
+    gen = torch.Generator(device).manual_seed(seed)  # on the data's device: no copy, no wait, each step
+    offsets = torch.arange(seq_len + 1, device=device)
     data = data.to(device)
     model.train()
     start = mark = time.perf_counter()
@@ -151,8 +151,8 @@ def train(model: Decoder, data: torch.Tensor, steps: int, seq_len: int, batch: i
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, warmup, lr)
-        starts = torch.randint(0, data.numel() - seq_len, (batch, 1), generator=gen)
-        windows = data[(starts + offsets).to(device)].long()  # [B, T + 1]
+        starts = torch.randint(0, data.numel() - seq_len, (batch, 1), generator=gen, device=device)
+        windows = data[starts + offsets].long()  # [B, T + 1]
         loss = _loss(model, windows, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
