@@ -1,4 +1,7 @@
 import os
+import runpy
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,10 +22,26 @@ import triton  # noqa: E402,F401
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-LLAMA_BYTE = SHARED / "checkpoints" / "dense-llama-byte"
-EVAL_DATA = SHARED / "data" / "eval_code.bin"
-CALIB_DATA = SHARED / "data" / "calib_code.bin"
+ROOT = Path(__file__).resolve().parents[1]
+# the small trained byte-level Llama kept in the repository (scripts/train_byte_model.py, checkpoints/byte-llama/
+# training.json): 6 layers, hidden 192, 8 query / 2 KV heads of 24, token id = byte value
+LLAMA_BYTE = ROOT / "checkpoints" / "byte-llama"
+
+
+def _code_data() -> dict[str, Path]:
+    """Code bytes of this Python's standard library, split by file (scripts/code_data.py): calib.bin (4 MB of the
+    training files) and eval.bin (300 KB of held-out ones), made once per Python version into the temporary
+    directory (each file written whole or not at all, so two test processes can race to make them)."""
+    folder = Path(tempfile.gettempdir()) / f"m3compile-test-code-{sys.version_info.major}.{sys.version_info.minor}"
+    paths = {name: folder / f"{name}.bin" for name in ("calib", "eval")}
+    if not all(p.is_file() for p in paths.values()):
+        runpy.run_path(str(ROOT / "scripts" / "code_data.py"))["write"](folder, echo=False)
+    return paths
+
+
+_DATA = _code_data()
+EVAL_DATA = _DATA["eval"]
+CALIB_DATA = _DATA["calib"]
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import m3compile
 from m3compile import MSAConfig, cli
-from tests.conftest import SHARED
+from tests.conftest import ROOT as _ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -37,7 +37,7 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
         "48,80", "--dense-max", "48", "--msa-max", "48", "--decode-lengths", "48", "--batch", "2", "--block", "16",
         "--topk", "2", "--steps", "1", "--decode-steps", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    data = json.loads((out / "dense-llama-byte.json").read_text())
+    data = json.loads((out / "byte-llama.json").read_text())
     assert (out / "model_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["bench"] == "model" and data["msa"]["block_size"] == 16 and data["msa_layers"] == 5
     assert data["conversion_check"] == {"device": "cpu", "dtype": "float32", "tensors_added": 20, "mismatched": [],
@@ -433,7 +433,7 @@ def test_model_bench_chunked_prefill_fp8_cache_and_byte_floor(tmp_path, monkeypa
         "1", "--kv-cache", "fp8", "--index-cache", "fp8", "--prefill-chunk", "24", "--bandwidth", "2", "--dense-max",
         "16", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    data = json.loads((out / "dense-llama-byte.json").read_text())
+    data = json.loads((out / "byte-llama.json").read_text())
     assert data["config"]["kv_cache"] == "fp8" and data["bandwidth_tbs"] == 2.0
     rows = {row["model"]: row for row in data["prefill"]}
     assert rows["dense"]["measured"] == "not run"

@@ -24,7 +24,7 @@ from m3compile.models.decoder import Decoder, ModelArgs, MSALayerArgs
 from m3compile.io.tokenizer import PromptCodec, read_chat_template
 from m3compile.evaluation.ruler import RulerReport, run_samples, score
 from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples
-from tests.conftest import SHARED
+from tests.conftest import EVAL_DATA
 from tests.export.test_remote_code import assert_same_model
 
 SYMBOLS = 8  # "A".."H": the keys and values of the needle chains
@@ -129,7 +129,7 @@ def test_score_is_string_match_all():
 
 @pytest.fixture(scope="module")
 def code_text():
-    return (SHARED / "data" / "long_code_eval.txt").read_text()[:120_000]
+    return EVAL_DATA.read_bytes()[:120_000].decode("utf-8", errors="replace")
 
 
 def test_every_task_fills_the_length_and_plants_its_answers(tmp_path, code_text):
@@ -204,7 +204,7 @@ def qwen_like(tmp_path_factory):
     (src / "chat_template.jinja").write_text(CHATML)
     convert_checkpoint(src, root / "msa", MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
     data = root / "code.txt"
-    data.write_text((SHARED / "data" / "long_code_eval.txt").read_text()[:60_000])
+    data.write_text(EVAL_DATA.read_bytes()[:60_000].decode("utf-8", errors="replace"))
     return root / "msa", data
 
 

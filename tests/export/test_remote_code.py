@@ -1,6 +1,6 @@
 """Converted checkpoints in `transformers` (remote code, m3compile.export.remote_code): the MSA model that
 modeling_m3compile.py builds gives m3compile.load's logits (fp32, 1e-4) and m3compile.generate's greedy tokens, on
-tiny Llama / Qwen2 / Qwen3 shapes and on dense-llama-byte at block 64 / top-8; a load without remote code fails or,
+tiny Llama / Qwen2 / Qwen3 shapes and on the byte-level model at block 64 / top-8; a load without remote code fails or,
 through the dense class named explicitly, runs dense; older checkpoints and distill / train outputs keep working."""
 import ast
 import io

@@ -15,7 +15,7 @@ from tests.conftest import LLAMA_BYTE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("src", [LLAMA_BYTE, None], ids=["dense-llama-byte", "m3-tiny-moe"])
+@pytest.mark.parametrize("src", [LLAMA_BYTE, None], ids=["byte-llama", "m3-tiny-moe"])
 def test_standalone_module_equals_the_model(src, tmp_path):
     out = tmp_path / "msa"
     convert_checkpoint(src, out, MSAConfig(block_size=16, topk=4))

@@ -74,8 +74,8 @@ def test_m3_tensor_names_and_dtype_preserved(tmp_path):
     with safe_open(str(tmp_path / "msa" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("model.layers.1.self_attn.index_q_proj.weight").dtype == torch.bfloat16
-        assert tuple(f.get_tensor("model.layers.1.self_attn.index_q_proj.weight").shape) == (2 * 48, 384)
-        assert tuple(f.get_tensor("model.layers.1.self_attn.index_k_proj.weight").shape) == (48, 384)
+        assert tuple(f.get_tensor("model.layers.1.self_attn.index_q_proj.weight").shape) == (2 * 24, 192)
+        assert tuple(f.get_tensor("model.layers.1.self_attn.index_k_proj.weight").shape) == (24, 192)
     for leaf in ("index_q_proj.weight", "index_k_proj.weight", "index_q_norm.weight", "index_k_norm.weight"):
         assert f"model.layers.5.self_attn.{leaf}" in names
         assert f"model.layers.0.self_attn.{leaf}" not in names

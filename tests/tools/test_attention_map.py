@@ -32,7 +32,7 @@ def test_map_figures_match_the_recall_reference(converted):
     model.model.layers[2].self_attn.observer = lambda a, q, k, b, lse: seen.update(q=q, k=k, b=b)
     with torch.no_grad():
         model(tokens[None, 1000:1200])
-    r = ref.block_recall(seen["q"], seen["k"], seen["b"], block_size=16, scale=48**-0.5)
+    r = ref.block_recall(seen["q"], seen["k"], seen["b"], block_size=16, scale=24**-0.5)
     assert amap.group_recall == pytest.approx(float(r[0, 1].mean()), abs=1e-5)
     assert amap.recall[2] == pytest.approx(float(r.mean()), abs=1e-5)
     assert sorted(amap.recall) == [1, 2, 3, 4, 5]

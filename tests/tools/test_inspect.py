@@ -10,11 +10,11 @@ from tests.conftest import LLAMA_BYTE
 from tests.cli.test_cli import run
 
 
-def test_dense_llama_byte_from_headers():
+def test_byte_llama_from_headers():
     code, output = run("inspect", LLAMA_BYTE, "--format", "json", "--context", 8192, "--block-size", 64, "--topk", 8)
     assert code == 0, output
     r = json.loads(output)
-    assert r["tensors_checked"] == 57 and r["params"] == 9_768_288  # 9,491,328 + 276,960 index parameters
+    assert r["tensors_checked"] == 57 and r["params"] == 2_050_224  # 1,980,864 + 69,360 index parameters
     assert [row["attention"] for row in r["layers"]] == ["dense"] + ["msa"] * 5
     assert [row["converted_now"] for row in r["layers"]] == [False] + [True] * 5
     assert r["passes"][0]["name"] == "gqa_to_msa" and r["passes"][0]["replaced"] == 5
@@ -26,12 +26,12 @@ def test_dense_llama_byte_from_headers():
     depths = [row["attention_depth"] for row in r["layers"]]
     assert depths == sorted(depths) and len(set(depths)) == 6
     c = r["cost"]
-    # per MSA layer at N = 8192: dense 2*8*48*N, MSA 2*48*N + 4*8*48*8*64  ->  ratio 4.0
-    assert c["dense_prefill_flops_per_token"] == 6 * 2 * 8 * 48 * 8192
-    assert c["msa_prefill_flops_per_token"] == 2 * 8 * 48 * 8192 + 5 * (2 * 48 * 8192 + 4 * 8 * 48 * 8 * 64)
+    # per MSA layer at N = 8192: dense 2*8*24*N, MSA 2*24*N + 4*8*24*8*64  ->  ratio 4.0
+    assert c["dense_prefill_flops_per_token"] == 6 * 2 * 8 * 24 * 8192
+    assert c["msa_prefill_flops_per_token"] == 2 * 8 * 24 * 8192 + 5 * (2 * 24 * 8192 + 4 * 8 * 24 * 8 * 64)
     assert c["prefill_ratio_per_msa_layer"] == pytest.approx(4.0)
-    assert c["kv_cache_bytes_per_token"] == 6 * 2 * 2 * 48 * 2 and c["index_k_cache_bytes_per_token"] == 5 * 48 * 2
-    assert c["index_params"] == 276_960
+    assert c["kv_cache_bytes_per_token"] == 6 * 2 * 2 * 24 * 2 and c["index_k_cache_bytes_per_token"] == 5 * 24 * 2
+    assert c["index_params"] == 69_360
 
 
 def test_m3_preset_matches_the_spec_flop_model():

@@ -24,7 +24,8 @@ from m3compile.io.load import load_meta, weights_by_layer
 from m3compile.train.distill import DistillStep
 from m3compile.train.shard import full_tensor
 
-DISTILL = ["--steps", "3", "--seq-len", "128", "--lr", "1e-2", "--warmup-steps", "1", "--batch", "1"]
+DISTILL = ["--steps", "3", "--seq-len", "128", "--lr", "1e-2", "--warmup-steps", "1", "--batch", "1",
+           "--holdout-tokens", "128"]
 TRAIN = ["--steps", "2", "--seq-len", "64", "--lr", "1e-4", "--batch", "1"]
 
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """dense-llama-byte with 16-token blocks and top-4: at 256 tokens (16 blocks) selection is really sparse."""
+    """The byte-level model with 16-token blocks and top-4: at 256 tokens (16 blocks) selection is really sparse."""
     out = tmp_path_factory.mktemp("distill") / "msa"
     convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
     return out

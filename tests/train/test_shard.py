@@ -61,13 +61,17 @@ def test_gradients_equal_the_one_process_gradients_of_the_doubled_batch(converte
 
 def test_two_sharded_processes_match_one_process_and_keep_half_the_parameters_each(converted, sharded, tmp_path):
     single = distill(converted, CALIB_DATA, tmp_path / "single",
-                     DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1))
+                     DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1, holdout_tokens=128))
     a = load_file(str(sharded / "distill" / STATE_FILES[0]))
     b = load_file(str(tmp_path / "single" / STATE_FILES[0]))
     start = load_file(str(converted / "model.safetensors"))
     for key in a:
         assert not torch.equal(a[key], start[key].float())
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)  # as the DDP test (test_distill.py)
+        # as the DDP test (test_distill.py), on its data: with the default 512 held-out tokens the training windows
+        # start elsewhere and one layer's trajectory parts from the one-process run's by up to 4e-4 after 3 steps at
+        # lr 1e-2, as the unsharded two-process run's does, bit for bit (reduction-order noise in a gradient near
+        # AdamW's eps, grown by the later steps)
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
         assert ((a[key] - b[key]).abs() > 1e-6).float().mean() < 1e-3
     before, after = tensors(converted), tensors(sharded / "distill")
     assert before.keys() == after.keys()
@@ -99,14 +103,23 @@ def test_sharded_training_matches_one_process(converted, sharded, tmp_path):
 
 
 def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(converted, sharded):
-    for name in STATE_FILES:
+    for name in STATE_FILES[:2]:
         a, b = load_file(str(sharded / "distill" / name)), load_file(str(sharded / "resumed" / name))
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
+    # the output holds the best held-out state: the stopped run evaluated its last step (2), which the straight run
+    # never did, so the resumed output holds the state of whichever of steps 2 and 3 its report keeps
+    kept = json.loads((sharded / "resumed" / "distill_report.json").read_text())["holdout"]["kept"]["step"]
+    state = load_file(str(sharded / {2: "two_steps", 3: "resumed"}[kept] / STATE_FILES[0]))
+    model, straight = load_file(str(sharded / "resumed" / STATE_FILES[2])), tensors(sharded / "distill")
+    assert model.keys() == straight.keys()
+    for key in model:
+        want = state[key].to(model[key].dtype) if key in state else straight[key]
+        assert torch.equal(model[key], want), key
     # the 2-step state of the 2-process sharded run, continued by one unsharded process (the same global batch)
     report = distill(converted, CALIB_DATA, sharded / "two_steps",
-                     DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1), resume=True)
+                     DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1, holdout_tokens=128), resume=True)
     assert report.start_step == 2 and not report.sharded
     a = load_file(str(sharded / "distill" / STATE_FILES[0]))
     b = load_file(str(sharded / "two_steps" / STATE_FILES[0]))

@@ -15,7 +15,7 @@ from tests.train.test_distill import digest, tensors, two_processes_and_one
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """dense-llama-byte with 16-token blocks and top-4: at 128 tokens (8 blocks) selection is really sparse."""
+    """The byte-level model with 16-token blocks and top-4: at 128 tokens (8 blocks) selection is really sparse."""
     out = tmp_path_factory.mktemp("train") / "msa"
     convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
     return out
