@@ -1,6 +1,6 @@
 """Initialising the index branch from the dense weights, so that selection is useful before any training.
 
-Target: for KV group g, the group-mean dense logit  mean_h q_h . k_g  (the teacher's logits, MSA_SPEC section 4).
+Target: for KV group g, the group-mean dense logit  mean_h q_h . k_g  (the teacher's logits, docs/msa.md section 4).
 Constraint: one shared index key head, and the index branch uses the main branch's own RoPE.
 
 RoPE rotates each channel pair (p, p + R/2) as one complex number, so any map from dense to index channels that
@@ -40,7 +40,7 @@ dense pair p with r_p index pairs is fitted with r_p shared key rows instead of 
 eigenvectors of the same form, mu_g,j = alpha_g (beta_g^H nu_j), which minimises the same error over a rank-r
 shared key (exact once r_p >= Hkv). Twice the head dim gives two ranks. SmolLM2-135M (3 KV heads, head dim 64),
 calibrated, block 64 / top-8: at 4K on CPU +3.35% at index dim 128 against +4.13% at 64 (+3.30% at 192, rank 3,
-exact); at 8K on the GPU +6.68% against +9.00%. dense-llama-byte (2 KV heads, head dim 48) at 8K: +1.47% at 96 and
+exact); at 8K on the GPU +6.68% against +9.00%. A 9.5M-parameter byte-level Llama (2 KV heads, head dim 48) at 8K: +1.47% at 96 and
 128 against +2.07%. Distilled, the gain is gone (SmolLM2 +1.54% against +1.51% with non-rotated slots; byte +0.83%
 against +0.81%): BENCHMARKS.md. Ranks past Hkv have nothing to fit and start as unfitted slots.
 
@@ -49,7 +49,7 @@ non-rotated channels than the dense head has; or "tile" ranks past Hkv) leaves s
 UNFITTED_KEY_NORM = 0.01 times the fitted rows' mean norm), so the projections score as the fitted slots alone do
 and distillation can still grow the rest (two zero rows would keep each other's gradient at zero; AdamW's steps do
 not depend on the gradient's scale). The index key norm, an RMS over all Di channels, sees the random rows: at the
-fitted rows' full norm the init is worse than the narrower head's (dense-llama-byte at index dim 128, head dim 48:
+fitted rows' full norm the init is worse than the narrower head's (that byte-level Llama at index dim 128:
 +2.42% against +2.07% at 8K on the GPU), at 0.01 it is the narrower head's (+6.53% against +6.60% at 512 tokens,
 block 16 / top-4, CPU), and both distil past it (GPU at 8K with 1.0: +0.82% against +1.12%; CPU at 512 tokens,
 205K tokens: 0.01 +4.71%, 1.0 +4.90%, head dim +5.19%). BENCHMARKS.md.

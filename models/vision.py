@@ -1,4 +1,4 @@
-"""M3-style vision tower, projector and the multimodal wrapper (MSA_SPEC section 6), read top-down.
+"""M3-style vision tower, projector and the multimodal wrapper (docs/msa.md section 6), read top-down.
 
     frames [F, C, H, W] --patchify--> pixel_values [N, C * tp * p * p], grid_thw [videos, 3]
     VisionTower: Conv3d patch embedding (temporal 2 x 14 x 14) -> LayerNorm -> layers of

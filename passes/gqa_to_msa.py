@@ -1,4 +1,4 @@
-"""gqa_to_msa: replace causal GQA attention by MiniMax Sparse Attention (MSA_SPEC sections 2-3)."""
+"""gqa_to_msa: replace causal GQA attention by MiniMax Sparse Attention (docs/msa.md sections 2-3)."""
 from __future__ import annotations
 
 import operator

@@ -1,4 +1,4 @@
-"""kl_distill: add the index-branch distillation hooks (MSA_SPEC section 4) to a converted graph, and remove them.
+"""kl_distill: add the index-branch distillation hooks (docs/msa.md section 4) to a converted graph, and remove them.
 
     msa_select(q_idx, k_idx) -> blocks --> msa_attention(q, k, v, blocks)          (inference graph)
     becomes

@@ -1,4 +1,4 @@
-"""vit_3d_window: per-frame ViT attention -> 3D windowed attention across frames (MSA_SPEC section 6).
+"""vit_3d_window: per-frame ViT attention -> 3D windowed attention across frames (docs/msa.md section 6).
 
 In a traced vision tower every attention op is `segment_attention(q, k, v, cu_seqlens, scale)`: bidirectional
 attention inside the segments that `cu_seqlens` cuts the packed patch sequence into. The per-frame (2D) ViT takes

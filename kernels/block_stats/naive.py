@@ -183,7 +183,7 @@ def block_rank_kl(
 
     For each (KV group g, query t in `rows`) over its candidate blocks b (visible, not forced: neither among the
     `local_blocks` most recent nor the first `init_blocks`): teacher P_b = the dense group-mean causal softmax
-    (MSA_SPEC section 4, detached) summed over block b, renormalised over the candidates; student Q_b = softmax
+    (docs/msa.md section 4, detached) summed over block b, renormalised over the candidates; student Q_b = softmax
     over b of S[g, t, b] = max_{j in b, j <= t} q_idx[g, t] . k_idx[j] / sqrt(Di) (M3's block score, section 2.4).
     Returns the mean of KL(P || Q) over (batch, group, row) as a 0-d fp32 tensor (fp64 for fp64 inputs; 0 when no
     row has a candidate).

@@ -64,7 +64,7 @@ def block_recall(
 ) -> torch.Tensor:
     """Share of the dense attention mass of each (group, query) that falls in its selected blocks.
 
-    The mass is the teacher of MSA_SPEC section 4: the mean over the G heads of the group of their causal softmax.
+    The mass is the teacher of docs/msa.md section 4: the mean over the G heads of the group of their causal softmax.
     q [B, Hq, T, D], k [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hkv, T] fp32 in [0, 1].
     """
     check_attention_inputs(q, k, k)
@@ -131,7 +131,7 @@ def oracle_blocks(
 ) -> torch.Tensor:
     """Oracle selection: per (KV group, query) the blocks holding most of the group's true attention mass.
 
-    The mass is the dense teacher of MSA_SPEC section 4 (mean over the group's G heads of their causal softmax,
+    The mass is the dense teacher of docs/msa.md section 4 (mean over the group's G heads of their causal softmax,
     fp32), summed per key block; the forced blocks are kept exactly as `select_blocks` keeps them (the
     `local_blocks` most recent, the first `init_blocks`), and the remaining slots take the earlier blocks of most
     mass. Slots that cannot be filled hold -1. It is what a perfect index branch would select, so the loss of a

@@ -1,6 +1,6 @@
 """MSA decode over paged caches: index scores + top-k, then split-K sparse attention with a log-sum-exp merge.
 
-Caches are paged with page = MSA key block (MSA_SPEC section 5: a block size that differs from the page size
+Caches are paged with page = MSA key block (docs/msa.md section 5: a block size that differs from the page size
 silently selects tokens instead of blocks, so the page size *is* the block size here):
     k_cache, v_cache  [P, BS, Hkv, D]   main KV cache
     idx_cache         [P, BS, Di]       index-key cache (one shared index key per token), bf16/fp16/fp32 or fp8 e4m3

@@ -1,4 +1,4 @@
-"""MSA index branch for prefill: fused token scores, causal mask, block max and running top-k (MSA_SPEC section 2).
+"""MSA index branch for prefill: fused token scores, causal mask, block max and running top-k (docs/msa.md section 2).
 
 One program owns BLOCK_T query tokens x all index heads (the rows of one matmul: the single index key head is
 shared, so every row reads the same keys) and walks the key blocks it can see. Per key block it computes

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of the index branch's selection (MSA_SPEC section 2): causal block-max index scores,
+"""Plain-PyTorch reference of the index branch's selection (docs/msa.md section 2): causal block-max index scores,
 then per (index head, query) the top-k key blocks with the forced ones kept. Shapes and conventions:
 kernels/naive_common.py.
 """
@@ -76,7 +76,7 @@ def select_blocks(
     chunk: int | None = None,
     fp8: bool = False,
 ) -> torch.Tensor:
-    """Per (index head, query) selection of `topk` key blocks (MSA_SPEC section 2).
+    """Per (index head, query) selection of `topk` key blocks (docs/msa.md section 2).
 
     The `local_blocks` most recent blocks (the query's own block first) and the first `init_blocks` blocks are
     always kept when visible; the remaining slots take the best-scoring earlier blocks; slots that cannot be filled

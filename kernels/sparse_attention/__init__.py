@@ -1,4 +1,4 @@
-"""MSA sparse prefill attention, KV-outer "gather Q" design (MSA_SPEC section 5).
+"""MSA sparse prefill attention, KV-outer "gather Q" design (docs/msa.md section 5).
 
 The selection [B, Hkv, T, K] is inverted into a CSR: for every (batch, KV head, key block) segment, the list of
 (query token, slot) entries that chose it, sorted by token. One program takes one segment (at most CHUNK entries of

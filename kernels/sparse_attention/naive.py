@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of the sparse attention (MSA_SPEC section 3), and the dense causal attention it must
+"""Plain-PyTorch reference of the sparse attention (docs/msa.md section 3), and the dense causal attention it must
 equal when every block is selected. Shapes and conventions: kernels/naive_common.py.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def sparse_attention(
     scale: float | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Exact causal softmax attention restricted to the selected key blocks (MSA_SPEC section 3).
+    """Exact causal softmax attention restricted to the selected key blocks (docs/msa.md section 3).
 
     All G = Hq // Hkv query heads of group g attend over the causally visible tokens of the blocks selected for
     (g, t); -1 slots are ignored; the query's own block is masked per token.

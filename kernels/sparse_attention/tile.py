@@ -12,7 +12,7 @@ online softmax per row from the first block to the output. Nothing per slot is w
 Its cost against the ideal is the union's size over top-k: 1 when the tile's tokens select the same blocks (the
 bench's "shared" regime), up to TILE when they share none ("independent", random selections). On a real model's
 own selections consecutive queries share most blocks (benchmarks/experiments/selection_locality.py: tiles of 16
-tokens of dense-llama-byte, block 64 / top-8, 8K: 1.24x; random selections: 6.8x).
+tokens of a 9.5M-parameter byte-level Llama, block 64 / top-8, 8K: 1.24x; random selections: 6.8x).
 
 Measured (H200, 128K, BENCHMARKS.md): even where the union is the top-k it only ties gather-Q (Llama-3-8B
 shapes, tiles of 16 tokens: 25.9 against 24.7 ms; M3 shapes, tiles of 4: 44.4 against 41.4), running at 0.28 of

@@ -1,4 +1,4 @@
-"""Fused index KL over the selected support (MSA_SPEC section 4), forward and backward, never T x T.
+"""Fused index KL over the selected support (docs/msa.md section 4), forward and backward, never T x T.
 
 Per (batch, KV group g, token t): teacher P = mean over the group's G heads of softmax over the causally visible
 keys of the selected blocks of q_h . k * scale; student Q = softmax over the same keys of q_idx . k_idx / sqrt(Di);

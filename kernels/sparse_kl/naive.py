@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of the index branch's distillation loss (MSA_SPEC section 4): KL(teacher || student) over
+"""Plain-PyTorch reference of the index branch's distillation loss (docs/msa.md section 4): KL(teacher || student) over
 the causally visible keys of the selected blocks (or all of them), streamed over query chunks, and the sparse
 teacher's mass inside each selected block. Shapes and conventions: kernels/naive_common.py.
 """
@@ -131,7 +131,7 @@ def index_kl(
     scale: float | None = None,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index branch's distillation loss (MSA_SPEC section 4) per (KV group, query token), and block recall.
+    """The index branch's distillation loss (docs/msa.md section 4) per (KV group, query token), and block recall.
 
     Teacher P[g, t] = mean over the G query heads of group g of softmax_{j in S}(q_h . k_j * scale), detached;
     student Q[g, t] = softmax_{j in S}(q_idx[g, t] . k_idx[j] / sqrt(Di)); returns KL(P || Q). The support S is

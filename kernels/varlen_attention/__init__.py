@@ -1,4 +1,5 @@
-"""Variable-length block-diagonal attention: the ViT's 3D windowed attention over a packed batch (MSA_SPEC section 6).
+"""Variable-length block-diagonal attention: the ViT's 3D windowed attention over a packed batch
+(docs/msa.md section 6).
 
 Tokens of all images and videos of a batch are packed along one axis; `cu_seqlens` cuts it into segments (a video
 is split into consecutive windows of at most W temporal steps, an image is one step) and every token attends

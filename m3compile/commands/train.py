@@ -85,7 +85,7 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
 def distill(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
             warmup_steps, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, cuda_graph,
             block_loss, as_json, shard):
-    """Distil the index branch of the converted model MODEL_DIR with KL (MSA_SPEC section 4).
+    """Distil the index branch of the converted model MODEL_DIR with KL (docs/msa.md section 4).
 
     Only index parameters learn; the backbone stays bit-identical. The teacher is the dense attention averaged
     over each KV group's heads; the student is the index branch's softmax over the same support (all visible
@@ -165,7 +165,7 @@ def _training(verb: str, run, config, params: dict) -> None:
                            help="Weight of the index KL added to the LM loss.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
           loss_coeff, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, as_json, shard):
-    """Continue training the converted model MODEL_DIR with sparse attention active (MSA_SPEC section 4).
+    """Continue training the converted model MODEL_DIR with sparse attention active (docs/msa.md section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
     (teacher: the group-mean attention over the selected blocks) keeps the index branch aligned and reaches only

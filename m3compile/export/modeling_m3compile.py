@@ -12,7 +12,7 @@ and otherwise the torch code below, which follows m3compile's references (`kerne
 m3compile installed, generate() first counts the cache and the prompts' forward against the free memory as
 `m3c generate` does (m3compile.memory) and stops with the numbers before allocating what would not fit.
 
-MSA layer, for hidden states x (MSA_SPEC sections 2-3):
+MSA layer, for hidden states x (m3compile's docs/msa.md, sections 2-3):
     q_idx = rope(norm_q(x W_qi)) [B, T, Hi, Di], k_idx = rope(norm_k(x W_ki)) [B, T, Di]   (x detached; Hi = Hkv)
     block score S[g, t, b] = max over keys j <= t of block b of q_idx[g, t] . k_idx[j] / sqrt(Di)
     per (group g, token t): the local block(s), the init blocks, then the best other blocks, topk in all (-1 = empty)

@@ -2,7 +2,7 @@
 
 model_type llama, mistral, qwen2, qwen3, minimax_m3_vl_text, the text model of minimax_m3_vl, and m3compile_msa (a
 converted Llama-family model as transformers remote code, m3compile.export.remote_code); M3 text configs in both
-flavours of keys (MSA_SPEC section 1): the release's (`sparse_attention_config`, `moe_layer_freq`) and what
+flavours of keys (docs/msa.md section 1): the release's (`sparse_attention_config`, `moe_layer_freq`) and what
 `transformers` saves (`layer_types`, `index_n_heads`, ...).
 """
 from __future__ import annotations

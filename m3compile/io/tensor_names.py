@@ -1,6 +1,6 @@
 """Tensor names: every supported checkpoint layout <-> ours, and ours -> M3's release naming.
 
-Read: both M3 layouts (MSA_SPEC section 1), the release naming (`language_model.model.`, `block_sparse_moe.`,
+Read: both M3 layouts (docs/msa.md section 1), the release naming (`language_model.model.`, `block_sparse_moe.`,
 per-expert w1/w2/w3, `index_q_proj`) and what `transformers` saves (`indexer.q_proj`, fused `gate_up_proj`, packed
 experts), and the Llama family's. Write: the release naming (to_release_names, vision_release_names).
 """

@@ -43,7 +43,7 @@ __all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to
 def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> dict:
     """Attention FLOPs and cache bytes per token at `context`, MSA layers against the same layers dense.
 
-    MSA_SPEC's FLOP model for a prefill of N tokens: dense 2*Hq*d*N^2, MSA H_kv*d_idx*N^2 + 4*Hq*d*N*topk*block;
+    the FLOP model of docs/msa.md for a prefill of N tokens: dense 2*Hq*d*N^2, MSA H_kv*d_idx*N^2 + 4*Hq*d*N*topk*block;
     per token = divided by N. Decode of one token at context N: dense 4*Hq*d*N, MSA 2*H_kv*d_idx*N +
     4*Hq*d*min(topk*block, N). Dense layers cost the same in both columns.
     """

@@ -1,4 +1,4 @@
-"""Index-branch distillation (MSA_SPEC section 4): teach a converted model's index branch to select the blocks the
+"""Index-branch distillation (docs/msa.md section 4): teach a converted model's index branch to select the blocks the
 dense model attends to.
 
     load converted model -> trace -> distill pipeline (kl_distill; the lowered ops on CUDA) -> AdamW on the index
@@ -179,7 +179,7 @@ class DistillConfig:
 
 @dataclass(frozen=True)
 class TrainConfig(DistillConfig):
-    """Continued training of a converted model (MSA_SPEC section 4): every parameter learns from the LM loss with
+    """Continued training of a converted model (docs/msa.md section 4): every parameter learns from the LM loss with
     sparse attention active, plus `loss_coeff` x the index KL (which reaches only the index branch)."""
 
     loss_coeff: float = 1.0

@@ -1,4 +1,4 @@
-"""The selection's reference (kernels/indexer/naive.py) against brute-force statements of MSA_SPEC section 2, on
+"""The selection's reference (kernels/indexer/naive.py) against brute-force statements of docs/msa.md section 2, on
 odd shapes."""
 import math
 

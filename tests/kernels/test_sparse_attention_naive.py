@@ -1,5 +1,5 @@
-"""The sparse attention's reference (kernels/sparse_attention/naive.py) against brute-force statements of MSA_SPEC
-section 3, on odd shapes."""
+"""The sparse attention's reference (kernels/sparse_attention/naive.py) against brute-force statements of
+docs/msa.md section 3, on odd shapes."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""The index-branch KL (MSA_SPEC section 4) against a direct T x T formula, its gradients, and its memory."""
+"""The index-branch KL (docs/msa.md section 4) against a direct T x T formula, its gradients, and its memory."""
 import pytest
 import torch
 

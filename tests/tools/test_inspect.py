@@ -35,7 +35,8 @@ def test_byte_llama_from_headers():
 
 
 def test_m3_preset_matches_the_spec_flop_model():
-    """MSA_SPEC: 28.4x fewer attention FLOPs per token at 1M in an MSA layer (64 q / 4 kv heads, d 128, top-16 x 128)."""
+    """docs/msa.md section 8: 28.4x fewer attention FLOPs per token at 1M in an MSA layer (64 q / 4 kv heads,
+    d 128, top-16 x 128)."""
     r = inspect(preset="m3", context=2**20)
     assert r.cost["prefill_ratio_per_msa_layer"] == pytest.approx(28.44, abs=0.01)
     assert [row["attention"] for row in r.layers[:4]] == ["dense", "dense", "dense", "msa"]
