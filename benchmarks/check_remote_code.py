@@ -1,10 +1,11 @@
 """The converted model in transformers (remote code) on a GPU: logits and greedy tokens against m3compile.
 
-    python3 benchmarks/check_remote_code.py ../shared --device cuda --out remote.json
+    python3 scripts/code_data.py data
+    python3 benchmarks/check_remote_code.py data/eval.bin --device cuda --out remote.json
 
-Converts dense-llama-byte (block 64 / top-8, layer 0 dense), loads it with
+Converts checkpoints/byte-llama (block 64 / top-8, layer 0 dense), loads it with
 AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True) in fp32 and compares, on the first --tokens bytes
-of eval_code.bin: logits with msa_backend "auto" (m3compile's Triton kernels on CUDA) and "torch" against
+of EVAL (held-out code bytes): logits with msa_backend "auto" (m3compile's Triton kernels on CUDA) and "torch" against
 m3compile.load's reference forward (max abs. difference, bound 1e-4), then greedy generate() from a --prompt-tokens
 prompt against m3compile.generate (its Triton paged decode on CUDA), and times each forward. Prints and writes JSON.
 """
@@ -35,7 +36,7 @@ def _timed(fn, device):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("shared", type=Path, help="the shared folder (checkpoints/dense-llama-byte, data/eval_code.bin)")
+    p.add_argument("eval", type=Path, help="held-out code bytes (scripts/code_data.py's eval.bin)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--prompt-tokens", type=int, default=3000)
@@ -45,14 +46,14 @@ def main() -> None:
     result = {"transformers": transformers.__version__, "torch": torch.__version__, "device": a.device}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-msa"
-        m3compile.convert_checkpoint(a.shared / "checkpoints" / "dense-llama-byte", path,
+        m3compile.convert_checkpoint(Path(__file__).resolve().parents[1] / "checkpoints" / "byte-llama", path,
                                      m3compile.MSAConfig(block_size=64, topk=8, dense_layers=(0,)))
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
         hf = hf.to(a.device).eval()
         module = __import__(type(hf).__module__, fromlist=["m3c_sparse"])
         result["kernels_importable"] = module.m3c_sparse is not None
         ours = m3compile.load(path, dtype="float32", device=a.device)
-        text = load_tokens(a.shared / "data" / "eval_code.bin", 256).long()
+        text = load_tokens(a.eval, 256).long()
         x = text[: a.tokens][None].to(a.device)
         with torch.no_grad():
             want, result["m3compile_reference_s"] = _timed(lambda: ours(x), a.device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 32K distillation recipe on the real 32K-context model, staged: Qwen2.5-Coder-0.5B-Instruct (as
-# ../shared/fixtures/qwen25_coder.py builds it) converted at one budget (BLOCK / TOPK) with a 128-wide index head
+# scripts/qwen25_coder.py builds it) converted at one budget (BLOCK / TOPK) with a 128-wide index head
 # calibrated on long code (as benchmarks/ruler_real.sh), then distilled at 32K in stages up to the token counts in
 # TOKENS, each stage resuming the last (`m3c distill --resume` semantics: bit for bit, the same data order), and after
 # each stage evaluated: the 32K loss eval with its oracle row on held-out long code (`m3c eval --seq-len 32768
@@ -17,7 +17,8 @@
 # started without EST_LOSS / EST_RULER seconds left) and exits 0 saying what is left. Then
 # `python3 benchmarks/plot_recipe.py OUT` draws every budget found in OUT and prints the table.
 #
-#   benchmarks/distill_recipe_32k.sh HF_QWEN_DIR SHARED_DIR OUT_DIR
+#   benchmarks/distill_recipe_32k.sh HF_QWEN_DIR LONG_CODE_DIR OUT_DIR
+#   LONG_CODE_DIR: what `python3 scripts/long_code.py DIR` writes (long_code_calib.txt, long_code_eval.txt)
 #   env: BLOCK (128), TOPK (16), TOKENS ("0 4M 12M 25M 50M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole
 #        steps), RULER_AT (the TOKENS entries that get the RULER eval; default all), SEQ_LEN (32768), BATCH (1),
 #        LR (1e-3), LR_SCHEDULE (constant | cosine), LR_WARMUP (0: steps of linear ramp), LR_MIN (0.1: the cosine's
@@ -31,7 +32,7 @@
 # takes about 17 N seconds of steps; a loss eval of 8 windows about 20 s, a RULER eval (MSA only, 5 samples) about
 # 70 s, the token files 20 s and the conversion 16 s, once.
 set -euo pipefail
-HF=$1; SHARED=$2; OUT=$3
+HF=$1; LONG=$2; OUT=$3
 M3C=${M3C:-m3c}; PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}
 BLOCK=${BLOCK:-128}; TOPK=${TOPK:-16}; TOKENS=${TOKENS:-0 4M 12M 25M 50M}; RULER_AT=${RULER_AT:-$TOKENS}
 SEQ_LEN=${SEQ_LEN:-32768}; BATCH=${BATCH:-1}; LR=${LR:-1e-3}; WARMUP_STEPS=${WARMUP_STEPS:-0}
@@ -63,7 +64,7 @@ wants_ruler() { local x; for x in $RULER_AT; do [ "$x" = "$1" ] && return 0; don
 
 # the token files, once per OUT (shared by the budgets)
 if [ ! -f "$OUT/eval_ids.npy" ]; then
-  t $PY "$HERE/recipe_distill.py" prepare "$HF" "$SHARED/data/long_code_calib.txt" "$SHARED/data/long_code_eval.txt" \
+  t $PY "$HERE/recipe_distill.py" prepare "$HF" "$LONG/long_code_calib.txt" "$LONG/long_code_eval.txt" \
     "$OUT" --train-chars "$TRAIN_CHARS"
 fi
 model=$B/model
@@ -117,7 +118,7 @@ for spec in $TOKENS; do
   fi
   if wants_ruler "$spec" && [ ! -f "$S/ruler.json" ]; then
     [ $(left) -ge $EST_RULER ] || stop_for_time "the RULER eval of $spec"
-    t to_json "$S/ruler.json" $M3C eval ruler "$evaluated" --data "$SHARED/data/long_code_eval.txt" \
+    t to_json "$S/ruler.json" $M3C eval ruler "$evaluated" --data "$LONG/long_code_eval.txt" \
       --lengths "$LENGTHS" --samples $SAMPLES --selections index ${TASKS:+--tasks $TASKS} --dtype $EVAL_DTYPE \
       --device "$DEVICE" --json
   fi

@@ -8,10 +8,10 @@
 #   env: M3C (m3c), DEVICE (cuda), NEW_TOKENS (64), RUNS ("cold warm warm warm warm": in order, each run of the dense
 #        model then of the converted one; cold empties the model's Triton cache first), OUT (a new temporary folder: each run's text, stderr and Triton cache)
 # Before the runs, torch is imported once and both checkpoints are read once, so that "cold" means a cold kernel
-# cache, not a cold file-system cache. The 32K code model of ../shared/fixtures/qwen25_coder.py with a 25K-token
+# cache, not a cold file-system cache. The 32K code model of scripts/qwen25_coder.py with a 25K-token
 # prompt (about 2.5 minutes on an H200):
-#   python3 ../shared/fixtures/qwen25_coder.py qwen && m3c convert qwen qwen-msa --index-dim 128
-#   python3 -c "open('prompt.txt', 'w').write(open('../shared/data/long_code_eval.txt').read()[:92000])"
+#   python3 scripts/qwen25_coder.py qwen && m3c convert qwen qwen-msa --index-dim 128
+#   python3 scripts/long_code.py data && python3 -c "open('prompt.txt', 'w').write(open('data/long_code_eval.txt').read()[:92000])"
 #   benchmarks/generate_e2e.sh qwen qwen-msa prompt.txt > e2e.json
 set -euo pipefail
 DENSE=$1; MSA=$2; PROMPT=$3; shift 3

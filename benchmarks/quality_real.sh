@@ -3,9 +3,11 @@
 # distilled from the calibrated init, at block 64 / top-8 and M3's block 128 / top-16 (layer 0 dense), with the
 # retrieval test. Every figure is an `m3c eval loss --json` or `m3c eval retrieval --json` file in OUT.
 #
-#   benchmarks/quality_real.sh HF_SMOLLM2_DIR SHARED_DIR DATA_DIR OUT_DIR
-#   DATA_DIR: calib_code_smollm2.npy / eval_code_smollm2.npy (calib_code.bin / eval_code.bin decoded as UTF-8 with
-#             invalid bytes replaced, through SmolLM2's tokenizer.json)
+#   benchmarks/quality_real.sh HF_SMOLLM2_DIR CODE_DIR DATA_DIR OUT_DIR
+#   CODE_DIR: what `python3 scripts/code_data.py DIR` writes (calib.bin, eval.bin); the byte model is the repository's
+#             checkpoints/byte-llama
+#   DATA_DIR: calib_code_smollm2.npy / eval_code_smollm2.npy (calib.bin / eval.bin decoded as UTF-8 with invalid
+#             bytes replaced, through SmolLM2's tokenizer.json)
 #   env: M3C (m3c), DEVICE (cuda), STEPS ("150": distillation totals, each evaluated, continued with --resume),
 #        WARMUP (20), BATCH (2), LR (3e-3), CALIB_TOKENS (8192),
 #        MODELS ("smollm2 byte"), SETTINGS ("64/8 128/16"), DISTILL_SETTINGS ("64/8": the settings distilled),
@@ -14,7 +16,8 @@
 # The wider head with its 0.01 init at both settings (evals of 128 / 16 take 40-80 s each on an H200):
 #   MODELS=smollm2 DISTILL_SETTINGS="64/8 128/16" INDEX_DIM=128 STEPS="900" benchmarks/quality_real.sh ...
 set -euo pipefail
-HF=$1; SHARED=$2; DATA=$3; OUT=$4
+HF=$1; CODE=$2; DATA=$3; OUT=$4
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; STEPS=${STEPS:-150}; WARMUP=${WARMUP:-20}; BATCH=${BATCH:-2}; LR=${LR:-3e-3}
 CT=${CALIB_TOKENS:-8192}
 IDX=(${INDEX_DIM:+--index-dim $INDEX_DIM}); BL=(${BLOCK_LOSS:+--block-loss $BLOCK_LOSS})
@@ -22,7 +25,7 @@ mkdir -p "$OUT"
 t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:4}" >&2; }
 for model in ${MODELS:-smollm2 byte}; do
   if [ $model = smollm2 ]; then src=$HF; calib=$DATA/calib_code_smollm2.npy; ev=$DATA/eval_code_smollm2.npy
-  else src=$SHARED/checkpoints/dense-llama-byte; calib=$SHARED/data/calib_code.bin; ev=$SHARED/data/eval_code.bin; fi
+  else src=$ROOT/checkpoints/byte-llama; calib=$CODE/calib.bin; ev=$CODE/eval.bin; fi
   for setting in ${SETTINGS:-64/8 128/16}; do
     set -- ${setting/\// }; tag=$model-b$1k$2
     t $M3C convert "$src" "$OUT/$tag-w" --block-size $1 --topk $2 --dense-layers 0 "${IDX[@]}" --force --json \

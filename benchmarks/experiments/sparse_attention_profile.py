@@ -4,7 +4,7 @@ One sequence, Llama-3-8B attention shapes by default (32 query / 8 KV heads, d 1
 the selection from the fused indexer on random index queries and keys. Times `sparse_attention` (median of 5, CUDA
 events), its gather pass alone (stage "gather": CSR build + gather kernel), and profiles one call: device time per
 kernel name. The ideal is the dense-causal FLOPs on the keys the selection makes visible at ~600 TFLOP/s (the
-rate dense SDPA reaches on this GPU, ../shared/PEERS.md). Run it with M3C_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 to
+rate dense SDPA reaches on this GPU, BENCHMARKS.md). Run it with M3C_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 to
 see the tuned configs. Also times the query-tile union kernel (kernels/sparse_attention/tile.py) on the same selection and
 on the "shared" one (the tile's tokens share their blocks; a real model's consecutive queries come close:
 benchmarks/experiments/selection_locality.py), with the union's size over top-k. Prints one JSON object.
