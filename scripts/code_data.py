@@ -20,22 +20,19 @@ Each file is written under a temporary name and renamed when complete: an interr
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
 import sysconfig
 from pathlib import Path
 
+from _script import Parser, ScriptError, write_atomic
+
 __all__ = ["SKIP_DIRS", "sources", "held_out", "write"]
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 CALIB_BYTES = 4_000_000
 EVAL_BYTES = 300_000
-
-
-class ScriptError(Exception):
-    """A refusal with a one-line reason; the command line prints it and exits with status 2."""
 
 
 def held_out(relpath: str) -> bool:
@@ -73,15 +70,6 @@ def _piece(relpath: str, data: bytes) -> bytes:
     return f"# ---- {relpath} ----\n".encode("utf-8") + data
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write(out_dir: str | os.PathLike, calib_bytes: int = CALIB_BYTES, eval_bytes: int = EVAL_BYTES,
           root: str | os.PathLike | None = None, echo: bool = True) -> dict[str, Path]:
     """Write train.bin, calib.bin and eval.bin into `out_dir`; returns {"train": path, "calib": ..., "eval": ...}.
@@ -107,7 +95,7 @@ def write(out_dir: str | os.PathLike, calib_bytes: int = CALIB_BYTES, eval_bytes
     paths = {}
     for name, (data, used, total) in outputs.items():
         paths[name] = out_dir / f"{name}.bin"
-        _write_atomic(paths[name], data)
+        write_atomic(paths[name], lambda f: f.write(data))
         if echo:
             print(f"wrote {paths[name]}: {len(data):,} bytes, {used:,} of {total:,} files")
     return paths
@@ -124,14 +112,9 @@ def _files_in(files: list[tuple[str, bytes]], limit: int) -> int:
     return count
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="code_data.py", description=__doc__.split("\n\n")[0],
-                 epilog="Writes train.bin, calib.bin and eval.bin; see the module docstring for the split.")
+    ap = Parser("code_data.py", __doc__.split("\n\n")[0],
+                epilog="Writes train.bin, calib.bin and eval.bin; see the module docstring for the split.")
     ap.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for the .bin files (created if missing)")
     ap.add_argument("--calib-bytes", type=int, default=CALIB_BYTES, metavar="N",
                     help=f"size of calib.bin, the start of train.bin (default {CALIB_BYTES:,})")
@@ -141,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write(a.out_dir, a.calib_bytes, a.eval_bytes)
     except ScriptError as e:
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
+        ap.fail(e)
     return 0
 
 

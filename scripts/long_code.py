@@ -21,22 +21,19 @@ The outputs are read as text with a checkpoint's tokenizer (`m3c eval --data lon
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from _script import Parser, ScriptError, write_atomic
+
 __all__ = ["LongFile", "long_files", "write"]
 
 MIN_BYTES = 60_000
 EVAL_FILES = 10
 CALIB_BYTES = 16_000_000
-
-
-class ScriptError(Exception):
-    """A refusal with a one-line reason; the command line prints it and exits with status 2."""
 
 
 @dataclass(frozen=True)
@@ -83,15 +80,6 @@ def long_files(folders: list[str], min_bytes: int) -> list[LongFile]:
     return sorted(found, key=lambda f: (f.relpath, f.rank))
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8", newline="")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write(out_dir: str | os.PathLike, min_bytes: int = MIN_BYTES, eval_files: int = EVAL_FILES,
           calib_bytes: int = CALIB_BYTES, folders: list[str] | None = None, echo: bool = True) -> dict[str, Path]:
     """Write long_code_calib.txt and long_code_eval.txt into `out_dir`; returns {"calib": path, "eval": path}.
@@ -120,21 +108,16 @@ def write(out_dir: str | os.PathLike, min_bytes: int = MIN_BYTES, eval_files: in
         chosen = sorted(chosen, key=lambda f: (f.relpath, f.rank))
         text = "".join(f.piece() for f in chosen)
         paths[name] = out_dir / f"long_code_{name}.txt"
-        _write_atomic(paths[name], text)
+        write_atomic(paths[name], lambda f: f.write(text.encode("utf-8")))
         if echo:
             print(f"wrote {paths[name]}: {len(text.encode('utf-8')):,} bytes, {len(chosen):,} files "
                   f"(of {len(files):,} of >= {min_bytes:,} bytes)")
     return paths
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="long_code.py", description=__doc__.split("\n\n")[0],
-                 epilog="See the module docstring for which files qualify and how eval files are chosen.")
+    ap = Parser("long_code.py", __doc__.split("\n\n")[0],
+                epilog="See the module docstring for which files qualify and how eval files are chosen.")
     ap.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for the two .txt files (created if missing)")
     ap.add_argument("--min-bytes", type=int, default=MIN_BYTES, metavar="N",
                     help=f"smallest file taken, in bytes (default {MIN_BYTES:,})")
@@ -149,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write(a.out_dir, a.min_bytes, a.eval_files, a.calib_bytes, folders)
     except ScriptError as e:
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
+        ap.fail(e)
     return 0
 
 

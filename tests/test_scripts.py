@@ -3,7 +3,6 @@ and the command lines of the real-model builders (no download: help and refusals
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,10 @@ import pytest
 import torch
 
 import m3compile
+from tests.conftest import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 HEADER = re.compile(rb"^# ---- (.+) ----$", re.MULTILINE)
-
-
-def script(name: str) -> dict:
-    """A script's functions, without running its command line."""
-    return runpy.run_path(str(SCRIPTS / name))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -34,7 +29,7 @@ def headers(data: bytes) -> list[str]:
 @pytest.fixture(scope="module")
 def code_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("code")
-    script("code_data.py")["write"](out, calib_bytes=200_000, eval_bytes=50_000, echo=False)
+    load_script("code_data.py")["write"](out, calib_bytes=200_000, eval_bytes=50_000, echo=False)
     return out
 
 
@@ -43,7 +38,7 @@ def code_data(tmp_path_factory) -> Path:
 
 
 def test_code_data_splits_by_file_and_is_deterministic(code_data, tmp_path):
-    paths = script("code_data.py")["write"](tmp_path, calib_bytes=200_000, eval_bytes=50_000, echo=False)
+    paths = load_script("code_data.py")["write"](tmp_path, calib_bytes=200_000, eval_bytes=50_000, echo=False)
     assert sorted(paths) == ["calib", "eval", "train"]
     data = {name: path.read_bytes() for name, path in paths.items()}
     assert len(data["calib"]) == 200_000 and len(data["eval"]) == 50_000 and len(data["train"]) > 1_000_000
@@ -80,7 +75,7 @@ def test_long_code_keeps_long_files_whole_and_holds_some_out(tmp_path, monkeypat
     (root / "pkg" / "latin1.py").write_bytes(b"s = '\xe9'\n" * 400)  # not UTF-8
     (nested / "n.py").write_text("y = 2\n" * 400)  # its own sys.path entry: path relative to it
     texts["n.py"] = "y = 2\n" * 400
-    write = script("long_code.py")["write"]
+    write = load_script("long_code.py")["write"]
     monkeypatch.setattr(sys, "path", [str(root), str(nested), str(tmp_path / "missing")])
     paths = write(tmp_path / "out", min_bytes=1000, eval_files=3, echo=False)
     calib, held_out = (paths[k].read_text() for k in ("calib", "eval"))
@@ -124,13 +119,13 @@ def test_the_smoke_training_writes_a_checkpoint_that_transformers_and_m3compile_
 
 
 def test_train_byte_model_refuses_before_training(code_data, tmp_path):
-    main = script("train_byte_model.py")["main"]
+    main = load_script("train_byte_model.py")["main"]
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert main([str(code_data), str(tmp_path / "full"), "--smoke"]) == 2
     assert main([str(tmp_path / "nodata"), str(tmp_path / "new"), "--smoke"]) == 2
     assert not (tmp_path / "new").exists()
-    lr = script("train_byte_model.py")["lr_at"]
+    lr = load_script("train_byte_model.py")["lr_at"]
     assert lr(0, 100, 10, 1.0) == pytest.approx(0.1) and lr(9, 100, 10, 1.0) == pytest.approx(1.0)
     assert lr(99, 100, 10, 1.0) == pytest.approx(0.1)
 
@@ -154,7 +149,7 @@ def test_real_model_scripts_explain_themselves_and_refuse_in_one_line(name, word
 
 
 def test_missing_packages_are_named_with_the_pip_command():
-    helper = script("_gguf_checkpoint.py")
+    helper = load_script("_gguf_checkpoint.py")
     with pytest.raises(helper["ScriptError"], match=r"missing Python packages no_such_pkg_a, no_such_pkg_b; "
                                                     r"install with: pip install gguf accelerate transformers"):
         helper["check_packages"](("json", "no_such_pkg_a", "no_such_pkg_b"))
