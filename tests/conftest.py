@@ -17,6 +17,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # later interpreted kernel in that process fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
 import triton  # noqa: E402,F401
 
+from m3compile import MSAConfig, convert_checkpoint  # noqa: E402
+
 # `pytest -n 2` on 2 cores: one torch thread per worker. Two workers of 2 OpenMP threads each on 2 cores spin
 # against each other: the torch-heavy tests then ran up to 6x slower side by side than alone
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -28,6 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_BYTE = ROOT / "checkpoints" / "byte-llama"
 
 
+def load_script(name: str) -> dict:
+    """The functions of scripts/NAME, without running its command line; its folder is first on the module path while
+    it loads, as when Python runs it (the scripts share scripts/_script.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return runpy.run_path(str(ROOT / "scripts" / name))
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
 def _code_data() -> dict[str, Path]:
     """Code bytes of this Python's standard library, split by file (scripts/code_data.py): calib.bin (4 MB of the
     training files) and eval.bin (300 KB of held-out ones), made once per Python version into the temporary
@@ -35,7 +47,7 @@ def _code_data() -> dict[str, Path]:
     folder = Path(tempfile.gettempdir()) / f"m3compile-test-code-{sys.version_info.major}.{sys.version_info.minor}"
     paths = {name: folder / f"{name}.bin" for name in ("calib", "eval")}
     if not all(p.is_file() for p in paths.values()):
-        runpy.run_path(str(ROOT / "scripts" / "code_data.py"))["write"](folder, echo=False)
+        load_script("code_data.py")["write"](folder, echo=False)
     return paths
 
 
@@ -47,3 +59,20 @@ CALIB_DATA = _DATA["calib"]
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def byte_msa(tmp_path_factory) -> Path:
+    """The byte-level model converted with 16-token blocks and top-4, layer 0 dense: sparse from 128 tokens on."""
+    out = tmp_path_factory.mktemp("byte") / "msa"
+    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_msa(tmp_path_factory) -> Path:
+    """The m3-tiny preset converted with 8-token blocks and top-2, layer 0 dense, in fp32."""
+    out = tmp_path_factory.mktemp("tiny") / "msa"
+    convert_checkpoint(None, out, MSAConfig(block_size=8, topk=2, dense_layers=(0,)), preset="m3-tiny",
+                       dtype="float32")
+    return out

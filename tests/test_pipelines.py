@@ -18,11 +18,6 @@ from m3compile.train.distill import index_parameters
 TINY = MSAConfig(block_size=8, topk=2, dense_layers=(0,))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "msa"
-    m3compile.convert_checkpoint(None, out, TINY, preset="m3-tiny", dtype="float32")
-    return out
 
 
 def _targets(gm):
@@ -59,8 +54,8 @@ def test_lowering_is_idempotent_and_needs_msa():
     m3compile.lower(m3compile.from_preset("m3-tiny"), require_msa=False)  # a dense model's norms and RoPE
 
 
-def test_lowering_a_loaded_decoder(tiny_dir):
-    model = m3compile.load(tiny_dir)
+def test_lowering_a_loaded_decoder(tiny_msa):
+    model = m3compile.load(tiny_msa)
     ids = torch.randint(0, 256, (1, 30))
     with torch.no_grad():
         want = model(ids)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from m3compile import MSAConfig, convert_checkpoint, evaluate, load
+from m3compile import evaluate, load
 from m3compile.data import load_tokens
 from m3compile.kernels.causal_lse import naive as ref
 from m3compile.models.decoder import Attention, Decoder, ModelArgs, MSALayerArgs
 from m3compile.ops import lowering_enabled
-from tests.conftest import EVAL_DATA, LLAMA_BYTE
+from tests.conftest import EVAL_DATA
 from tests.cli.test_cli import assert_clean_failure, run, small_ckpt  # noqa: F401 (fixture)
 
 
@@ -155,11 +155,6 @@ def test_lowered_path_equals_the_reference_path(heads, kv, layers, n_windows):
         assert fast.oracle_recall[i] == pytest.approx(expected[i], abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def byte_msa(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval") / "msa"
-    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
-    return out
 
 
 def test_oracle_beats_the_untrained_index_branch(byte_msa):

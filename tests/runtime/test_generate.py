@@ -14,11 +14,6 @@ from tests.conftest import LLAMA_BYTE
 TINY = MSAConfig(block_size=8, topk=2, dense_layers=(0,))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "msa"
-    m3compile.convert_checkpoint(None, out, TINY, preset="m3-tiny", dtype="float32")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +60,8 @@ def test_generate_with_an_index_head_narrower_than_rope(tmp_path):
             assert (res.step_logits[:, b] - want[1:]).abs().max().item() < 1e-4
 
 
-def test_generate_with_triton_kernels_matches_reference(tiny_dir):
-    model = m3compile.load(tiny_dir)
+def test_generate_with_triton_kernels_matches_reference(tiny_msa):
+    model = m3compile.load(tiny_msa)
     prompts = [torch.randint(0, 256, (29,)).tolist(), torch.randint(0, 256, (9,)).tolist(), [5]]
     fast = m3compile.generate(model, prompts, 4)  # interpreter: the Triton kernels
     slow = m3compile.generate(model, prompts, 4, kernels=False)
@@ -77,12 +72,12 @@ def test_generate_with_triton_kernels_matches_reference(tiny_dir):
     assert fp8.tokens == fp8_ref.tokens
 
 
-def test_decode_graph_capture_needs_cuda_and_cpu_stays_eager(tiny_dir):
+def test_decode_graph_capture_needs_cuda_and_cpu_stays_eager(tiny_msa):
     """The captured decode step (CUDA graph) cannot run on a CPU: asked for, it is a one-line error; by default a CPU
     runs the eager step (the GPU check, graph logits == eager logits, is in `m3c bench model`)."""
     from m3compile.runtime import DecodeStep, PagedCache, graph_unavailable
 
-    model = m3compile.load(tiny_dir)
+    model = m3compile.load(tiny_msa)
     assert "CUDA" in graph_unavailable(model, "cpu")
     with pytest.raises(M3CompileError, match="cannot capture the decode step"):
         m3compile.generate(model, [[1, 2, 3]], 3, cuda_graph=True)
@@ -92,8 +87,8 @@ def test_decode_graph_capture_needs_cuda_and_cpu_stays_eager(tiny_dir):
     assert len(res.tokens[0]) == 12
 
 
-def test_generate_rejects_bad_input(tiny_dir):
-    model = m3compile.load(tiny_dir)
+def test_generate_rejects_bad_input(tiny_msa):
+    model = m3compile.load(tiny_msa)
     with pytest.raises(M3CompileError, match="at least one token"):
         m3compile.generate(model, [[1, 2], []], 2)
     with pytest.raises(M3CompileError, match="outside the vocabulary"):

@@ -5,22 +5,17 @@ import pytest
 import torch
 
 from m3compile.kernels.causal_lse import naive as ref
-from m3compile import MSAConfig, convert_checkpoint, load
+from m3compile import load
 from m3compile.tools.attention_map import attention_map
 from m3compile.data import load_tokens
 from tests.conftest import EVAL_DATA, LLAMA_BYTE
 from tests.cli.test_cli import assert_clean_failure, run
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("map") / "msa"
-    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
-    return out
 
 
-def test_map_figures_match_the_recall_reference(converted):
-    model = load(converted, dtype="float32")
+def test_map_figures_match_the_recall_reference(byte_msa):
+    model = load(byte_msa, dtype="float32")
     tokens = load_tokens(EVAL_DATA, 256)
     amap = attention_map(model, tokens, layer=2, group=1, seq_len=200, offset=1000)
     assert amap.attention.shape == (200, 200) and amap.selected.shape == (200, 13)
@@ -38,9 +33,9 @@ def test_map_figures_match_the_recall_reference(converted):
     assert sorted(amap.recall) == [1, 2, 3, 4, 5]
 
 
-def test_cli_writes_a_png(converted, tmp_path):
+def test_cli_writes_a_png(byte_msa, tmp_path):
     out = tmp_path / "maps" / "layer1.png"
-    code, output = run("attention-map", converted, "--data", EVAL_DATA, "--layer", 1, "--group", 0, "--out", out,
+    code, output = run("attention-map", byte_msa, "--data", EVAL_DATA, "--layer", 1, "--group", 0, "--out", out,
                        "--seq-len", 128, "--json")
     assert code == 0, output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -55,9 +50,9 @@ def test_cli_writes_a_png(converted, tmp_path):
     (["--layer", 1, "--seq-len", 100000], "--seq-len must be in"),
     (["--layer", 1, "--offset", 10**6], "runs past it"),
 ])
-def test_bad_input(converted, tmp_path, args, needle):
+def test_bad_input(byte_msa, tmp_path, args, needle):
     out = tmp_path / "map.png"
-    code, output = run("attention-map", converted, "--data", EVAL_DATA, "--out", out, *args)
+    code, output = run("attention-map", byte_msa, "--data", EVAL_DATA, "--out", out, *args)
     assert_clean_failure(code, output, out, needle)
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m3compile import DistillConfig, MSAConfig, TrainConfig, convert_checkpoint, distill, load, train
+from m3compile import DistillConfig, TrainConfig, distill, load, train
 from m3compile.data import load_tokens, windows
 from m3compile.train.distill import DistillStep
-from tests.conftest import CALIB_DATA, LLAMA_BYTE
+from tests.conftest import CALIB_DATA
 from tests.train.test_distill import tensors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,20 +25,15 @@ STATE_FILES = ("distill_state/index.safetensors", "distill_state/optimizer.safet
 pytestmark = pytest.mark.xdist_group("shard")
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shard") / "msa"
-    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
-    return out
 
 
 @pytest.fixture(scope="module")
-def sharded(converted, tmp_path_factory):
+def sharded(byte_msa, tmp_path_factory):
     """The worker's outputs (see tests/train/shard_worker.py) of one launch of 2 gloo processes."""
     out = tmp_path_factory.mktemp("sharded")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "train" / "shard_worker.py"), str(converted), str(CALIB_DATA), str(out)]
+           str(ROOT / "tests" / "train" / "shard_worker.py"), str(byte_msa), str(CALIB_DATA), str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # see test_distill
@@ -47,9 +42,9 @@ def sharded(converted, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["distill", "train"])
-def test_gradients_equal_the_one_process_gradients_of_the_doubled_batch(converted, sharded, kind):
+def test_gradients_equal_the_one_process_gradients_of_the_doubled_batch(byte_msa, sharded, kind):
     config = DistillConfig(steps=1, seq_len=128) if kind == "distill" else TrainConfig(steps=1, seq_len=64, lr=1e-4)
-    step = DistillStep(load(converted, dtype="float32"), config, "cpu", "sparse")
+    step = DistillStep(load(byte_msa, dtype="float32"), config, "cpu", "sparse")
     wins = windows(load_tokens(CALIB_DATA, 256), config.seq_len, 2)
     step.backward(wins[:, :-1], wins[:, 1:])
     got = load_file(str(sharded / f"grads_{kind}.safetensors"))
@@ -59,12 +54,12 @@ def test_gradients_equal_the_one_process_gradients_of_the_doubled_batch(converte
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_two_sharded_processes_match_one_process_and_keep_half_the_parameters_each(converted, sharded, tmp_path):
-    single = distill(converted, CALIB_DATA, tmp_path / "single",
+def test_two_sharded_processes_match_one_process_and_keep_half_the_parameters_each(byte_msa, sharded, tmp_path):
+    single = distill(byte_msa, CALIB_DATA, tmp_path / "single",
                      DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1, holdout_tokens=128))
     a = load_file(str(sharded / "distill" / STATE_FILES[0]))
     b = load_file(str(tmp_path / "single" / STATE_FILES[0]))
-    start = load_file(str(converted / "model.safetensors"))
+    start = load_file(str(byte_msa / "model.safetensors"))
     for key in a:
         assert not torch.equal(a[key], start[key].float())
         # as the DDP test (test_distill.py), on its data: with the default 512 held-out tokens the training windows
@@ -73,7 +68,7 @@ def test_two_sharded_processes_match_one_process_and_keep_half_the_parameters_ea
         # AdamW's eps, grown by the later steps)
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
         assert ((a[key] - b[key]).abs() > 1e-6).float().mean() < 1e-3
-    before, after = tensors(converted), tensors(sharded / "distill")
+    before, after = tensors(byte_msa), tensors(sharded / "distill")
     assert before.keys() == after.keys()
     for name in before:  # the backbone, gathered from the shards, is written back bit for bit
         if ".index_" not in name:
@@ -81,17 +76,17 @@ def test_two_sharded_processes_match_one_process_and_keep_half_the_parameters_ea
     report = json.loads((sharded / "distill" / "distill_report.json").read_text())
     assert report["sharded"] and report["world_size"] == 2
     whole = single.param_bytes_per_rank[0]
-    assert whole == sum(p.numel() * p.element_size() for p in load(converted, dtype="float32").parameters())
+    assert whole == sum(p.numel() * p.element_size() for p in load(byte_msa, dtype="float32").parameters())
     assert sum(report["param_bytes_per_rank"]) == whole  # the local shards partition the model
     for held in report["param_bytes_per_rank"]:
         assert abs(held - whole / 2) < 0.01 * whole, (held, whole)
 
 
-def test_sharded_training_matches_one_process(converted, sharded, tmp_path):
-    train(converted, CALIB_DATA, tmp_path / "single", TrainConfig(steps=2, seq_len=64, batch=2, lr=1e-4))
+def test_sharded_training_matches_one_process(byte_msa, sharded, tmp_path):
+    train(byte_msa, CALIB_DATA, tmp_path / "single", TrainConfig(steps=2, seq_len=64, batch=2, lr=1e-4))
     a = load_file(str(sharded / "train" / "train_state" / "params.safetensors"))
     b = load_file(str(tmp_path / "single" / "train_state" / "params.safetensors"))
-    start = {k: v.float() for k, v in load(converted, dtype="float32").state_dict().items()}
+    start = {k: v.float() for k, v in load(byte_msa, dtype="float32").state_dict().items()}
     assert a.keys() == b.keys()
     for key in a:
         assert not torch.equal(a[key], start[key]), key
@@ -102,7 +97,7 @@ def test_sharded_training_matches_one_process(converted, sharded, tmp_path):
     assert json.loads((sharded / "train" / "train_report.json").read_text())["sharded"]
 
 
-def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(converted, sharded):
+def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(byte_msa, sharded):
     for name in STATE_FILES[:2]:
         a, b = load_file(str(sharded / "distill" / name)), load_file(str(sharded / "resumed" / name))
         assert a.keys() == b.keys()
@@ -118,7 +113,7 @@ def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(converted, sharded):
         want = state[key].to(model[key].dtype) if key in state else straight[key]
         assert torch.equal(model[key], want), key
     # the 2-step state of the 2-process sharded run, continued by one unsharded process (the same global batch)
-    report = distill(converted, CALIB_DATA, sharded / "two_steps",
+    report = distill(byte_msa, CALIB_DATA, sharded / "two_steps",
                      DistillConfig(steps=3, seq_len=128, batch=2, lr=1e-2, warmup_steps=1, holdout_tokens=128), resume=True)
     assert report.start_step == 2 and not report.sharded
     a = load_file(str(sharded / "distill" / STATE_FILES[0]))
@@ -127,7 +122,7 @@ def test_a_sharded_run_resumes_bit_for_bit_sharded_or_not(converted, sharded):
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
 
 
-def test_the_distillation_graph_keeps_every_layer_group(converted):
+def test_the_distillation_graph_keeps_every_layer_group(byte_msa):
     """The distillation graph calls each layer's backbone leaves as modules (where FSDP2 all-gathers a shard): every
     layer keeps its group. The index branch's weights, which its one index_branch op reads by get_attr, belong to
     no layer group: the root holds them (they are small), gathered for the whole step."""
@@ -135,7 +130,7 @@ def test_the_distillation_graph_keeps_every_layer_group(converted):
     from m3compile.pipelines import run_pipeline
     from m3compile.train.shard import shard_groups
 
-    model = load(converted, dtype="float32")
+    model = load(byte_msa, dtype="float32")
     gm = trace(model)
     run_pipeline("distill", gm, mode="sparse")
     groups = dict(shard_groups(gm))

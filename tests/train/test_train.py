@@ -5,44 +5,38 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m3compile import DistillInterrupted, MSAConfig, TrainConfig, convert_checkpoint, load, train
+from m3compile import DistillInterrupted, TrainConfig, load, train
 from m3compile.data import load_tokens, windows
-from tests.conftest import CALIB_DATA, LLAMA_BYTE
+from tests.conftest import CALIB_DATA
 from tests.cli.test_cli import run
 from tests.train.test_distill import digest, tensors, two_processes_and_one
 
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """The byte-level model with 16-token blocks and top-4: at 128 tokens (8 blocks) selection is really sparse."""
-    out = tmp_path_factory.mktemp("train") / "msa"
-    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=4, dense_layers=(0,)))
-    return out
 
 
-def test_training_updates_the_backbone_and_fits_its_data(converted, tmp_path):
+def test_training_updates_the_backbone_and_fits_its_data(byte_msa, tmp_path):
     """One 128-token window seen every step: the LM loss through the sparse attention must fall."""
     data = tmp_path / "one_window.bin"
     data.write_bytes(CALIB_DATA.read_bytes()[:129])
     out = tmp_path / "trained"
-    report = train(converted, data, out, TrainConfig(steps=6, seq_len=128, batch=1, lr=1e-4, loss_coeff=1.0))
+    report = train(byte_msa, data, out, TrainConfig(steps=6, seq_len=128, batch=1, lr=1e-4, loss_coeff=1.0))
     lm = [h["lm"] for h in report.history]
     assert len(lm) == 6 and lm[-1] < lm[0] - 0.05, lm
-    a, b = tensors(converted), tensors(out)
+    a, b = tensors(byte_msa), tensors(out)
     changed = {k for k in a if not torch.equal(a[k], b[k])}
     assert any(".self_attn.q_proj." in k for k in changed) and any(".mlp." in k for k in changed)
     assert any(".index_q_proj." in k for k in changed)  # through the KL
     assert (out / "train_state" / "params.safetensors").is_file() and (out / "train_report.json").is_file()
 
 
-def test_kl_alone_reaches_only_the_index_branch(converted):
+def test_kl_alone_reaches_only_the_index_branch(byte_msa):
     """With the LM loss's gradient removed (coefficient on the KL only), backbone gradients are exactly zero."""
     from m3compile.graph.pass_manager import PassManager
     from m3compile.graph.tracing import trace
     from m3compile.passes.kl_distill import KLDistill
 
-    model = load(converted, dtype="float32")
+    model = load(byte_msa, dtype="float32")
     gm = trace(model)
     PassManager([KLDistill("sparse")]).run(gm)
     x = windows(load_tokens(CALIB_DATA, 256), 128, 1)[:, :-1]
@@ -54,17 +48,17 @@ def test_kl_alone_reaches_only_the_index_branch(converted):
         assert p.grad is None or p.grad.abs().max() == 0, name
 
 
-def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
+def test_ctrl_c_saves_and_resume_continues_bit_for_bit(byte_msa, tmp_path):
     config = TrainConfig(steps=4, seq_len=64, batch=1, lr=1e-4, holdout_tokens=64)
-    train(converted, CALIB_DATA, tmp_path / "straight", config)
+    train(byte_msa, CALIB_DATA, tmp_path / "straight", config)
 
     def interrupt_at_2(step, total, metrics):
         if step == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(DistillInterrupted, match="after step 2"):
-        train(converted, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_2)
-    report = train(converted, CALIB_DATA, tmp_path / "resumed", config, resume=True)
+        train(byte_msa, CALIB_DATA, tmp_path / "resumed", config, progress=interrupt_at_2)
+    report = train(byte_msa, CALIB_DATA, tmp_path / "resumed", config, resume=True)
     assert report.start_step == 2 and [h["step"] for h in report.history] == [1, 2, 3, 4]
     for name in ("train_state/params.safetensors", "train_state/optimizer.safetensors", "model.safetensors"):
         a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
@@ -73,8 +67,8 @@ def test_ctrl_c_saves_and_resume_continues_bit_for_bit(converted, tmp_path):
             assert torch.equal(a[key], b[key]), f"{name}:{key}"
 
 
-def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, tmp_path):
-    ddp, single = two_processes_and_one(["train", str(converted), "--data", str(CALIB_DATA), "--steps", "2",
+def test_two_gloo_processes_match_one_process_with_the_doubled_batch(byte_msa, tmp_path):
+    ddp, single = two_processes_and_one(["train", str(byte_msa), "--data", str(CALIB_DATA), "--steps", "2",
                                          "--seq-len", "64", "--lr", "1e-4", "--holdout-tokens", "64", "--json"],
                                         tmp_path)
     a = load_file(str(ddp / "train_state" / "params.safetensors"))
@@ -83,18 +77,18 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(converted, 
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=2e-6)
 
 
-def test_bad_input_leaves_output_untouched(converted, tmp_path):
+def test_bad_input_leaves_output_untouched(byte_msa, tmp_path):
     out = tmp_path / "out"
-    code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "1", "--seq-len", "64",
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", out, "--steps", "1", "--seq-len", "64",
                        "--holdout-tokens", "0")
     assert code == 0, output
     before = digest(out)
-    code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64")
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64")
     assert code == 2 and "already exists" in output
-    code, output = run("train", converted, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64",
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", out, "--steps", "2", "--seq-len", "64",
                        "--loss-coeff", "0.5", "--resume", "--holdout-tokens", "0")
     assert code == 2 and "loss_coeff" in output
-    code, output = run("train", converted, "--data", CALIB_DATA, "--out", tmp_path / "x", "--steps", "1",
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", tmp_path / "x", "--steps", "1",
                        "--loss-coeff", "-1")
     assert code == 2 and "loss_coeff must be >= 0" in output and not (tmp_path / "x").exists()
     assert digest(out) == before
