@@ -1,19 +1,27 @@
-"""Every code block of README.md runs (CPU-sized), so the README cannot drift from the code.
+"""Every code block of README.md and of the pages in docs/ runs (CPU-sized), so the pages cannot drift from the code.
+The pages are read in order, README.md first, in one temporary directory that holds links to the repository's
+checkpoints/ and scripts/, so commands run as a reader runs them from the repository root.
 
-    Quickstart bash blocks   run command by command (`m3c` in-process), as written, with ../shared pointing at
-                             the shared folder and the sizes of SIZES made small; what the README says each step
-                             prints is checked in its output. A block with "cuda" in it is a GPU block: parsed.
+    Quickstart bash blocks   run command by command (`m3c` in-process, the scripts as processes), as written, with
+                             the sizes of SIZES made small; what the README says each step prints is checked in its
+                             output. A block with "cuda" in it is a GPU block: parsed.
     Set-up block             `m3c` runs (the default preset); `pip install` extras and `pytest` paths must exist.
-    other bash blocks        every `m3c` command (also after `torchrun ... -m m3compile.cli`) is parsed by click
-                             as it would be run, options and value types included, without running; scripts
-                             named must exist.
-    python blocks            executed in order in one namespace, in the quickstart's directory, with the paths and
-                             sizes of PYTHON_SUBSTITUTIONS swapped for tiny models (and cuda for the CPU); the names
-                             a block leaves to the reader (input_ids, frames, ...) are given tiny values.
-    blocks without a language (the layout tree) are not code.
+    other bash blocks        a command whose comment says `# error: MESSAGE` runs and must fail with exit status 2
+                             and that message (up to a "..."); every other `m3c` command (also after
+                             `torchrun ... -m m3compile.cli` or `$(which m3c)`) is parsed by click as it would be
+                             run, options and value types included, without running; scripts named must exist.
+    python blocks            executed in order in one namespace, with the paths and sizes of python_inputs swapped
+                             for tiny models (and cuda for the CPU); the names a block leaves to the reader
+                             (input_ids, frames, ...) are given tiny values.
+    blocks without a language (the layout tree, config excerpts) are not code.
+
+Also: every relative link of the pages resolves, and README's Layout names every top-level folder and every
+package of m3compile/, each of which exists.
 """
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -24,20 +32,20 @@ from click.testing import CliRunner
 
 import m3compile
 from m3compile import MSAConfig, cli
-from tests.conftest import ROOT as _ROOT
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SIZES = {"--seq-len": "128", "--max-windows": "1", "--steps": "2", "--warmup-steps": "1", "--max-new-tokens": "8"}
 # what the quickstart says each command (or group and subcommand) prints (a phrase of it)
 PRINTS = {"convert": "pass gqa_to_msa: replaced 5 attention ops", "eval loss": "sparse loss", "distill": "wrote",
           "generate": "\n"}  # the streamed text, then a newline
 
 
-def blocks() -> list[tuple[str, str, str]]:
-    """(section heading, language, code) for every fenced block, in order."""
+def blocks(page: Path = README) -> list[tuple[str, str, str]]:
+    """(section heading, language, code) for every fenced block of a page, in order."""
     out, section = [], ""
-    lines = README.read_text().splitlines()
+    lines = page.read_text().splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -65,6 +73,16 @@ def commands(code: str) -> list[list[str]]:
             out.append(words[:cut])
             words = words[cut + 1:]
     return [c for c in out if c]
+
+
+def error_examples(code: str) -> list[tuple[list[str], str]]:
+    """(command, message) for each line of a bash block whose comment reads `# error: message` (cut at " ...")."""
+    out = []
+    for line in code.splitlines():
+        if "# error: " in line:
+            command, message = line.split("# error: ", 1)
+            out.append((shlex.split(command), message.split(" ...")[0].strip()))
+    return out
 
 
 def m3c_args(words: list[str]) -> list[str] | None:
@@ -123,8 +141,14 @@ def check_setup(words: list[str]) -> None:
 
 
 def small(args: list[str]) -> list[str]:
-    args = [str(SHARED) + a[len("../shared"):] if a.startswith("../shared") else a for a in args]
     return [SIZES[args[i - 1]] if i and args[i - 1] in SIZES else a for i, a in enumerate(args)]
+
+
+def run_script(words: list[str]) -> None:
+    """`python3 scripts/NAME.py ...` of the quickstart, as a process in the current directory."""
+    assert words[0] == "python3" and words[1].startswith("scripts/"), f"quickstart command not covered: {words}"
+    done = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,42 +199,97 @@ def python_inputs(code: str, tmp: Path) -> tuple[list[tuple[str, str]], dict]:
 def test_every_code_block_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a reader's CPU: the torch references (kernels: tests/kernels)
+    for name in ("checkpoints", "scripts"):  # the quickstart runs from the repository root
+        (tmp_path / name).symlink_to(ROOT / name)
     namespace: dict = {}
-    ran = {"quickstart": 0, "parsed": 0, "python": 0}
-    found = blocks()
-    assert any(s.startswith("Quickstart") and lang == "bash" for s, lang, _ in found), "README has no quickstart"
-    for section, lang, code in found:
-        if lang in ("", "text"):
+    ran = {"quickstart": 0, "errors": 0, "parsed": 0, "python": 0}
+    assert any(s.startswith("Quickstart") and lang == "bash" for s, lang, _ in blocks()), "README has no quickstart"
+    for page in PAGES:
+        for section, lang, code in blocks(page):
+            if lang in ("", "text"):
+                continue
+            if lang == "bash":
+                run_bash(page, section, code, ran)
+            elif lang == "python":
+                subs, names = python_inputs(code, tmp_path)
+                for old, new in subs:
+                    code = code.replace(old, new)
+                namespace.update(names)
+                exec(compile(code, f"{page.name} ({section})", "exec"), namespace)
+                ran["python"] += 1
+            else:
+                pytest.fail(f"{page.name} block in language {lang!r} ({section}): add a rule to tests/test_readme.py")
+    assert ran["quickstart"] >= 6 and ran["errors"] >= 3 and ran["parsed"] >= 30 and ran["python"] >= 4, ran
+
+
+def run_bash(page: Path, section: str, code: str, ran: dict) -> None:
+    errors = error_examples(code)
+    for words, message in errors:
+        args = m3c_args(words)
+        assert args is not None, f"{page.name}: error example is not m3c: {words}"
+        result = CliRunner().invoke(cli.main, args)
+        assert result.exit_code == 2 and f"error: {message}" in result.output, (words, result.output)
+        ran["errors"] += 1
+    for words in commands(code):
+        if any(words == w for w, _ in errors):
             continue
-        if lang == "bash":
-            for words in commands(code):
-                args = m3c_args(words)
-                if section.startswith("Quickstart") and "cuda" not in code:
-                    assert args is not None, f"quickstart command is not m3c: {words}"
-                    out = run_m3c(small(args))
-                    assert PRINTS.get(" ".join(args[:2]), PRINTS.get(args[0])) in out, out
-                    ran["quickstart"] += 1
-                elif section.startswith("Set-up"):
-                    if args is not None:
-                        run_m3c(args)
-                    else:
-                        check_setup(words)
-                elif args is not None:
-                    dry_parse(args)
-                    ran["parsed"] += 1
-                else:
-                    script = next((w for w in words if w.startswith("benchmarks/")), None)
-                    assert script and (ROOT / script).is_file(), f"README command not covered: {' '.join(words)}"
-        elif lang == "python":
-            subs, names = python_inputs(code, tmp_path)
-            for old, new in subs:
-                code = code.replace(old, new)
-            namespace.update(names)
-            exec(compile(code, f"README.md ({section})", "exec"), namespace)
-            ran["python"] += 1
+        args = m3c_args(words)
+        if page == README and section.startswith("Quickstart") and "cuda" not in code:
+            if args is None:
+                run_script(words)
+            else:
+                out = run_m3c(small(args))
+                assert PRINTS.get(" ".join(args[:2]), PRINTS.get(args[0])) in out, out
+            ran["quickstart"] += 1
+        elif page == README and section.startswith("Set-up"):
+            if args is not None:
+                run_m3c(args)
+            else:
+                check_setup(words)
+        elif args is not None:
+            dry_parse(args)
+            ran["parsed"] += 1
         else:
-            pytest.fail(f"README block in language {lang!r} ({section}): add a rule to tests/test_readme.py")
-    assert ran["quickstart"] >= 4 and ran["parsed"] >= 10 and ran["python"] >= 3, ran
+            script = next((w for w in words if w.startswith(("benchmarks/", "scripts/"))), None)
+            assert script and (ROOT / script).is_file(), f"{page.name}: command not covered: {' '.join(words)}"
+
+
+def test_every_relative_link_resolves():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), f"{page.name}: link to {target} resolves to nothing"
+
+
+def _tracked_top_level() -> set[str]:
+    """The repository's top-level folders (tracked files only: no build or test outputs)."""
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: the folders less what .gitignore names
+        ignored = {"build", "m3-tiny-msa", "__pycache__", ".pytest_cache"}
+        return {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
+                and p.name not in ignored and not p.name.endswith(".egg-info")}
+    return {f.split("/")[0] for f in files.splitlines() if "/" in f and not f.startswith(".")}
+
+
+def test_layout_names_the_tree():
+    text = README.read_text().split("## Layout", 1)[1]
+    tree = text.split("```", 2)[1]
+    named = [line.split()[0] for line in tree.splitlines()[1:] if line.strip() and not line.startswith(" ")]
+    for path in named:
+        assert (ROOT / path).exists(), f"README Layout names {path}, which does not exist"
+    folders = {p.rstrip("/") for p in named if p.endswith("/")}
+    assert _tracked_top_level() <= folders, _tracked_top_level() - folders
+    packages = {f"m3compile/{p.name}" for p in (ROOT / "m3compile").iterdir() if (p / "__init__.py").is_file()}
+    assert packages <= folders, packages - folders
+
+
+def test_tests_mirror_the_package():
+    """Each folder of tests/ is named after the package folder (or cli.py) whose code it tests."""
+    rooms = {p.name for p in (ROOT / "m3compile").iterdir() if (p / "__init__.py").is_file()}
+    rooms |= {"kernels", "models", "passes", "cli"}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= rooms, folders - rooms
 
 
 def test_headline_picture_is_drawn_from_the_results(tmp_path):

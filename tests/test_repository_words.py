@@ -74,3 +74,21 @@ def test_no_tracked_file_speaks_of_the_development(files):
             if found:
                 bad.append(f"{name}:{i}: {found}")
     assert not bad, "\n".join(bad[:50]) + (f"\n... and {len(bad) - 50} more" if len(bad) > 50 else "")
+
+
+def test_the_repository_stands_alone(files):
+    """Nothing tracked reads or cites the folder of shared checkpoints, data and notes beside the repository: a clone
+    is whole (its test model is checkpoints/byte-llama, its data the standard library's source, its spec docs/msa.md)."""
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    outside = re.compile(r"\.\./shared\b|\bMSA_SPEC\b|\bPEERS\.md\b")
+    bad = []
+    for name in files:
+        path = ROOT / name
+        if name == this or not path.is_file() or name.startswith("benchmarks/results/"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        bad += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if outside.search(line)]
+    assert not bad, bad[:20]
