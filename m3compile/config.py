@@ -12,7 +12,7 @@ from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
            "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK",
-           "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
+           "MAX_INDEX_DIM", "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -42,6 +42,12 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_TOPK = 1 << 16
 MAX_INDEX_DIM = 1024
 MAX_INDEX_HEADS = 1024
+
+# The format of what a converted config.json's sparse_attention_config means, written under FORMAT_VERSION_KEY (a key
+# of m3compile's, beside M3's own). A reader refuses a version newer than its own, whose keys it could misread; a
+# config without the key (written before it existed, or M3's own) is version 1. Raise it when a key's meaning changes.
+FORMAT_VERSION = 1
+FORMAT_VERSION_KEY = "m3compile_format_version"
 
 # dtype names users give -> the torch dtype's attribute name
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -150,8 +156,10 @@ class MSAConfig:
     def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool],
                   index_rope: str = "m3") -> dict:
         """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring, and
-        sparse_index_rope for an index head narrower than the rotary width: not M3 keys, written only when set)."""
+        sparse_index_rope for an index head narrower than the rotary width: not M3 keys, written only when set) and
+        the format version it is written in (FORMAT_VERSION_KEY)."""
         out = {
+            FORMAT_VERSION_KEY: FORMAT_VERSION,
             "use_sparse_attention": True,
             "sparse_num_index_heads": index_heads,
             "sparse_index_dim": index_dim,
