@@ -23,10 +23,10 @@ from pathlib import Path
 
 from m3compile.io.hf_config import REMOTE_MODEL_TYPE, REMOTE_SOURCE_TYPES
 
-__all__ = ["MODELING_FILE", "remote_config", "write_modeling_file"]
+__all__ = ["MODELING_FILE", "ARCHITECTURE", "remote_config", "write_modeling_file"]
 
 MODELING_FILE = "modeling_m3compile.py"
-_ARCHITECTURE = "M3CompileForCausalLM"
+ARCHITECTURE = "M3CompileForCausalLM"
 _AUTO_MAP = {"AutoConfig": "modeling_m3compile.M3CompileConfig",
              "AutoModelForCausalLM": "modeling_m3compile.M3CompileForCausalLM"}
 
@@ -43,7 +43,7 @@ def remote_config(config: dict) -> dict:
     kind = config.get("model_type")
     if kind not in REMOTE_SOURCE_TYPES or not _has_msa_layers(config):
         return dict(config)
-    out = dict(config, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[_ARCHITECTURE],
+    out = dict(config, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[ARCHITECTURE],
                auto_map=dict(_AUTO_MAP))
     return out
 
