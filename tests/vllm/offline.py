@@ -5,8 +5,8 @@
 JOBS: a list of {"model": DIR, "engine": LLM keyword arguments, "batches": [[{"prompt": [ids], "max_tokens": n,
 "prompt_logprobs": bool}, ...], ...]}; each batch is one LLM.generate call (its requests batched together), greedy.
 OUT: per job, per batch, per request: {"tokens": [...], "prompt_logprobs": [logprob of each prompt token after the
-first] or None, "cached": prompt tokens served from the prefix cache}. The tests run it as a process of its own:
-vLLM sets the process's threads and memory binding, which the test process keeps for its other tests.
+first] or None, "cached": prompt tokens served from the prefix cache}. The tests run it as a process of its own, so
+vLLM's global state (its config, its distributed environment) never lives in the test process.
 """
 import gc
 import json

@@ -32,15 +32,17 @@ ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 26
 
 
 def vllm_env() -> dict:
-    """The engines' environment: the engine in this process (one process, not three), Triton's interpreter off."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    """A vLLM process's environment: Triton's interpreter off (vLLM's CPU build runs no Triton)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def run_engines(jobs: list, tmp_path) -> list:
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    # each engine in this one process (vLLM's CPU build starts two more per engine otherwise, each importing vLLM),
+    # with the single OpenMP thread vLLM's own worker process would set (unset, a decode step took 10 times longer)
+    env = dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "tests.vllm.offline", tmp_path / "jobs.json", tmp_path / "out.json"],
-                          cwd=ROOT, env=vllm_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((tmp_path / "out.json").read_text())
 

@@ -66,9 +66,8 @@ def server(model, tmp_path_factory):
     log = open(root / "server.log", "w")
     proc = subprocess.Popen([*SERVER, "--model", str(model), "--served-model-name", NAME, "--host", "127.0.0.1",
                              "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-                             "--kv-cache-memory-bytes", str(1 << 26), "--chat-template", str(root / "chat.jinja"),
-                             "--distributed-executor-backend", "uni"],
-                            cwd=root, env=vllm_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, stdout=log,
+                             "--kv-cache-memory-bytes", str(1 << 26), "--chat-template", str(root / "chat.jinja")],
+                            cwd=root, env=vllm_env(), stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -191,7 +190,7 @@ def bad_models(model, root) -> dict[str, tuple[list[str], str]]:
 def test_bad_input_is_one_line_and_no_engine(model, tmp_path):
     cases = bad_models(model, tmp_path)
     procs = {name: subprocess.Popen([*SERVER, *args, "--port", str(free_port())], cwd=tmp_path,
-                                    env=vllm_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+                                    env=vllm_env(),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, (args, _) in cases.items()}
     for name, proc in procs.items():
