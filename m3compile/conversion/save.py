@@ -30,7 +30,7 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
     out = json.loads(json.dumps(source))
     text = out["text_config"] if out.get("model_type") == "minimax_m3_vl" else out
     if args.msa is None:
-        return out
+        return remote_config(out)
     sparse = [args.is_sparse(i) for i in range(args.n_layers)]
     m = args.msa
     text["sparse_attention_config"] = dataclasses.replace(

@@ -219,3 +219,36 @@ def test_older_checkpoints_load_and_distill_train_outputs_run_in_transformers(ti
         cfg = json.loads((tmp_path / out / "config.json").read_text())
         assert cfg["model_type"] == REMOTE_MODEL_TYPE and cfg["source_model_type"] == "llama"
         assert_same_model(tmp_path / out, x, x[0, :30].tolist(), 3)
+
+
+def test_every_output_rewrites_the_fields_that_name_code(tiny, tmp_path):
+    """A converted model whose config.json names other code (auto_map to evil.Evil, custom_pipelines) distils, trains,
+    re-converts and saves into outputs whose auto_map, architectures and model_type are the product's own: each
+    loads in transformers as the MSA model beside its modeling file, and none names the source's code."""
+    from m3compile.conversion.save import save
+
+    src = tmp_path / "tampered"
+    src.mkdir()
+    for f in tiny["qwen3-qknorm"].iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"},
+               custom_pipelines={"evil": {"impl": "evil.Pipeline"}}, architectures=["Evil"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    m3compile.distill(src, CALIB_DATA, tmp_path / "distilled", DistillConfig(steps=1, seq_len=16, holdout_tokens=0))
+    m3compile.train(src, CALIB_DATA, tmp_path / "trained", TrainConfig(steps=1, seq_len=16, holdout_tokens=0))
+    convert_checkpoint(src, tmp_path / "converted", None)
+    model = m3compile.load(src, dtype="float32")
+    gm, report = m3compile.convert(model, TINY_MSA)
+    save(gm, report, tmp_path / "saved", source_config=model.source_config)
+    x = torch.randint(0, 256, (1, 20))
+    for out in ("distilled", "trained", "converted", "saved"):
+        written = json.loads((tmp_path / out / "config.json").read_text())
+        assert written["auto_map"] == {"AutoConfig": "modeling_m3compile.M3CompileConfig",
+                                       "AutoModelForCausalLM": "modeling_m3compile.M3CompileForCausalLM"}, out
+        assert (written["model_type"], written["source_model_type"]) == (REMOTE_MODEL_TYPE, "qwen3"), out
+        assert written["architectures"] == ["M3CompileForCausalLM"] and "custom_pipelines" not in written, out
+        with torch.no_grad():
+            torch.testing.assert_close(hf_load(tmp_path / out)(x).logits,
+                                       m3compile.load(tmp_path / out, dtype="float32")(x), rtol=1e-4, atol=1e-4)
