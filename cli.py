@@ -28,7 +28,9 @@ from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
 from m3compile.outputs import COMMITTED
 from m3compile.commands.bench import bench
-from m3compile.commands.common import EXIT_INTERRUPTED, fail, kv_cache_option, load_model, parse_chunk, stdout_console
+from m3compile.commands.common import (
+    EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, load_model, stdout_console,
+)
 from m3compile.commands.eval import eval_
 from m3compile.commands.train import distill, train
 
@@ -51,7 +53,7 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt  # the atomic writers remove their temporary directories, as for Ctrl-C
 
 
-class _Group(click.Group):
+class _Group(Group):
     """m3c's group: usage errors and the library's errors (M3CompileError) as one line `error: <message>` (exit 2),
     Ctrl-C and SIGTERM as one line and exit 130."""
 
@@ -148,10 +150,10 @@ def main():
 
 
 @main.command()
-@click.argument("src", required=False, type=click.Path(path_type=Path))
-@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.argument("src", required=False, type=InputPath())
+@click.argument("out", required=False, type=OutputPath("dir"))
 @click.option("--preset", default=None, help="Convert a built-in preset instead of SRC (default when SRC is omitted: m3-tiny).")
-@click.option("--out", "out_opt", type=click.Path(path_type=Path), default=None, help="Output directory (same as OUT).")
+@click.option("--out", "out_opt", type=OutputPath("dir"), default=None, help="Output directory (same as OUT).")
 @click.option("--block-size", default=128, show_default=True, help="Keys per block (also the KV-cache page).")
 @click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included.")
 @click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
@@ -169,11 +171,12 @@ def main():
               help="Index scoring: auto (the compute dtype) or fp8 (e4m3 query rows and keys, fp32 accumulation); kept in config.json.")
 @click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
-@click.option("--calib", type=click.Path(path_type=Path), default=None,
+@click.option("--calib", type=InputPath(), default=None,
               help="Calibration data (.bin bytes, .npy ids, .txt/.jsonl via SRC's tokenizer): fits the index branch to "
                    "the hidden states it sees [default: the weight-only init].")
-@click.option("--calib-tokens", default=8192, show_default=True, help="Calibration tokens read from the start of --calib.")
-@click.option("--calib-seq-len", type=int, default=None,
+@click.option("--calib-tokens", default=8192, show_default=True, type=Size(),
+              help="Calibration tokens read from the start of --calib.")
+@click.option("--calib-seq-len", type=Size(), default=None,
               help="Tokens per calibration window [default: 2048, or the model's positions if fewer].")
 @click.option("--calib-device", default="cpu", show_default=True, help="Where the calibration forward runs (cpu, cuda, cuda:N).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -254,12 +257,13 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
 
 
 @main.command(name="attention-map")
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.argument("model_dir", type=InputPath())
+@click.option("--data", required=True, type=InputPath(), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
 @click.option("--layer", required=True, type=int, help="MSA layer to draw.")
 @click.option("--group", default=0, show_default=True, help="KV group (index head) to draw.")
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
-@click.option("--seq-len", default=1024, show_default=True, help="Tokens in the window (the map is seq-len x seq-len).")
+@click.option("--out", "out", required=True, type=OutputPath("file", ".png"), help="PNG file to write.")
+@click.option("--seq-len", default=1024, show_default=True, type=Size(),
+              help="Tokens in the window (the map is seq-len x seq-len).")
 @click.option("--offset", default=0, show_default=True, help="First token of the window in --data.")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
@@ -294,16 +298,16 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 
 
 _prefill_chunk_option = click.option(
-    "--prefill-chunk", default="auto", show_default=True,
+    "--prefill-chunk", default="auto", show_default=True, type=Size(auto=True),
     help="Tokens per prefill pass, e.g. 32K; auto: the whole prompt where its activations fit beside the caches, "
          "else the largest chunk that does.")
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=InputPath())
 @click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from this UTF-8 file.")
-@click.option("--max-new-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--prompt-file", type=InputPath(), default=None, help="Read the prompt from this UTF-8 file.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=Size(), help="Tokens to generate at most.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples from softmax(logits / T).")
 @click.option("--top-p", default=1.0, show_default=True, help="With --temperature: sample from the smallest set of tokens holding this probability.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
@@ -335,7 +339,6 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
     (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
-    chunk = parse_chunk(prefill_chunk)
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
@@ -349,8 +352,6 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
         fail(f"--prompt is not UTF-8 text (invalid byte at offset {len(prompt[:e.start].encode('utf-8', 'replace'))})")
-    if max_new_tokens < 1:
-        raise click.BadParameter("--max-new-tokens must be >= 1")
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, next
     from m3compile.io.tokenizer import TextCodec, eos_token_id
     from m3compile.runtime.generate import generate
@@ -380,7 +381,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     result = generate(model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
                       temperature=temperature, top_p=top_p, seed=seed, on_token=show,
                       cuda_graph=False if eager else None, timings=timings, kv_cache_dtype=kv_cache,
-                      index_cache_dtype=index_cache, prefill_chunk=chunk)
+                      index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
     click.echo()
     if timings:
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
@@ -389,13 +390,13 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
 
 
 @main.command()
-@click.argument("src", required=False, type=click.Path(path_type=Path))
+@click.argument("src", required=False, type=InputPath())
 @click.option("--preset", default=None, help="Inspect a built-in preset instead of SRC (default when SRC is omitted: m3).")
-@click.option("--context", default=131072, show_default=True, help="Context length for the cost figures.")
+@click.option("--context", default=131072, show_default=True, type=Size(), help="Context length for the cost figures.")
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "dot", "svg", "mermaid"]), default="rich",
               show_default=True, help="rich tables, JSON, or one layer's graph as Graphviz DOT, SVG or Mermaid.")
 @click.option("--layer", type=int, default=None, help="Layer drawn by dot/svg/mermaid [default: the first MSA layer].")
-@click.option("--out", "out", type=click.Path(path_type=Path), default=None, help="Write to this file instead of stdout.")
+@click.option("--out", "out", type=OutputPath("file"), default=None, help="Write to this file instead of stdout.")
 @click.option("--block-size", default=128, show_default=True, help="For an unconverted model: MSA block size to apply.")
 @click.option("--topk", default=16, show_default=True, help="For an unconverted model: top-k blocks to apply.")
 @click.option("--dense-layers", default=None, help="For an unconverted model: layers kept dense [default: 0; m3: 0,1,2].")
@@ -438,8 +439,8 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
 
 
 @main.command(name="export-onnx")
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=InputPath())
+@click.argument("out_dir", type=OutputPath("dir"))
 @click.option("--dtype", type=click.Choice(ONNX_DTYPES), default="float32", show_default=True,
               help="The exported weights' and the graph's dtype (the MSA function computes in fp32).")
 @click.option("--external-data", type=click.Choice(EXTERNAL_DATA), default="auto", show_default=True,

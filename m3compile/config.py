@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
+__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
            "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK",
            "MAX_INDEX_DIM", "MAX_INDEX_HEADS"]
 
@@ -42,6 +43,58 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_TOPK = 1 << 16
 MAX_INDEX_DIM = 1024
 MAX_INDEX_HEADS = 1024
+
+# The ceilings of sizes: every size a command takes (a length, a chunk, a number of samples, a batch, decode steps) is
+# parsed by parse_size and checked against its kind's ceiling before anything is allocated. Far past any real run,
+# short of a request that would exhaust memory before a later check could see it
+SIZE_LIMITS = {
+    "length": 1 << 24,  # tokens of a sequence, prompt, prefill chunk, window or generation: 16M, 16x M3's 1M context
+    "samples": 10_000,  # prompts per ruler task and length, retrieval probes per distance
+    "batch": 1024,  # sequences (windows, prompts) run at once
+    "decode steps": 1 << 16,  # decode steps of one timing
+}
+_SIZE_UNITS = {"length": "tokens", "samples": "samples", "batch": "sequences", "decode steps": "steps"}
+_SIZE_SUFFIXES = {"K": 1024, "M": 1024 * 1024}
+
+
+def check_size(value, name: str, kind: str = "length") -> int:
+    """`value` as a size of `kind` (SIZE_LIMITS): a whole number in [1, the ceiling]; `name` labels the error."""
+    limit, unit = SIZE_LIMITS[kind], _SIZE_UNITS[kind]
+    if not _is_int(value):
+        raise M3CompileError(f"{name} must be a whole number of {unit}, got {value!r}")
+    if value < 1:
+        raise M3CompileError(f"{name} must be >= 1, got {value}")
+    if value > limit:
+        raise M3CompileError(f"{name} {value:,} is past the ceiling of {limit:,} {unit}")
+    return value
+
+
+def parse_size(value, name: str, kind: str = "length") -> int:
+    """The one parser of sizes: an int, or a text such as 4096, 8K or 1M (K = 1024, M = 1024 x 1024; 1.5K is 1536),
+    checked by check_size. Not a number, not whole, not finite (inf) or past the ceiling: a one-line error naming
+    `name` and the ceiling."""
+    if isinstance(value, str):
+        text = value.strip().upper()
+        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+        try:
+            number = float(text[:-1] if scale > 1 else text) * scale
+        except ValueError:
+            raise M3CompileError(f"{name}: expected a size such as 4096, 8K or 1M, got {value!r}") from None
+        if math.isnan(number):
+            raise M3CompileError(f"{name}: expected a size such as 4096, 8K or 1M, got {value!r}")
+        limit = SIZE_LIMITS[kind]
+        if number > limit:
+            raise M3CompileError(f"{name} {value.strip()} is past the ceiling of {limit:,} {_SIZE_UNITS[kind]}")
+        if number != int(number):
+            raise M3CompileError(f"{name} {value.strip()} is not a whole number of {_SIZE_UNITS[kind]}")
+        value = int(number)
+    return check_size(value, name, kind)
+
+
+def parse_sizes(text: str, name: str, kind: str = "length") -> tuple[int, ...]:
+    """Comma-separated sizes (8K,32K,1M), each by parse_size; empty items are skipped ('' is none)."""
+    return tuple(parse_size(t, name, kind) for t in str(text).split(",") if t.strip())
+
 
 # dtype names users give -> the torch dtype's attribute name
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -179,23 +232,31 @@ class EvalConfig:
     max_windows  evaluate at most this many windows; None = all (0 is not "all": it would evaluate nothing)
     batch        windows per forward
     probes       retrieval: probes per distance
+    kv_cache     loss: "auto" scores the model's own forward; another K/V cache dtype scores each window through the
+                 paged prefill, one window at a time (so with a batch of one only)
     """
 
     seq_len: int = 4096
     max_windows: int | None = None
     batch: int = 1
     probes: int = 16
+    kv_cache: str = "auto"
 
     def __post_init__(self):
-        for name in ("seq_len", "max_windows", "batch", "probes"):
-            value = getattr(self, name)
-            if name == "max_windows" and value is None:
-                continue
-            if not _is_int(value):
-                raise M3CompileError(f"{name} must be an integer, got {value!r}")
-            if value < 1:
-                extra = " (leave it out to evaluate every window)" if name == "max_windows" else ""
-                raise M3CompileError(f"{name} must be >= 1, got {value}{extra}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
+        check_size(self.probes, "probes", "samples")
+        if self.max_windows is not None:
+            if not _is_int(self.max_windows):
+                raise M3CompileError(f"max_windows must be an integer, got {self.max_windows!r}")
+            if self.max_windows < 1:
+                raise M3CompileError(f"max_windows must be >= 1, got {self.max_windows} (leave it out to evaluate "
+                                     f"every window)")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
+        if self.kv_cache != "auto" and self.batch != 1:
+            raise M3CompileError(f"--kv-cache {self.kv_cache} scores one window at a time through the paged prefill; "
+                                 f"--batch {self.batch} cannot apply (leave it out)")
 
 
 def max_positions(cfg: dict | None) -> int | None:

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from m3compile.config import parse_dtype
+from m3compile.config import check_size, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Attention, Decoder
@@ -87,9 +87,11 @@ class DistillBenchConfig:
     cuda_graph: bool = False  # also each distillation mode's step captured in a CUDA graph: checked, then timed
 
     def __post_init__(self):
-        for name in ("seq_len", "batch", "block", "topk", "steps"):
+        for name in ("block", "topk", "steps"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
         if not (math.isfinite(self.block_loss) and self.block_loss >= 0):
             raise M3CompileError(f"block_loss must be a finite number >= 0, got {self.block_loss}")
         if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):

@@ -1,20 +1,25 @@
-"""What the command line's modules share: exit statuses and the one-line error, the console, the parsing of lengths
-and name lists, the --kv-cache option, loading a model as the commands do.
+"""What the command line's modules share: exit statuses and the one-line error, the console, the paths a command
+reads and writes (every output through the one output guard before the command runs), the parsing of lengths and
+name lists, the --kv-cache option, loading a model as the commands do.
 
 Like every module of the command line, it imports the library's torch-bound modules inside the functions that use
 them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a usage error load no torch.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
 
-from m3compile.config import KV_CACHE_DTYPES
+from m3compile.config import KV_CACHE_DTYPES, parse_size, parse_sizes
+from m3compile.errors import M3CompileError
+from m3compile.outputs import OUTPUT_KINDS, check_output
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "stdout_console", "parse_lengths", "parse_chunk",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "stdout_console", "InputPath", "OutputPath", "Command",
+           "Group", "guard_outputs", "Size",
            "split_names", "stacked", "load_model", "kv_cache_option"]
 
 EXIT_BAD_INPUT = 2
@@ -32,34 +37,71 @@ def stdout_console() -> Console:
     return Console(stderr=False)
 
 
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """Comma-separated token counts, K = 1024 and M = 1024 x 1024 (8K,32K,1M)."""
-    out = []
-    for t in text.split(","):
-        t = t.strip().upper()
-        if not t:
-            continue
-        mult = {"K": 1024, "M": 1024 * 1024}.get(t[-1], 1)
+class InputPath(click.Path):
+    """A path the command reads (a model, data, a prompt file): no output of the command may overlap it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(path_type=Path, **kwargs)
+
+
+class OutputPath(click.Path):
+    """A path the command writes, of a kind of m3compile.outputs.OUTPUT_KINDS ("dir" written whole, "file", "folder"
+    of files; `suffix` the file's extension): the output guard checks it against every InputPath of the command
+    before the command runs (Command.invoke), so no command writes a path the guard has not seen."""
+
+    def __init__(self, kind: str, suffix: str | None = None):
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
+        super().__init__(path_type=Path)
+        self.kind, self.suffix = kind, suffix
+
+
+def guard_outputs(ctx: click.Context) -> None:
+    """Every output of the command being invoked, through the output guard (m3compile.outputs.check_output), against
+    every path it reads; one-line errors, nothing written. A directory that exists is left to the command (--force,
+    --resume); the lock is taken only by the run's writer (rank 0 under torchrun)."""
+    params = [(p, ctx.params.get(p.name)) for p in ctx.command.params if ctx.params.get(p.name) is not None]
+    inputs = [value for p, value in params if isinstance(p.type, InputPath)]
+    writer = int(os.environ.get("RANK", "0")) == 0
+    for p, value in params:
+        if isinstance(p.type, OutputPath):
+            check_output(value, p.type.kind, inputs, force=True, suffix=p.type.suffix, lock=writer)
+
+
+class Command(click.Command):
+    """A command of m3c: its outputs pass the output guard (guard_outputs) before it runs."""
+
+    def invoke(self, ctx: click.Context):
+        guard_outputs(ctx)
+        return super().invoke(ctx)
+
+
+class Group(click.Group):
+    """A group of m3c whose commands (and subgroups) are Command (Group)."""
+
+    command_class = Command
+    group_class = type  # a subgroup of the same class
+
+
+class Size(click.ParamType):
+    """A size option (m3compile.config.parse_size: 4096, 8K, 1M), checked against its kind's ceiling as the command
+    line is parsed, before anything is allocated; `many`: comma-separated sizes ('' for none); `auto`: the word
+    "auto" gives None."""
+
+    def __init__(self, kind: str = "length", many: bool = False, auto: bool = False):
+        self.kind, self.many, self.auto = kind, many, auto
+        self.name = "sizes" if many else "size"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, (int, tuple)) and not isinstance(value, bool):
+            return value
+        name = param.opts[0] if param is not None and param.opts else "size"
+        if self.auto and str(value).strip().lower() == "auto":
+            return None
         try:
-            out.append(int(float(t[:-1] if mult > 1 else t) * mult))
-        except ValueError:
-            raise click.BadParameter(f"expected lengths such as 8K,32K,1M, got {text!r}") from None
-    if any(n < 1 for n in out):
-        raise click.BadParameter(f"lengths must be >= 1, got {text!r}")
-    return tuple(out)
-
-
-def parse_chunk(text: str) -> int | None:
-    """--prefill-chunk: None for auto, else one length (8K, 65536)."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        lengths = parse_lengths(text)
-    except click.BadParameter:
-        lengths = ()
-    if len(lengths) != 1:
-        raise click.BadParameter(f"--prefill-chunk takes one length >= 1 (such as 32K) or auto, got {text!r}")
-    return lengths[0]
+            return parse_sizes(value, name, self.kind) if self.many else parse_size(value, name, self.kind)
+        except M3CompileError as e:
+            raise click.UsageError(str(e), ctx) from None
 
 
 def split_names(text: str | None) -> list[str] | None:

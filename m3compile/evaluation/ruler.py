@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from m3compile.config import SELECTIONS, max_positions
+from m3compile.config import SELECTIONS, check_size, max_positions
 from m3compile.errors import M3CompileError
+from m3compile.outputs import atomic_save_figure, check_output_file
 from m3compile.models.decoder import Decoder
 from m3compile.runtime.generate import generate, resolve_kv_cache
 from m3compile.io.tokenizer import PromptCodec
@@ -156,10 +157,9 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     within the model's positions (m3compile.config.max_positions; a length above them is an error). A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
-    if samples < 1:
-        raise M3CompileError(f"samples must be >= 1, got {samples}")
-    if batch is not None and batch < 1:
-        raise M3CompileError(f"batch must be >= 1, got {batch}")
+    check_size(samples, "samples", "samples")
+    if batch is not None:
+        check_size(batch, "batch", "batch")
     p0 = next(model.parameters())
     resolve_kv_cache(kv_cache, p0.dtype, p0.device)  # an unknown or unsupported dtype stops before any prompt
     tasks = list(TASKS) if tasks is None else list(tasks)
@@ -173,9 +173,9 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     context = max_positions(getattr(model, "source_config", None))
     if lengths is None:
         lengths = [n for n in DEFAULT_LENGTHS if context is None or n <= context] or [context]
-    lengths = sorted(set(lengths))
-    if not lengths or lengths[0] < 1:
-        raise M3CompileError(f"lengths must be positive token counts, got {lengths}")
+    lengths = sorted(set(check_size(n, "lengths") for n in lengths))
+    if not lengths:
+        raise M3CompileError("no lengths given")
     too_long = [n for n in lengths if context is not None and n > context]
     if too_long:
         raise M3CompileError(f"length {too_long[0]} is above the model's context ({context} tokens, "
@@ -215,17 +215,17 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     return report
 
 
-def draw_heatmap(report: RulerReport, out: str | os.PathLike) -> Path:
+def draw_heatmap(report: RulerReport, out: str | os.PathLike, inputs=()) -> Path:
     """Write a PNG: per selection, the score of every task (rows; excluded ones marked) at every length (columns),
-    with the average over the tasks kept as the last row."""
+    with the average over the tasks kept as the last row. Through the output guard: `out` a *.png file that is none
+    of `inputs` (the model, the data) nor inside one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise M3CompileError(f"{out}: the heatmap is written as PNG; name the file *.png")
+    check_output_file(out, inputs, suffix=".png")
     rows = [t + (" (excluded)" if t in report.excluded else "") for t in report.tasks] + ["average"]
     cols = [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in report.lengths]
     n_sel = len(report.selections)
@@ -247,12 +247,8 @@ def draw_heatmap(report: RulerReport, out: str | os.PathLike) -> Path:
     axes[0][0].set_yticks(range(len(rows)), rows)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, pad=0.02, label="score (share of answers found, %)")
     fig.suptitle(f"RULER-style suite: {report.samples} samples per task and length, greedy", fontsize=10)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial")
     try:
-        fig.savefig(tmp, dpi=130, format="png", bbox_inches="tight")
-        tmp.replace(out)
+        atomic_save_figure(fig, out, inputs, dpi=130, bbox_inches="tight")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return out

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from m3compile.config import parse_dtype
+from m3compile.config import check_size, parse_dtype
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.data import load_tokens, windows
@@ -101,9 +101,11 @@ class DistillConfig:
         for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed", "lr_warmup_steps"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("steps", "seq_len", "batch", "checkpoint_every"):
+        for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
         if self.warmup_steps < 0:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_schedule not in ("constant", "cosine"):

@@ -164,7 +164,7 @@ def test_model_bench_refuses_bad_input(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     r = CliRunner().invoke(main, ["bench", "model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
-    assert r.exit_code == 2 and "inside the model directory" in r.output
+    assert r.exit_code == 2 and "is inside the input" in r.output
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
     r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--device", "cpu", "--steps", "0",
                                   "--out", str(tmp_path / "o")])

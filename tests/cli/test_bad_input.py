@@ -468,7 +468,7 @@ CASES.update({
     "option-shard-negative": (lambda b, t: (["convert", b / "dense", t / "o", "--max-shard-size", "-5GB"], t / "o"), "expected a positive size"),
     "option-seed-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--temperature", 1, "--seed", 2**64], None), "seed must be an integer in"),
     "option-seed-distill": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--seed", 2**64, *_TRAIN], t / "o"), "seed must be in"),
-    "option-max-new-tokens-huge": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", 10**9], None), "past the model's 512 positions"),
+    "option-max-new-tokens-huge": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", 10**6], None), "past the model's 512 positions"),
     "option-prompt-not-utf8": (lambda b, t: (["generate", b / "msa", "--prompt", "def \udcff x"], None), "--prompt is not UTF-8 text"),
     # a converted config.json whose MSA settings or layer lists cannot be
     "config-local-over-topk": (_cfg("msa", _sparse(sparse_local_block=3), "eval"), "exceed sparse_attention_config.sparse_topk_blocks (2)"),
@@ -502,13 +502,53 @@ CASES.update({
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
     "context-map": (lambda b, t: (["attention-map", b / "msa", "--data", _ids(t, "long.npy", 1000), "--layer", 1, "--seq-len", 600, "--out", t / "m.png"], t / "m.png"), "past the model's 512 positions"),
-    "context-generate-no-positions": (lambda b, t: (["generate", _without_positions(_model(b, t)), "--prompt", "def x", "--max-new-tokens", 10**9], None), "GB free; it would fit with at most"),
     "context-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x ( ) :", "--max-new-tokens", 510], None), "past the model's 512 positions"),
     # what used to escape the command line's handler as a traceback
     "generation-config-garbage": (_generation_config(b"{bad"), "generation_config.json: not valid JSON"),
     "generation-config-not-utf8": (_generation_config(b"\xff\xfe"), "generation_config.json: not valid JSON"),
     "retrieval-tokenizer-garbage": (_tokenizer_file(lambda p: p.write_text("{not a tokenizer")), "cannot read tokenizer"),
     "retrieval-tokenizer-out-of-vocab": (_tokenizer_file(_wide_tokenizer), "token id 900"),
+})
+
+def _text(t: Path, name: str = "hay.txt") -> Path:
+    (t / name).write_text(" ".join(WORDS * 50) + "\n")
+    return t / name
+
+
+_RULER = ["--samples", 1, "--tasks", "niah_single_1"]
+
+# Every path the product writes goes through the one output guard; sizes are parsed and bounded in one place; chat
+# templates are checked as the model opens; options that cannot apply are refused: each case as in CASES
+CASES.update({
+    # eval ruler --plot and m3c bench --out: the output guard, before any work
+    "plot-is-data": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t, "hay.png"), "--plot", t / "hay.png", *_RULER], None), "is the input"),
+    "plot-into-model": (lambda b, t: (["eval", "ruler", (m := _model(b, t)), "--data", _text(t), "--plot", m / "ruler.png", *_RULER], m / "ruler.png"), "inside the input"),
+    "plot-is-dir": (lambda b, t: ((t / "p.png").mkdir(), ["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "p.png", *_RULER])[1:] + (None,), "is a directory"),
+    "plot-parent-is-file": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "hay.txt" / "p.png", *_RULER], None), "inside the input"),
+    "plot-not-png": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "p.jpg", *_RULER], t / "p.jpg"), "name the file *.png"),
+    "bench-distill-out-into-model": (lambda b, t: (["bench", "distill", (m := _model(b, t)), "--device", "cpu", "--out", m / "bo"], m / "bo"), "inside the input"),
+    "bench-model-out-into-model": (lambda b, t: (["bench", "model", (m := _model(b, t)), "--device", "cpu", "--out", m / "bo"], m / "bo"), "inside the input"),
+    "bench-kernels-out-is-file": (lambda b, t: ((t / "f").write_text("x"), ["bench", "kernels", "--device", "cpu", "--out", t / "f"])[1:] + (None,), "is a file, not a directory"),
+    "bench-vision-out-parent-is-file": (lambda b, t: ((t / "f").write_text("x"), ["bench", "vision", "--device", "cpu", "--out", t / "f" / "o"])[1:] + (None,), "is not a directory"),
+    # one parser and one ceiling for sizes, before any allocation
+    "size-lengths-inf": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", "inf"], None), "--lengths inf is past the ceiling of 16,777,216 tokens"),
+    "size-lengths-nan": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", "nanK"], None), "expected a size such as"),
+    "size-samples-huge": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--samples", 10**9], None), "--samples 1000000000 is past the ceiling of 10,000 samples"),
+    "size-ruler-batch-huge": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--batch", 10**9], None), "past the ceiling of 1,024 sequences"),
+    "size-prefill-chunk-inf": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--prefill-chunk", "inf"], None), "--prefill-chunk inf is past the ceiling"),
+    "size-max-new-tokens-1e12": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", "1e12"], None), "past the ceiling of 16,777,216 tokens"),
+    "size-eval-seq-len-fraction": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", "1.5"], None), "is not a whole number of tokens"),
+    "size-eval-batch-huge": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--batch", "1e9"], None), "past the ceiling of 1,024 sequences"),
+    "size-probes-huge": (lambda b, t: (["eval", "retrieval", b / "msa", "--data", b / "d.npy", "--probes", 10**7], None), "past the ceiling of 10,000 samples"),
+    "size-distill-seq-len-inf": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", "inf"], t / "o"), "--seq-len inf is past the ceiling"),
+    "size-bench-decode-lengths": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--decode-lengths", "1e12", "--out", t / "o"], t / "o"), "--decode-lengths 1e12 is past the ceiling of 16,777,216 tokens"),
+    "size-bench-decode-steps": (lambda b, t: (["bench", "model", "m3-tiny", "--device", "cpu", "--decode-steps", 10**9, "--out", t / "o"], t / "o"), "past the ceiling of 65,536 steps"),
+    "size-bench-distill-seq-len": (lambda b, t: (["bench", "distill", "m3-tiny", "--device", "cpu", "--seq-len", "inf", "--out", t / "o"], t / "o"), "--seq-len inf is past the ceiling"),
+    "bench-rep-ms-negative": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--rep-ms", -1, "--out", t / "o"], t / "o"), "rep_ms must be >= 1"),
+    "bench-no-lengths": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--prefill-lengths", "", "--decode-lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
+    "bench-backward-no-lengths": (lambda b, t: (["bench", "backward", "--device", "cpu", "--lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
+    # options that cannot apply
+    "option-kv-cache-batch": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--kv-cache", "fp8", "--batch", 2], None), "--batch 2 cannot apply"),
 })
 
 if torch.cuda.is_available():  # the CUDA cases need a machine without it
@@ -858,3 +898,88 @@ def test_the_default_calibration_window_fits_the_model(base, tmp_path):
     assert code == 0, output
     init = json.loads(output)["index_init"]
     assert (init["seq_len"], init["windows"]) == (512, 2)
+
+
+def _leaf_commands(group, path=()):
+    """(argv prefix, command) of every command m3c runs, subcommands of every group included."""
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _leaf_commands(command, path + (name,))
+        else:
+            yield path + (name,), command
+
+
+def _argv_for(command, tmp: Path, output, value) -> list[str]:
+    """Arguments that parse for `command`: `value` for the parameter `output`, an existing model directory for every
+    path it reads (arguments and required options), 1 or a first choice for what else it needs."""
+    import click
+
+    from m3compile.commands.common import InputPath, OutputPath
+
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    args, opts = [], []
+    for p in command.params:
+        if p is output:
+            given = str(value)
+        elif isinstance(p.type, InputPath) and (isinstance(p, click.Argument) or p.required):
+            given = str(model)
+        elif isinstance(p.type, OutputPath) and (isinstance(p, click.Argument) or p.required):
+            given = str(tmp / f"other-{p.name}")
+        elif p.required:
+            given = p.type.choices[0] if isinstance(p.type, click.Choice) else "1"
+        else:
+            continue
+        if isinstance(p, click.Argument):
+            args.append(given)
+        else:
+            opts += [p.opts[0], given]
+    return args + opts
+
+
+def test_every_written_path_goes_through_the_output_guard(tmp_path, monkeypatch):
+    """Every click parameter of type Path in m3c is declared as read (InputPath) or written (OutputPath), and every
+    written one passes the output guard before the command runs: a parent that is a file, and (where the command
+    reads paths) a place inside what it reads, are refused as one line, with the command never called."""
+    import click
+
+    from m3compile.commands.common import Command, InputPath, OutputPath
+
+    outputs = []
+    for words, command in _leaf_commands(cli.main):
+        assert isinstance(command, Command), f"m3c {' '.join(words)} is not an m3c Command (no output guard)"
+        for p in command.params:
+            if isinstance(p.type, click.Path):
+                assert isinstance(p.type, (InputPath, OutputPath)), f"m3c {' '.join(words)} {p.name}: read or written?"
+            if isinstance(p.type, OutputPath):
+                outputs.append((words, command, p))
+    assert len(outputs) >= 12  # convert (2), attention-map, inspect, export-onnx, eval ruler, distill, train, bench (5)
+    for words, command, p in outputs:
+        reached = []
+        monkeypatch.setattr(command, "callback", lambda **kw: reached.append(kw))
+        t = tmp_path / "-".join(words + (p.name,))
+        (t / "model").mkdir(parents=True)
+        (t / "f").write_text("a file")
+        name = "o" + (p.type.suffix or "")
+        places = [(t / "f" / name, "is not a directory")]
+        if any(isinstance(q.type, InputPath) and (isinstance(q, click.Argument) or q.required) for q in command.params):
+            places.append((t / "model" / name, "inside the input"))
+        for place, needle in places:
+            before = _tree(t)
+            code, output, stderr, _ = _invoke(*words, *_argv_for(command, t, p, place))
+            assert (code, reached) == (2, []) and stderr.startswith("error: ") and needle in stderr, \
+                (words, p.name, place, output)
+            assert len(stderr.splitlines()) == 1 and _tree(t) == before, (words, p.name, stderr)
+
+
+def test_a_generation_past_memory_is_refused_before_any_allocation(base, tmp_path, monkeypatch):
+    """A model that does not say its positions, asked for more tokens than its caches can hold in the memory there
+    is (here 1 MB): one line with the numbers and what would fit, nothing allocated."""
+    from m3compile import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1e6)
+    code, output, stderr, _ = _invoke("generate", _without_positions(_model(base, tmp_path)), "--prompt", "def x",
+                                      "--max-new-tokens", 10**6)
+    assert code == 2 and len(stderr.splitlines()) == 1 and "MB free; it would fit with at most" in stderr, stderr
