@@ -517,6 +517,15 @@ def _text(t: Path, name: str = "hay.txt") -> Path:
 
 _RULER = ["--samples", 1, "--tasks", "niah_single_1"]
 
+
+def _chat(name: str, content: str | bytes):
+    """eval ruler on a copy of the converted model whose file `name` holds `content`."""
+    def case(b, t):
+        d = _model(b, t)
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        return ["eval", "ruler", d, "--data", _text(t), *_RULER], None
+    return case
+
 # Every path the product writes goes through the one output guard; sizes are parsed and bounded in one place; chat
 # templates are checked as the model opens; options that cannot apply are refused: each case as in CASES
 CASES.update({
@@ -547,6 +556,14 @@ CASES.update({
     "bench-rep-ms-negative": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--rep-ms", -1, "--out", t / "o"], t / "o"), "rep_ms must be >= 1"),
     "bench-no-lengths": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--prefill-lengths", "", "--decode-lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
     "bench-backward-no-lengths": (lambda b, t: (["bench", "backward", "--device", "cpu", "--lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
+    # chat templates: checked as the model opens, every failure one line naming the file
+    "chat-template-type-error": (_chat("chat_template.jinja", "{{ messages[0]['content'] + 1 }}"), "chat_template.jinja: cannot render the chat template (TypeError"),
+    "chat-template-range": (_chat("chat_template.jinja", "{% for i in range(10**6) %}{% endfor %}"), "chat_template.jinja: cannot render the chat template (OverflowError"),
+    "chat-template-not-utf8": (_chat("chat_template.jinja", b"{{ messages }} \xff\xfe"), "chat_template.jinja: not UTF-8 text"),
+    "chat-template-syntax": (_chat("chat_template.jinja", "{% for %}"), "chat_template.jinja: cannot read the chat template"),
+    "chat-template-raises": (_chat("chat_template.jinja", "{{ raise_exception('no user turns') }}"), "refused the prompt: no user turns"),
+    "chat-tokenizer-config-list": (_chat("tokenizer_config.json", "[1, 2]"), "tokenizer_config.json: expected a JSON object, got list"),
+    "chat-template-number": (_chat("tokenizer_config.json", json.dumps({"chat_template": 42})), "tokenizer_config.json: chat_template must be text"),
     # options that cannot apply
     "option-kv-cache-batch": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--kv-cache", "fp8", "--batch", 2], None), "--batch 2 cannot apply"),
 })
