@@ -111,8 +111,10 @@ class ModelBenchConfig:
     prefill_lengths: tuple[int, ...] = (8192, 32768, 131072, 524288)
     decode_lengths: tuple[int, ...] = (32768, 131072)
     batch: int = 8  # decode batch asked for (lowered to what fits)
-    block: int = 128  # conversion of a dense model: block size, top-k (layer 0 stays dense)
-    topk: int = 16
+    # conversion of a dense model: block size, top-k (layer 0 stays dense); None: 128 and 16, or a converted model's
+    # own (another is refused); the result's config records what ran
+    block: int | None = None
+    topk: int | None = None
     dense_max: int = 131072  # longest prefill timed on the dense model; longer ones are extrapolated
     msa_max: int = 131072  # the same for the MSA model
     profile_max: int | None = None  # longest prefill also run under the profiler for its stages (None: every one)
@@ -134,7 +136,7 @@ class ModelBenchConfig:
 
     def __post_init__(self):
         for name in ("block", "topk", "steps"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_size(self.batch, "batch", "batch")
         check_size(self.decode_steps, "decode_steps", "decode steps")
@@ -649,7 +651,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    result = {"bench": "model", "model": what, "name": _slug(cfg.model), "config": asdict(cfg),
+    ran = asdict(cfg) | {"block": args.msa.block_size, "topk": args.msa.topk}  # what ran, not what was asked
+    result = {"bench": "model", "model": what, "name": _slug(cfg.model), "config": ran,
               "layers": args.n_layers, "msa_layers": sum(args.is_sparse(i) for i in range(args.n_layers)),
               "shapes": {"hidden": args.hidden_size, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
                          "head_dim": args.head_dim, "intermediate": args.intermediate_size, "vocab": args.vocab_size},

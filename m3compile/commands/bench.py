@@ -31,6 +31,17 @@ _bench_rep_ms = click.option("--rep-ms", default=500, show_default=True,
                              help="Milliseconds of timed repeats per figure (median reported).")
 _bench_block = click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
 _bench_topk = click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to.")
+
+
+def _bench_conversion(block: int, topk: int):
+    """--block / --topk of a bench of a model: the conversion of a dense one; a converted one runs at its own."""
+    return stacked(
+        click.option("--block", type=int, default=None,
+                     help=f"A dense model's conversion: keys per block = cache page [default: {block}; a converted "
+                          f"model's own, which another value cannot change]."),
+        click.option("--topk", type=int, default=None,
+                     help=f"A dense model's conversion: blocks each (KV group, query) attends to [default: {topk}; a "
+                          f"converted model's own]."))
 _bench_heads = click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
 _bench_kv_heads = click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
 _bench_head_dim = click.option("--head-dim", default=128, show_default=True)
@@ -122,8 +133,7 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @_bench_lengths("prefill", None, "8K,32K,128K,512K")
 @_bench_lengths("decode", None, "32K,128K")
 @_bench_decode_batch
-@_bench_block
-@_bench_topk
+@_bench_conversion(128, 16)
 @click.option("--index-dim", type=int, default=None,
               help="The conversion's index head dim (default: the model's head dim; below its rotary width the index "
                    "head keeps the lowest RoPE frequencies).")
@@ -218,8 +228,7 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
               help="Also each distillation mode's step captured in a CUDA graph: checked against the eager step from "
                    "the same state (KL, recall, gradients, updated weights), then timed.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps (median reported) after 2 untimed.")
-@_bench_block
-@_bench_topk
+@_bench_conversion(64, 8)
 @_bench_device
 @_bench_out("distill.json")
 def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, no_eval, shard, layers, count_only,

@@ -35,8 +35,8 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                      help="Step at which the cosine reaches its floor [default: --steps]. A run grown by --resume "
                           "keeps its curve only with the same value: set it to the final step count when a run "
                           "goes in stages."),
-        click.option("--lr-min", default=0.1, show_default=True,
-                     help="The cosine's floor, as a fraction of --lr."),
+        click.option("--lr-min", type=float, default=None,
+                     help="The cosine's floor, as a fraction of --lr [default: 0.1]."),
         *after_lr,
         click.option("--checkpoint-every", default=100, show_default=True,
                      help="Write a resumable checkpoint every this many steps."),

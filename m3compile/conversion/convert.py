@@ -67,9 +67,10 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
         bad = [i for i in config.dense_layers if i >= args.n_layers]
         if bad:
             raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
-        if config.index_dtype != "auto" and args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
-            raise M3CompileError(f"index_dtype {config.index_dtype!r} applies to MSA layers, and every layer is kept "
-                                 f"dense (dense_layers): nothing would score with it")
+        if args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
+            raise M3CompileError(f"every layer is kept dense (dense_layers {','.join(map(str, config.dense_layers))} of "
+                                 f"the model's {args.n_layers} layers): the output would have no MSA layer; leave at "
+                                 f"least one layer out")
     moments, info = None, CalibrationInfo("weight-only")
     if calib is not None:
         if not isinstance(model, Decoder):

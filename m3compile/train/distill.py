@@ -85,15 +85,18 @@ class DistillConfig:
     holdout_tokens: int | None = None
     # the learning rate per step (lr_at): a linear ramp from lr / lr_warmup_steps over the first lr_warmup_steps
     # steps, then "constant" at lr or "cosine" from lr down to lr_min x lr at step lr_decay_steps (None: `steps`; a run
-    # grown by --resume names it, or the curve would change under it) and lr_min x lr after it
+    # grown by --resume names it, or the curve would change under it) and lr_min x lr after it (None: 0.1). The
+    # cosine's two settings cannot apply to the constant schedule, and are refused with it
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     lr_decay_steps: int | None = None
-    lr_min: float = 0.1
+    lr_min: float | None = None
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "loss_coeff", "block_loss", "lr_min"):
             value = getattr(self, name, 0.0)
+            if name == "lr_min" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.cuda_graph, bool):
@@ -112,7 +115,13 @@ class DistillConfig:
             raise M3CompileError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.lr_warmup_steps < 0:
             raise M3CompileError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if not 0 <= self.lr_min <= 1:
+        if self.lr_schedule == "constant":
+            given = [n for n in ("lr_decay_steps", "lr_min") if getattr(self, n) is not None]
+            if given:
+                raise M3CompileError(f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the cosine "
+                                     f"schedule and cannot apply to the constant one (set lr_schedule cosine, or "
+                                     f"leave {'them' if len(given) > 1 else 'it'} out)")
+        if not 0 <= self.lr_floor <= 1:
             raise M3CompileError(f"lr_min is a fraction of lr, in [0, 1], got {self.lr_min}")
         if self.lr_decay_steps is not None and (isinstance(self.lr_decay_steps, bool)
                                                 or not isinstance(self.lr_decay_steps, int)
@@ -147,6 +156,11 @@ class DistillConfig:
         return "warmup" if step < self.warmup_steps else "sparse"
 
     @property
+    def lr_floor(self) -> float:
+        """The cosine's floor as a fraction of lr (lr_min, 0.1 unless set)."""
+        return 0.1 if self.lr_min is None else self.lr_min
+
+    @property
     def lr_varies(self) -> bool:
         return self.lr_schedule != "constant" or self.lr_warmup_steps > 0
 
@@ -160,7 +174,7 @@ class DistillConfig:
         if end <= self.lr_warmup_steps:  # the whole run is the ramp
             return self.lr
         t = min(1.0, (step - self.lr_warmup_steps) / (end - self.lr_warmup_steps))
-        return self.lr * (self.lr_min + (1 - self.lr_min) * 0.5 * (1 + math.cos(math.pi * t)))
+        return self.lr * (self.lr_floor + (1 - self.lr_floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def fingerprint(self, world_size: int) -> dict:
         """What a resumed run must share with the run it continues (steps may grow). `block_loss` only when set, so
@@ -174,7 +188,7 @@ class DistillConfig:
             curve = {"schedule": self.lr_schedule, "warmup_steps": self.lr_warmup_steps}
             if self.lr_schedule == "cosine":
                 curve |= {"decay_steps": self.steps if self.lr_decay_steps is None else self.lr_decay_steps,
-                          "min": self.lr_min}
+                          "min": self.lr_floor}
             out["lr_schedule"] = curve
         return out
 

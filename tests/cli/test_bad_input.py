@@ -565,6 +565,13 @@ CASES.update({
     "chat-tokenizer-config-list": (_chat("tokenizer_config.json", "[1, 2]"), "tokenizer_config.json: expected a JSON object, got list"),
     "chat-template-number": (_chat("tokenizer_config.json", json.dumps({"chat_template": 42})), "tokenizer_config.json: chat_template must be text"),
     # options that cannot apply
+    "option-index-cache-dense": (lambda b, t: (["generate", b / "dense", "--prompt", "def x", "--index-cache", "fp8"], None), "--index-cache fp8 applies to the index keys of MSA layers"),
+    "option-lr-min-constant": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-min", 0.2, *_TRAIN], t / "o"), "lr_min shapes the cosine schedule"),
+    "option-lr-decay-constant": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-decay-steps", 5, *_TRAIN], t / "o"), "lr_decay_steps shapes the cosine schedule"),
+    "option-dense-layers-all": (lambda b, t: (["convert", b / "dense", t / "o", "--dense-layers", "0,1,2"], t / "o"), "the output would have no MSA layer"),
+    "option-bench-block-converted": (lambda b, t: (["bench", "model", b / "msa", "--device", "cpu", "--block", 32, "--out", t / "o"], t / "o"), "already converted with block 8: --block 32 cannot apply"),
+    "option-bench-topk-converted": (lambda b, t: (["bench", "distill", b / "msa", "--device", "cpu", "--topk", 4, "--out", t / "o"], t / "o"), "already converted with topk 2: --topk 4 cannot apply"),
+    "option-index-dtype-dense-ruler": (lambda b, t: (["eval", "ruler", b / "dense", "--data", _text(t), "--index-dtype", "fp8", *_RULER], None), "applies to MSA layers"),
     "option-kv-cache-batch": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--kv-cache", "fp8", "--batch", 2], None), "--batch 2 cannot apply"),
 })
 

@@ -243,9 +243,11 @@ def test_learning_rate_curves():
     assert cos.lr_at(0) == 1e-3 and cos.lr_at(25) == pytest.approx(6e-4) and cos.lr_at(50) == pytest.approx(2e-4)
     assert cos.lr_at(99) == pytest.approx(2e-4)
     assert cos.fingerprint(1)["lr_schedule"] == {"schedule": "cosine", "warmup_steps": 0, "decay_steps": 50, "min": 0.2}
-    for bad, message in [(dict(lr_schedule="linear"), "lr_schedule must be"), (dict(lr_min=1.5), "lr_min"),
-                         (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
-                         (dict(lr_warmup_steps=5, lr_decay_steps=5), "lr_decay_steps must be")]:
+    for bad, message in [(dict(lr_schedule="linear"), "lr_schedule must be"),
+                         (dict(lr_schedule="cosine", lr_min=1.5), "lr_min"), (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
+                         (dict(lr_schedule="cosine", lr_warmup_steps=5, lr_decay_steps=5), "lr_decay_steps must be"),
+                         (dict(lr_min=0.2), "lr_min shapes the cosine schedule and cannot apply to the constant one"),
+                         (dict(lr_decay_steps=5, lr_min=0.2), "lr_decay_steps and lr_min shape the cosine")]:
         with pytest.raises(M3CompileError, match=message):
             DistillConfig(steps=10, **bad)
 
