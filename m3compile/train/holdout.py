@@ -27,18 +27,19 @@ from m3compile.ops import lowering
 __all__ = ["DEFAULT_HOLDOUT_WINDOWS", "split_holdout", "HeldOut", "summary"]
 
 # The default held-out slice: this many windows of the run's sequence length, at most a tenth of the data's windows
-# (at least one where the data has two or more)
+# (none for data of fewer than ten windows)
 DEFAULT_HOLDOUT_WINDOWS = 4
 
 
 def split_holdout(tokens: torch.Tensor, seq_len: int, holdout_tokens: int | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(training tokens, held-out windows [N, seq_len + 1] or None): the held-out windows are the data's last tokens.
-    holdout_tokens None: DEFAULT_HOLDOUT_WINDOWS windows, at most a tenth of the data (none for data of one window);
-    0: none; otherwise that many tokens, in whole windows (at least one), and the rest must still hold a window."""
+    holdout_tokens None: DEFAULT_HOLDOUT_WINDOWS windows, at most a tenth of the data (none for data of fewer than
+    ten windows, so the default never takes what the run needs); 0: none; otherwise that many tokens, in whole
+    windows (at least one), and the rest must still hold a window."""
     total = (tokens.numel() - 1) // seq_len
     if holdout_tokens is None:
-        held = min(DEFAULT_HOLDOUT_WINDOWS, max(1, total // 10)) if total >= 2 else 0
+        held = min(DEFAULT_HOLDOUT_WINDOWS, total // 10)
     elif holdout_tokens == 0:
         held = 0
     else:
@@ -135,7 +136,8 @@ class HeldOut:
 def summary(holdout: dict | None) -> str:
     """One line for a run's report (`m3c distill` / `m3c train`): the start, final and kept held-out figures."""
     if holdout is None:
-        return "no held-out data (--holdout-tokens 0, or data of one sequence): the output is the last step's state"
+        return ("no held-out data (--holdout-tokens 0, or data of fewer than 10 sequences): the output is the last "
+                "step's state")
 
     def fig(h: dict) -> str:
         gap = "" if h["gap"] is None else f" ({100 * h['gap']:+.2f}% over dense)"

@@ -1007,3 +1007,18 @@ def test_a_generation_past_memory_is_refused_before_any_allocation(base, tmp_pat
     code, output, stderr, _ = _invoke("generate", _without_positions(_model(base, tmp_path)), "--prompt", "def x",
                                       "--max-new-tokens", 10**6)
     assert code == 2 and len(stderr.splitlines()) == 1 and "MB free; it would fit with at most" in stderr, stderr
+
+
+def test_the_default_held_out_slice_never_takes_the_data_a_run_needs(base, tmp_path):
+    """Data of exactly two sequences and no --holdout-tokens: the default holds out at most a tenth of the data, as
+    its help says (here none), so the run trains on both; a --holdout-tokens that leaves no sequence is refused by its
+    name, the only option the error names."""
+    data = _ids(tmp_path, "two.npy", 2 * 16 + 1)
+    code, output, stderr, _ = _invoke("distill", base / "msa", "--data", data, "--out", tmp_path / "o", "--steps", 1,
+                                      "--seq-len", 16, "--json")
+    assert code == 0, (output, stderr)
+    assert json.loads(output)["holdout"] is None
+    code, output, stderr, _ = _invoke("distill", base / "msa", "--data", data, "--out", tmp_path / "p", "--steps", 1,
+                                      "--seq-len", 16, "--holdout-tokens", 16)
+    assert code == 2 and stderr.startswith("error: holding out 16 tokens") and "--holdout-tokens" in stderr
+    assert "--" not in stderr.replace("--holdout-tokens", "") and not (tmp_path / "p").exists()
