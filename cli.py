@@ -29,7 +29,8 @@ from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA
 from m3compile.outputs import COMMITTED
 from m3compile.commands.bench import bench
 from m3compile.commands.common import (
-    EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, load_model, stdout_console,
+    EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, libraries_to_log, load_model, log_path,
+    stdout_console, terminal,
 )
 from m3compile.commands.eval import eval_
 from m3compile.commands.train import distill, train
@@ -68,8 +69,11 @@ class _Group(Group):
                 previous[sig] = signal.signal(sig, _sigterm)
         except ValueError:  # not the main thread: leave signals alone
             pass
+        argv = list(sys.argv[1:] if args is None else args)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with libraries_to_log("--verbose" in argv[:argv.index("--")] if "--" in argv else "--verbose" in argv,
+                                  argv):
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NoArgsIsHelp as e:  # bare `m3c`: the help, as click shows it
             e.show()
             sys.exit(e.exit_code)
@@ -93,7 +97,7 @@ class _Group(Group):
                 fail(_interrupted(), EXIT_INTERRUPTED)
             fail(str(e))
         except DistillInterrupted as e:
-            click.echo(str(e), err=True)
+            click.echo(str(e), file=terminal())
             sys.exit(EXIT_INTERRUPTED)
         except KeyboardInterrupt:
             fail(_interrupted(), EXIT_INTERRUPTED)
@@ -131,7 +135,10 @@ def _parse_size(text: str) -> int:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="m3compile")
-def main():
+@click.option("--verbose", is_flag=True,
+              help=f"Show the libraries' warnings (torch, ONNX) on the terminal; else they go to the log "
+                   f"($M3C_LOG, default {log_path().as_posix().replace(Path.home().as_posix(), '~')}).")
+def main(verbose):
     """m3compile: rewrite a dense GQA transformer into MiniMax Sparse Attention (MSA).
 
     \b
@@ -386,7 +393,7 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     if timings:
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
         click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
-                              | total), err=True)
+                              | total), file=terminal())
 
 
 @main.command()

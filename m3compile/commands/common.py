@@ -1,14 +1,18 @@
-"""What the command line's modules share: exit statuses and the one-line error, the console, the paths a command
-reads and writes (every output through the one output guard before the command runs), the parsing of lengths and
-name lists, the --kv-cache option, loading a model as the commands do.
+"""What the command line's modules share: exit statuses and the one-line error, the libraries' warnings kept off
+the terminal (in the log unless --verbose), the console, the paths a command reads and writes (every output through
+the one output guard before the command runs), the parsing of sizes and name lists, the --kv-cache option, loading
+a model as the commands do.
 
 Like every module of the command line, it imports the library's torch-bound modules inside the functions that use
 them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a usage error load no torch.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -18,7 +22,7 @@ from m3compile.config import KV_CACHE_DTYPES, parse_size, parse_sizes
 from m3compile.errors import M3CompileError
 from m3compile.outputs import OUTPUT_KINDS, check_output
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "stdout_console", "InputPath", "OutputPath", "Command",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console", "InputPath", "OutputPath", "Command",
            "Group", "guard_outputs", "Size",
            "split_names", "stacked", "load_model", "kv_cache_option"]
 
@@ -28,8 +32,78 @@ EXIT_INTERRUPTED = 130
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """End the command with one line `error: <message>` on stderr and exit status `code`."""
-    click.echo(f"error: {' '.join(str(message).split())}", err=True)
+    click.echo(f"error: {' '.join(str(message).split())}", file=terminal())
     sys.exit(code)
+
+
+def log_path() -> Path:
+    """Where the libraries' warnings go (libraries_to_log): $M3C_LOG, else ~/.cache/m3compile/m3c.log (under
+    $XDG_CACHE_HOME where set)."""
+    if os.environ.get("M3C_LOG"):
+        return Path(os.environ["M3C_LOG"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "m3compile" / "m3c.log"
+
+
+class _LibraryStderr(io.TextIOBase):
+    """sys.stderr while a command runs: what the libraries write there (Python warnings, the lines of loggers such as
+    torch.onnx's) is appended to the log, opened at the first write under a line naming the run; if the log cannot
+    be written, the terminal has it as before."""
+
+    def __init__(self, terminal_stream, header: str):
+        self.terminal, self.header, self.file = terminal_stream, header, None
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        if self.file is None:
+            try:
+                path = log_path()
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "a", encoding="utf-8", errors="replace")
+                self.file.write(self.header)
+            except OSError:
+                self.file = self.terminal
+        self.file.write(text)
+        self.file.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def fileno(self) -> int:
+        return self.terminal.fileno()
+
+    def close_log(self) -> None:
+        if self.file is not None and self.file is not self.terminal:
+            self.file.close()
+        self.file = self.terminal  # a handler a library made keeps this object: later writes reach the terminal
+
+
+_TERMINAL: list = []  # the stderr m3c's own lines go to while libraries_to_log holds sys.stderr
+
+
+def terminal():
+    """The stream m3c's own lines on stderr go to (the error line, --timings): the terminal, whatever sys.stderr is
+    while a command runs."""
+    return _TERMINAL[-1] if _TERMINAL else sys.stderr
+
+
+@contextlib.contextmanager
+def libraries_to_log(verbose: bool, argv: list[str]):
+    """While the block runs, third-party output on sys.stderr goes to the log (log_path), not to the terminal, unless
+    `verbose`; m3c's own lines reach the terminal through terminal(), so an error stays one line."""
+    if verbose:
+        yield
+        return
+    stream = _LibraryStderr(sys.stderr, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} m3c {' '.join(argv)}\n")
+    _TERMINAL.append(sys.stderr)
+    sys.stderr = stream
+    try:
+        yield
+    finally:
+        sys.stderr = _TERMINAL.pop()
+        stream.close_log()
 
 
 def stdout_console() -> Console:

@@ -1022,3 +1022,75 @@ def test_the_default_held_out_slice_never_takes_the_data_a_run_needs(base, tmp_p
                                       "--seq-len", 16, "--holdout-tokens", 16)
     assert code == 2 and stderr.startswith("error: holding out 16 tokens") and "--holdout-tokens" in stderr
     assert "--" not in stderr.replace("--holdout-tokens", "") and not (tmp_path / "p").exists()
+
+
+_NOISY = """
+import logging, sys, warnings
+from m3compile import cli
+from m3compile.errors import M3CompileError
+
+def noisy(**kwargs):  # a library that warns, and logs through a handler it makes as it loads (as torch.onnx does)
+    warnings.warn("a library's FutureWarning", FutureWarning)
+    logging.getLogger("somelib").addHandler(logging.StreamHandler())
+    logging.getLogger("somelib").warning("somelib: torchvision is not installed")
+    raise M3CompileError("not enough room for the weights")
+
+cli.main.commands["passes"].callback = noisy
+from m3compile.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_library_warnings_go_to_the_log_and_the_error_stays_one_line(tmp_path, verbose):
+    """What libraries print on stderr while a command runs (Python warnings, their loggers' lines) goes to the log
+    ($M3C_LOG), and the error is the terminal's one line; with --verbose the terminal shows them too."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "m3c.log"
+    proc = subprocess.run([sys.executable, "-c", _NOISY, *(["--verbose"] if verbose else []), "passes"],
+                          capture_output=True, text=True, env={**os.environ, "M3C_LOG": str(log)}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.endswith("error: not enough room for the weights\n"), proc.stderr
+    if verbose:
+        assert "FutureWarning" in proc.stderr and "torchvision is not installed" in proc.stderr and not log.exists()
+    else:
+        assert proc.stderr == "error: not enough room for the weights\n"
+        text = log.read_text()
+        assert text.startswith("--- ") and " m3c passes\n" in text.splitlines()[0] + "\n"
+        assert "a library's FutureWarning" in text and "somelib: torchvision is not installed" in text
+
+
+_FINISHED_THEN_SIGTERM = """
+import os, signal, sys, time
+from pathlib import Path
+from m3compile import cli
+from m3compile.outputs import COMMITTED
+
+class SlowTeardown:  # a module torn down slowly as the interpreter shuts down (torch's take long): SIGTERM meanwhile
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+SLOW = SlowTeardown()
+
+def done(**kwargs):
+    COMMITTED.append(Path("out"))
+    print("wrote out")
+
+cli.main.commands["passes"].callback = done
+from m3compile.entry import main
+main()
+"""
+
+
+def test_a_signal_after_the_command_finished_is_not_a_silent_kill():
+    """A finished command's process ends at once with its status, its SIGTERM handler in place to the end: the
+    interpreter's shutdown (which puts the default handlers back before it tears the modules down) never runs, so a
+    SIGTERM then cannot kill it silently (-15, no line)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FINISHED_THEN_SIGTERM, "passes"], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "wrote out\n", "")
