@@ -39,7 +39,7 @@ from m3compile.io.load import load, load_meta, weights_by_layer
 from m3compile.outputs import atomic_output_dir, check_output_dir, output_lock, signals_recorded
 from m3compile.export.remote_code import remote_config, write_modeling_file
 from m3compile.io.shards import CheckpointWriter, SafetensorsWriter
-from m3compile.io.tensor_names import to_release_names
+from m3compile.io.tensor_names import checkpoint_names, written_together
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import lowering, scope
@@ -779,20 +779,26 @@ class _Run:
         state = model.state_dict()
         if model.args.tie_embeddings:
             state.pop("lm_head.weight", None)
-        release = {name: to_release_names({name: torch.empty(t.shape, dtype=dtype, device="meta")})
-                   for name, t in state.items()}  # MoE experts: one tensor of ours -> one per expert
+        config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
+        # the checkpoint's names (checkpoint_names): MoE experts one tensor of ours -> one per expert, or a gate and up
+        # pair -> one; written a group at a time, so no rank holds more than its shards plus one group
+        groups = written_together(list(state), config)
+        plan = [checkpoint_names({n: torch.empty(state[n].shape, dtype=dtype, device="meta") for n in g}, config)
+                for g in groups]
         writer = None
         if tmp is not None:
-            writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for r in release.values() for n, t in r.items()])
+            writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for out in plan for n, t in out.items()])
         instead = self._kept_instead(step)
         try:
-            for name, t in state.items():
-                if name in instead:  # the kept (best held-out) state's tensor, not this step's; rank 0 holds it
-                    whole = self.kept.get(name)
-                else:
-                    whole = full_tensor(t).detach().to("cpu", dtype)
+            for group in groups:
+                wholes = {}
+                for name in group:
+                    if name in instead:  # the kept (best held-out) state's tensor, not this step's; rank 0 holds it
+                        wholes[name] = self.kept.get(name)
+                    else:
+                        wholes[name] = full_tensor(state[name]).detach().to("cpu", dtype)
                 if writer is not None:
-                    for n, piece in to_release_names({name: whole}).items():
+                    for n, piece in checkpoint_names(wholes, config).items():
                         writer.write(n, piece)
         except BaseException:
             if writer is not None:
@@ -801,7 +807,6 @@ class _Run:
         folder = None
         if tmp is not None:
             writer.close()
-            config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             write_modeling_file(tmp, config)
             copy_tokenizer_files(self.model_dir, tmp)

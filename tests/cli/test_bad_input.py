@@ -1094,3 +1094,23 @@ def test_a_signal_after_the_command_finished_is_not_a_silent_kill():
     proc = subprocess.run([sys.executable, "-c", _FINISHED_THEN_SIGTERM, "passes"], capture_output=True, text=True,
                           timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "wrote out\n", "")
+
+
+def test_outputs_get_the_modes_the_umask_gives(base, tmp_path):
+    """What the atomic writers put in place (a directory from its private temporary directory, safetensors shards
+    however the writer made them, a single file) has the modes a process creates under its umask (here 027)."""
+    import stat
+
+    previous = os.umask(0o027)
+    try:
+        for argv in (["convert", "--preset", "m3-tiny", "--out", tmp_path / "tiny"], ["convert", base / "dense", tmp_path / "o"],
+                     ["inspect", base / "dense", "--format", "json", "--out", tmp_path / "r.json"]):
+            code, output, _, _ = _invoke(*argv)
+            assert code == 0, output
+    finally:
+        os.umask(previous)
+    written = [p for root in (tmp_path / "tiny", tmp_path / "o") for p in [root, *root.rglob("*")]] + [tmp_path / "r.json"]
+    assert any(p.name == "model.safetensors" for p in written)
+    for p in written:
+        want = 0o750 if p.is_dir() else 0o640
+        assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
