@@ -99,10 +99,11 @@ def eval_loss(model_dir, data, seq_len, max_windows, batch, no_oracle, kv_cache,
     EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch, kv_cache=kv_cache)
     model = load_model(model_dir, dtype, device, index_dtype)
     tokens = load_tokens(data, model.args.vocab_size, model_dir)
-    with Progress(transient=True, disable=as_json) as bar:
-        task_id = bar.add_task("evaluating", total=None)
+    with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("windows, {task.fields[left]}"),
+                  TimeRemainingColumn(), console=stdout_console(), transient=True, disable=as_json) as bar:
+        task_id = bar.add_task("evaluating", total=None, left="")
         report = evaluate(model, tokens, seq_len, max_windows, oracle=not no_oracle, batch=batch, kv_cache=kv_cache,
-                          progress=lambda i, n: bar.update(task_id, completed=i, total=n))
+                          progress=lambda i, n: bar.update(task_id, completed=i, total=n, left=f"{n - i} left"))
     if not report.finite:
         fail(f"{model_dir}: the loss is not finite (dense {report.dense_loss}, sparse {report.sparse_loss}): the "
               f"model holds NaN/Inf weights or overflows {dtype}")

@@ -205,12 +205,15 @@ def evaluate(model: Decoder, tokens: torch.Tensor, seq_len: int, max_windows: in
     kv_cache: "auto" (default): the model's own forward, which keeps no cache. "bf16", "fp8" or "int8" (a K/V cache
     dtype of m3compile.generate): each window is prefilled in one pass into a PagedCache of that dtype and its losses are
     runtime.prefill_nll's, the queries attending to the keys and values as the cache holds them: dense (selection
-    "dense"), MSA (the index branch) and oracle rows, one window at a time (`batch` does not apply); no recall."""
-    EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch)  # each in its range (one-line errors)
+    "dense"), MSA (the index branch) and oracle rows, one window at a time (a `batch` other than 1 is refused); no
+    recall. progress(done, total): windows done of all, from (0, total) before the first."""
+    EvalConfig(seq_len=seq_len, max_windows=max_windows, batch=batch, kv_cache=kv_cache)  # one-line errors
     check_positions(seq_len, getattr(model, "source_config", None), f"--seq-len {seq_len}")
     start = time.perf_counter()
     device = next(model.parameters()).device
     data = windows(tokens, seq_len, max_windows).to(device)  # one copy, not a (GPU-waiting) one per window
+    if progress:
+        progress(0, data.shape[0])  # how many windows, before the first (a long one on a CPU)
     sparse_layers = [i for i in range(model.args.n_layers) if model.args.is_sparse(i)]
     oracle = oracle and bool(sparse_layers)
     kernels = lowering_default(device) if kernels is None else kernels

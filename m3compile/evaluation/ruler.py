@@ -30,7 +30,7 @@ from m3compile.outputs import atomic_save_figure, check_output_file
 from m3compile.models.decoder import Decoder
 from m3compile.runtime.generate import generate, resolve_kv_cache
 from m3compile.io.tokenizer import PromptCodec
-from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples
+from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples, check_fits
 
 __all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "DEFAULT_SELECTIONS",
            "DEFAULT_LENGTHS", "PASS_SCORE"]
@@ -154,7 +154,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
-    within the model's positions (m3compile.config.max_positions; a length above them is an error). A model without MSA
+    within the model's positions (m3compile.config.max_positions; a length above them is an error). Every length
+    and task pair is checked to fit (ruler_tasks.check_fits) before the first prompt is generated. A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
     check_size(samples, "samples", "samples")
@@ -187,6 +188,9 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
+    for length in report.lengths:  # every length and task pair, before any work (one tokenization each)
+        for name in tasks:
+            check_fits(TASKS[name], length, seed, haystacks, render, codec.encode_batch)
     total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
     for name in tasks:
         report.scores[name] = {s: {} for s in selections}

@@ -564,6 +564,8 @@ CASES.update({
     "chat-template-raises": (_chat("chat_template.jinja", "{{ raise_exception('no user turns') }}"), "refused the prompt: no user turns"),
     "chat-tokenizer-config-list": (_chat("tokenizer_config.json", "[1, 2]"), "tokenizer_config.json: expected a JSON object, got list"),
     "chat-template-number": (_chat("tokenizer_config.json", json.dumps({"chat_template": 42})), "tokenizer_config.json: chat_template must be text"),
+    # the RULER-style suite: what a task needs from the data, before any work
+    "ruler-keys-from-few-words": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", 512, "--samples", 1, "--tasks", "niah_multikey_1"], None), "holds 2 distinct words"),
     # options that cannot apply
     "option-index-cache-dense": (lambda b, t: (["generate", b / "dense", "--prompt", "def x", "--index-cache", "fp8"], None), "--index-cache fp8 applies to the index keys of MSA layers"),
     "option-lr-min-constant": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-min", 0.2, *_TRAIN], t / "o"), "lr_min shapes the cosine schedule"),
@@ -1114,3 +1116,33 @@ def test_outputs_get_the_modes_the_umask_gives(base, tmp_path):
     for p in written:
         want = 0o750 if p.is_dir() else 0o640
         assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+
+
+def test_every_ruler_length_and_task_pair_is_checked_before_any_work(base, tmp_path, monkeypatch):
+    """--lengths that one of the tasks cannot fill (niah_single_2's smallest prompt is past 512 tokens here): refused
+    before the first prompt is generated, not after the tasks before it ran (which dropped their scores)."""
+    from m3compile.evaluation import ruler as ruler_mod
+
+    ran = []
+    monkeypatch.setattr(ruler_mod, "run_samples", lambda *a, **k: ran.append(a) or [1.0])
+    code, output, stderr, _ = _invoke("eval", "ruler", base / "msa", "--data", _text(tmp_path), "--lengths", 512,
+                                      "--samples", 1, "--tasks", "niah_single_1,niah_single_2")
+    assert code == 2 and stderr.startswith("error: length 512 is too short for niah_single_2") and ran == [], stderr
+
+
+def test_eval_shows_windows_done_and_left(base, monkeypatch):
+    """m3c eval loss counts its windows from the start: done of all, how many are left, and the time left."""
+    import io
+
+    from rich.console import Console
+
+    from m3compile.commands import eval as eval_cmd
+
+    screen = io.StringIO()
+    monkeypatch.setattr(eval_cmd, "stdout_console", lambda: Console(file=screen, force_terminal=True, color_system=None,
+                                                                          width=100))
+    code, output, _, _ = _invoke("eval", "loss", base / "msa", "--data", base / "d.npy", "--seq-len", 16,
+                                 "--max-windows", 3, "--no-oracle")
+    assert code == 0, output
+    shown = screen.getvalue()
+    assert "0/3 windows, 3 left" in shown and "3/3 windows, 0 left" in shown, shown
