@@ -399,7 +399,8 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
 @main.command()
 @click.argument("src", required=False, type=InputPath())
 @click.option("--preset", default=None, help="Inspect a built-in preset instead of SRC (default when SRC is omitted: m3).")
-@click.option("--context", default=131072, show_default=True, type=Size(), help="Context length for the cost figures.")
+@click.option("--context", default=None, type=Size(),
+              help="Context length for the cost figures [default: 131072, or the model's positions if fewer].")
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "dot", "svg", "mermaid"]), default="rich",
               show_default=True, help="rich tables, JSON, or one layer's graph as Graphviz DOT, SVG or Mermaid.")
 @click.option("--layer", type=int, default=None, help="Layer drawn by dot/svg/mermaid [default: the first MSA layer].")

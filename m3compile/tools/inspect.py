@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from rich.table import Table
 from rich.tree import Tree
 
-from m3compile.config import MSAConfig
+from m3compile.config import MSAConfig, check_size, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.tracing import trace
-from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
+from m3compile.io.hf_config import args_from_config, check_positions, read_config, vision_args_from_config
 from m3compile.io.shards import SourceTensors
 from m3compile.io.tensor_names import VISION_TENSOR
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs
@@ -37,7 +37,10 @@ from m3compile.ops import is_op, op_args, segment_attention
 from m3compile.conversion.convert import convert
 from m3compile.pipelines import run_pipeline
 
-__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to_mermaid", "layer_subgraph", "render"]
+__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to_mermaid", "layer_subgraph", "render",
+           "DEFAULT_CONTEXT"]
+
+DEFAULT_CONTEXT = 131072  # the context of the cost figures, unless the model has fewer positions or one is asked
 
 
 def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> dict:
@@ -206,16 +209,17 @@ def _vision_section(vargs, window_now: int | None, window_new: int) -> dict:
 
 
 def inspect(source: str | os.PathLike | None = None, *, preset: str | None = None, config: MSAConfig | None = None,
-            context: int = 131072) -> InspectReport:
+            context: int | None = None) -> InspectReport:
     """Inspect a checkpoint directory (from config.json and tensor headers only) or a preset, on the meta device.
 
     An unconverted model is shown before and after `convert` with `config`; a converted one (or the m3 preset,
-    natively MSA) as it is.
+    natively MSA) as it is. The cost is given at `context` tokens: None, DEFAULT_CONTEXT or the model's positions if
+    fewer; a context past them is refused, as eval refuses it.
     """
     start = time.perf_counter()
-    if context < 1:
-        raise M3CompileError(f"--context must be >= 1, got {context}")
-    checked = 0
+    if context is not None:
+        check_size(context, "--context")
+    checked, positions = 0, None
     if source is not None:
         path = Path(source)
         cfg = read_config(path)
@@ -224,6 +228,9 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         has_vision = any(VISION_TENSOR.match(n) for n in src.where)
         vision_args = vision_args_from_config(cfg) if has_vision else None
         checked, name, model_type = src.check(args, vision_args), str(path), cfg.get("model_type", "?")
+        positions = max_positions(cfg)
+        if context is not None:
+            check_positions(context, cfg, f"--context {context:,}")
     else:
         vision_args = None
         preset = preset or "m3"
@@ -255,7 +262,7 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         source=name, model_type=model_type, params=params, tensors_checked=checked,
         layers=_layer_rows(gm, out_args, converted), passes=passes, ops_before=_histogram(before),
         ops_after=_histogram(gm), nodes_before=len(before.graph.nodes), nodes_after=len(gm.graph.nodes),
-        cost=attention_cost(out_args, context), seconds=time.perf_counter() - start, graph=gm, vision=vision,
+        cost=attention_cost(out_args, context or min(DEFAULT_CONTEXT, positions or DEFAULT_CONTEXT)), seconds=time.perf_counter() - start, graph=gm, vision=vision,
         added_nodes={n.name for n in gm.graph.nodes} - names_before,
     )
 

@@ -502,6 +502,7 @@ CASES.update({
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
     "context-map": (lambda b, t: (["attention-map", b / "msa", "--data", _ids(t, "long.npy", 1000), "--layer", 1, "--seq-len", 600, "--out", t / "m.png"], t / "m.png"), "past the model's 512 positions"),
+    "context-inspect": (lambda b, t: (["inspect", b / "dense", "--context", 600], None), "--context 600 is past the model's 512 positions"),
     "context-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x ( ) :", "--max-new-tokens", 510], None), "past the model's 512 positions"),
     # what used to escape the command line's handler as a traceback
     "generation-config-garbage": (_generation_config(b"{bad"), "generation_config.json: not valid JSON"),
@@ -1146,3 +1147,9 @@ def test_eval_shows_windows_done_and_left(base, monkeypatch):
     assert code == 0, output
     shown = screen.getvalue()
     assert "0/3 windows, 3 left" in shown and "3/3 windows, 0 left" in shown, shown
+
+
+def test_inspect_costs_at_the_model_s_own_context_by_default(base):
+    """Without --context the cost figures are at 131,072 tokens, or at the model's positions if fewer (512 here)."""
+    code, output, _, _ = _invoke("inspect", base / "dense", "--format", "json")
+    assert code == 0 and json.loads(output)["cost"]["context"] == 512, output
