@@ -147,9 +147,9 @@ def check_output_file(out: str | os.PathLike, inputs=(), suffix: str | None = No
     existing file is replaced (as these commands always did), a directory is refused, and so is a name without
     `suffix` (".png") when one is asked; a missing parent directory is created."""
     out = Path(out)
+    _check_output(out, inputs, max(_PARTIAL_EXTRA, _LOCK_EXTRA), directory=False)
     if suffix is not None and out.suffix.lower() != suffix:
         raise M3CompileError(f"output {out}: the file is written as {suffix[1:].upper()}; name the file *{suffix}")
-    _check_output(out, inputs, max(_PARTIAL_EXTRA, _LOCK_EXTRA), directory=False)
     if out.is_dir():
         raise M3CompileError(f"output {out} is a directory; name a file to write")
     if lock:
