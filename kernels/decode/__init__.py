@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
-from m3compile.kernels.decode.naive import (KV_QUANTISED, dequantize_kv, paged_attention_reference,
+from m3compile.kernels.decode.naive import (KV_QUANTISED, adaptive_decode, dequantize_kv, index_logit_scale,
+                                            paged_attention_reference,
                                             paged_block_scores_reference, paged_index_write_reference,
                                             paged_kv_write_reference, paged_oracle_select, paged_recent_select,
                                             paged_select_reference, quantize_kv, quantize_pages,
@@ -129,10 +130,12 @@ def top_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int,
 
 def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                          idx_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[str, Callable]]]:
+                          idx_scale: torch.Tensor | None = None, top_p: float = 1.0,
+                          min_blocks: int = 0) -> tuple[torch.Tensor, list[tuple[str, Callable]]]:
     """`paged_select`'s Triton launches, unrun: (the output [B, Hi, topk] they fill, [(name, launch)] in order:
-    "scores", then "topk" or "topk_chunks" + "topk_merge"). Each launch can be timed alone (it reads only what the
-    launches before it wrote); paged_select runs them all."""
+    "scores", then "topk" or "topk_chunks" + "topk_merge", and with top_p < 1 "adaptive" (the budget's cut, in
+    torch: naive.adaptive_decode)). Each launch can be timed alone (it reads only what the launches before it
+    wrote); paged_select runs them all."""
     fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
     from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel,
                                                      paged_index_scores_fp8_narrow_kernel, paged_index_scores_kernel)
@@ -161,21 +164,31 @@ def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_ta
         )
 
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
-    return out, [("scores", lambda: launch_fp8(launch, fp8))] + _top_blocks_launches(
+    launches = [("scores", lambda: launch_fp8(launch, fp8))] + _top_blocks_launches(
         scores, seq_lens, out, block_size=bs, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+    if top_p < 1:
+        def adaptive():  # the kernel's scores are q . k (fp8: of the e4m3 query row without its scale)
+            out.copy_(adaptive_decode(out, scores * index_logit_scale(q_idx, fp8), seq_lens, block_size=bs,
+                                      init_blocks=init_blocks, local_blocks=local_blocks, top_p=top_p,
+                                      min_blocks=min_blocks))
+        launches.append(("adaptive", adaptive))
+    return out, launches
 
 
 def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  topk: int, init_blocks: int = 0, local_blocks: int = 1, idx_scale: torch.Tensor | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 top_p: float = 1.0, min_blocks: int = 0, backend: str = "auto") -> torch.Tensor:
     """q_idx [B, Hi, Di] of the newest token of each sequence -> selected blocks [B, Hi, topk] int32 (-1 = empty),
-    best first, equal scores to the lower page."""
+    best first, equal scores to the lower page; top_p < 1: the adaptive budget (docs/msa.md 2.8), the slots past it
+    -1."""
     if not use_triton(q_idx, idx_cache, backend=backend):
         fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
-                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
+                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None, top_p=top_p,
+                                      min_blocks=min_blocks)
     out, launches = paged_select_launches(q_idx, idx_cache, block_table, seq_lens, topk=topk,
-                                          init_blocks=init_blocks, local_blocks=local_blocks, idx_scale=idx_scale)
+                                          init_blocks=init_blocks, local_blocks=local_blocks, idx_scale=idx_scale,
+                                          top_p=top_p, min_blocks=min_blocks)
     for _, launch in launches:
         launch()
     return out
