@@ -13,6 +13,7 @@ import time
 
 _STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -162,8 +163,18 @@ def main(verbose):
 @click.option("--preset", default=None, help="Convert a built-in preset instead of SRC (default when SRC is omitted: m3-tiny).")
 @click.option("--out", "out_opt", type=OutputPath("dir"), default=None, help="Output directory (same as OUT).")
 @click.option("--block-size", default=128, show_default=True, help="Keys per block (also the KV-cache page).")
-@click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included.")
+@click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included (with --top-p: at most).")
+@click.option("--top-p", default=1.0, show_default=True,
+              help="Adaptive budget (docs/msa.md 2.8): each (KV group, query) keeps, beside its forced blocks, the "
+                   "fewest best blocks whose index-branch probability reaches this, between --min-blocks and --topk "
+                   "blocks; 1 = the fixed top-k. A setting of the selection, so it can be changed on an MSA source "
+                   "(the weights stay).")
+@click.option("--min-blocks", default=0, show_default=True, help="The adaptive budget's floor: blocks kept at least (forced ones included).")
 @click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
+@click.option("--dense-costliest", type=int, default=None,
+              help="Instead of --dense-layers: keep dense the N layers whose loss rises most when each alone is "
+                   "sparse under the oracle at this budget, measured on --calib (loads the whole model on "
+                   "--calib-device; the figures go into conversion_report.json: layer_costs).")
 @click.option("--index-dim", type=int, default=None,
               help="Index head dim [default: the model's head dim]. Below the rotary width (even only) the index "
                    "head keeps the model's lowest RoPE frequencies (config: sparse_index_rope \"low\"): a cheaper "
@@ -188,9 +199,9 @@ def main(verbose):
 @click.option("--calib-device", default="cpu", show_default=True, help="Where the calibration forward runs (cpu, cuda, cuda:N).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
-def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
-            local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib, calib_tokens, calib_seq_len,
-            calib_device, force, as_json):
+def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dense_layers, dense_costliest, index_dim,
+            index_heads, init_blocks, local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib,
+            calib_tokens, calib_seq_len, calib_device, force, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -213,6 +224,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     """
     from m3compile.config import MSAConfig
     from m3compile.conversion.checkpoint import convert_checkpoint
+    from m3compile.evaluation.loss import dense_layers_by_cost
+    from m3compile.outputs import check_output_dir
 
     ctx = click.get_current_context()
     if src is not None and preset is not None:
@@ -221,6 +234,10 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
              if ctx.get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
     if calib is None and given:
         raise click.UsageError(f"{given[0]} applies only with --calib")
+    if dense_costliest is not None and calib is None:
+        raise click.UsageError("--dense-costliest measures the layers on calibration data: give --calib")
+    if dense_costliest is not None and ctx.get_parameter_source("dense_layers") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("give --dense-layers or --dense-costliest, not both")
     if out is not None and out_opt is not None and os.path.abspath(out) != os.path.abspath(out_opt):
         raise click.UsageError(f"OUT given twice, as {out} and as --out {out_opt}: give one")
     out = out or out_opt or (Path(f"{preset or 'm3-tiny'}-msa") if src is None else None)
@@ -228,11 +245,20 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         raise click.UsageError("missing OUT directory")
     config = MSAConfig(block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                        init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
-                       vision_window=vision_window, index_dtype=index_dtype)
+                       vision_window=vision_window, index_dtype=index_dtype, top_p=top_p, min_blocks=min_blocks)
     if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
                                for p in ("block_size", "topk", "index_dim", "index_heads", "init_blocks",
-                                         "local_blocks", "dense_layers", "vision_window", "index_dtype")):
+                                         "local_blocks", "dense_layers", "vision_window", "index_dtype", "top_p",
+                                         "min_blocks", "dense_costliest")):
         config = None  # the defaults (MSAConfig()); an MSA source keeps its own settings
+    costs = None
+    if dense_costliest is not None:
+        check_output_dir(out, (src, calib), force)  # before the measurement: a bad OUT is found at once
+        with Progress(transient=True, disable=as_json) as bar:
+            bar.add_task("measuring each layer alone sparse (oracle)", total=None)
+            costs = dense_layers_by_cost(src, config, calib, dense_costliest, preset=preset, calib_tokens=calib_tokens,
+                                         seq_len=calib_seq_len, device=calib_device)
+        config = dataclasses.replace(config, dense_layers=tuple(sorted(costs.costliest(dense_costliest))))
 
     console = stdout_console()
     columns = (TextColumn("[bold]convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -242,6 +268,7 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         report = convert_checkpoint(
             src, out, config, preset=preset, force=force, dtype=dtype, max_shard_size=_parse_size(max_shard_size),
             calib=calib, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, calib_device=calib_device,
+            layer_costs=None if costs is None else costs.to_dict(),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -261,6 +288,12 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
                   f"index init: calibrated on {init.tokens:,} tokens of {init.source} ({init.windows} x {init.seq_len})")
     console.print(f"parameters {report.params_before:,} -> {report.params_after:,} (+{report.index_params:,} index branch); "
                   f"{report.seconds:.1f} s")
+    if costs is not None:
+        rise = lambda i: f"layer {i} {100 * costs.layers[i]['loss_increase']['oracle']:+.2f}%"  # noqa: E731
+        kept = costs.costliest(dense_costliest)
+        console.print(f"dense by measured cost (loss alone sparse under the oracle, {costs.tokens:,} tokens): "
+                      f"{', '.join(map(rise, kept)) or 'none'}; the next: "
+                      f"{', '.join(map(rise, costs.costliest()[len(kept):len(kept) + 3])) or 'none'}")
 
 
 @main.command(name="attention-map")
@@ -408,7 +441,10 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
 @click.option("--block-size", default=128, show_default=True, help="For an unconverted model: MSA block size to apply.")
 @click.option("--topk", default=16, show_default=True, help="For an unconverted model: top-k blocks to apply.")
 @click.option("--dense-layers", default=None, help="For an unconverted model: layers kept dense [default: 0; m3: 0,1,2].")
-def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layers):
+@click.option("--blocks", type=float, default=None,
+              help="Blocks each (KV group, query) keeps, for the cost: an adaptive budget's measured mean (m3c eval "
+                   "loss: mean_blocks) [default: the top-k, the budget's ceiling].")
+def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layers, blocks):
     """Show what conversion changes in SRC (a checkpoint directory) or a preset, without loading weights.
 
     Works from config.json and the safetensors headers on the meta device, so any size takes seconds: every
@@ -432,7 +468,7 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
         default_dense = "0,1,2" if src is None and (preset or "m3") == "m3" else "0"
         config = MSAConfig(block_size=block_size, topk=topk,
                            dense_layers=_parse_layers(dense_layers if dense_layers is not None else default_dense))
-    report = inspect(src, preset=preset, config=config, context=context)
+    report = inspect(src, preset=preset, config=config, context=context, blocks=blocks)
     if fmt == "rich":
         console = stdout_console()
         for part in render(report):

@@ -1,7 +1,7 @@
 """What the command line's modules share: exit statuses and the one-line error, the libraries' warnings kept off
 the terminal (in the log unless --verbose), the console, the paths a command reads and writes (every output through
-the one output guard before the command runs), the parsing of sizes and name lists, the --kv-cache option, loading
-a model as the commands do.
+the one output guard before the command runs), the parsing of sizes and name lists, the --kv-cache and
+selection-budget options, loading a model as the commands do.
 
 Like every module of the command line, it imports the library's torch-bound modules inside the functions that use
 them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a usage error load no torch.
@@ -9,6 +9,7 @@ them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a u
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import sys
@@ -22,9 +23,9 @@ from m3compile.config import KV_CACHE_DTYPES, parse_size, parse_sizes
 from m3compile.errors import M3CompileError
 from m3compile.outputs import OUTPUT_KINDS, check_output
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console", "InputPath", "OutputPath", "Command",
-           "Group", "guard_outputs", "Size",
-           "split_names", "stacked", "load_model", "kv_cache_option"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console",
+           "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "split_names", "stacked", "load_model",
+           "budget_options", "kv_cache_option"]
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -193,14 +194,36 @@ def stacked(*decorators):
     return apply
 
 
-def load_model(model_dir: Path, dtype: str, device: str, index_dtype: str | None = None):
-    """m3compile.load, scoring the index branch in `index_dtype` when one is given."""
+def load_model(model_dir: Path, dtype: str, device: str, index_dtype: str | None = None, budget: dict | None = None):
+    """m3compile.load, scoring the index branch in `index_dtype` when one is given, with the selection budget
+    `budget` ({"topk", "top_p", "min_blocks"}: those given replace the checkpoint's; Decoder.set_budget)."""
     from m3compile.io.load import load
 
     model = load(model_dir, dtype=dtype, device=device)
     if index_dtype:
         model.set_index_dtype(index_dtype)
+    if budget:
+        model.set_budget(**budget)
     return model
+
+
+def budget_options(f):
+    """--topk, --top-p and --min-blocks (the MSA layers' selection budget for this run, instead of the
+    checkpoint's: docs/msa.md 2.8), folded into the command's one `budget` argument (a dict of those given)."""
+    @functools.wraps(f)
+    def command(*args, topk, top_p, min_blocks, **kwargs):
+        given = dict(topk=topk, top_p=top_p, min_blocks=min_blocks)
+        return f(*args, budget={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    return stacked(
+        click.option("--topk", type=int, default=None,
+                     help="Blocks each (KV group, query) keeps at most [default: the checkpoint's]."),
+        click.option("--top-p", type=float, default=None,
+                     help="Adaptive budget: keep the fewest blocks whose index-branch probability reaches this "
+                          "(0 < p <= 1; 1 = the fixed top-k) [default: the checkpoint's]."),
+        click.option("--min-blocks", type=int, default=None,
+                     help="The adaptive budget's floor in blocks [default: the checkpoint's]."),
+    )(command)
 
 
 def kv_cache_option(help: str = "K/V cache dtype: auto (the model's), bf16, fp8 (e4m3 with one scale per token and "

@@ -128,6 +128,7 @@ def convert_streaming(
     calib_seq_len: int | None = None,
     calib_device: str = "cpu",
     calib_source: str | None = None,
+    layer_costs: dict | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint directory `src` into `out_dir` with memory bounded by one layer (see module doc).
 
@@ -153,6 +154,7 @@ def convert_streaming(
         model = Decoder(args)
     gm, report = convert(model, config)
     report.model = str(src)
+    report.layer_costs = layer_costs  # what chose the dense layers (m3c convert --dense-costliest)
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     out_cfg = output_config(cfg, out_args, report.config)  # before any tensor is read: its refusals come first

@@ -76,6 +76,10 @@ class RulerReport:
     max_new_tokens  {task: tokens generated at most} (RULER's per-task setting)
     excluded        tasks the dense model scores below 50 at the shortest length: kept out of `average`
     average         {selection: {length: mean score over the tasks not excluded}}, and "all" over the lengths
+    stderr          the standard error of each average, as `average` ({selection: {length | "all": points}}): the
+                    tasks' sample means are independent, so it is sqrt(sum over them of s^2 / n) / their count, s^2
+                    a task's sample variance (x 100^2) and n its samples (at 10 samples a task's score moves in steps
+                    of 10 points)
     prompt_tokens   {length: mean prompt tokens over every sample}
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     seconds         wall time
@@ -89,6 +93,7 @@ class RulerReport:
     chat: bool
     context: int | None = None
     scores: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    variances: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)  # each score's s^2 / n
     prompt_tokens: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     kv_cache: str = "auto"
@@ -101,10 +106,20 @@ class RulerReport:
 
     def average(self, selection: str, length: int | None = None) -> float | None:
         """Mean score of the tasks not excluded at `length` (None: over every length too)."""
+        values = self._kept(self.scores, selection, length)
+        return sum(values) / len(values) if values else None
+
+    def stderr(self, selection: str, length: int | None = None) -> float | None:
+        """The standard error of `average(selection, length)`, in points (None where no variance was kept)."""
+        if not self.variances:
+            return None
+        values = self._kept(self.variances, selection, length)
+        return math.sqrt(sum(values)) / len(values) if values else None
+
+    def _kept(self, table: dict, selection: str, length: int | None) -> list[float]:
         kept = [t for t in self.tasks if t not in self.excluded]
         lengths = self.lengths if length is None else [length]
-        values = [self.scores[t][selection][n] for t in kept for n in lengths]
-        return sum(values) / len(values) if values else None
+        return [table[t][selection][n] for t in kept for n in lengths]
 
     def to_dict(self) -> dict:
         return {
@@ -116,6 +131,8 @@ class RulerReport:
             "excluded": self.excluded,
             "average": {s: {**{str(n): _round(self.average(s, n)) for n in self.lengths},
                             "all": _round(self.average(s))} for s in self.selections},
+            "stderr": {s: {**{str(n): _round(self.stderr(s, n)) for n in self.lengths},
+                           "all": _round(self.stderr(s))} for s in self.selections},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
             "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
         }
@@ -183,6 +200,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                              f"max_position_embeddings)")
     if not any(model.args.is_sparse(i) for i in range(model.args.n_layers)):
         selections = ["dense"]  # no MSA layer: every selection is dense attention
+    else:
+        model.args.msa.check_floor(lengths[0], f"a prompt of {lengths[0]} tokens")
     selections = list(dict.fromkeys(selections))
     start = time.perf_counter()
     report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
@@ -194,6 +213,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
     for name in tasks:
         report.scores[name] = {s: {} for s in selections}
+        report.variances[name] = {s: {} for s in selections}
     for length in report.lengths:
         counted = []
         for name in tasks:
@@ -213,7 +233,10 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
                                   selection=sel, batch=batch, progress=advance, kernels=kernels,
                                   kv_cache=kv_cache)
-                report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
+                mean = sum(got) / len(got)
+                report.scores[name][sel][length] = 100.0 * mean
+                var = sum((g - mean) ** 2 for g in got) / (len(got) - 1) if len(got) > 1 else 0.0
+                report.variances[name][sel][length] = 100.0**2 * var / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)
     report.seconds = time.perf_counter() - start
     return report

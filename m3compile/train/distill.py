@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from m3compile.config import check_size, parse_dtype
+from m3compile.config import check_size, max_positions, parse_dtype
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.data import load_tokens, windows
@@ -555,7 +555,8 @@ class _Run:
         report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history,
                                sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
         self.holdout = None if held is None else HeldOut(held, model, cfg, self.device, self.training, self.rank,
-                                                         self.world, (state or {}).get("holdout"))
+                                                         self.world, (state or {}).get("holdout"),
+                                                         max_positions(read_config(self.model_dir)), sharded)
         self.kept, self.kept_step, self.holdout_seconds = {}, None, 0.0
         t0 = time.perf_counter()  # report.seconds: the steps' time (the evaluations' is report.holdout["seconds"])
         if self.holdout is not None:

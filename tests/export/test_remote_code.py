@@ -96,6 +96,23 @@ def test_dense_llama_byte_block64_top8_matches_m3compile(llama_byte):
     assert_same_model(llama_byte, text[None], text[:600].tolist(), 5)  # 600 tokens = 10 blocks > top-8
 
 
+def test_adaptive_budget_matches_m3compile(tmp_path):
+    """A model converted with an adaptive budget (top-p 0.7 of 2-8 blocks of 8 tokens): transformers' logits and
+    greedy tokens are m3compile's, on its torch path and through m3compile's kernels."""
+    src = tiny_source("qwen2-bias-tied", tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "msa", MSAConfig(block_size=8, topk=8, dense_layers=(0,), top_p=0.7,
+                                                         min_blocks=2))
+    x = torch.randint(0, 256, (2, 90))
+    hf, ours = assert_same_model(tmp_path / "msa", x, x[0, :70].tolist(), 5)
+    with torch.no_grad():
+        want = hf(x).logits
+        hf.model.msa_backend = "m3compile"
+        torch.testing.assert_close(hf(x).logits, want, rtol=1e-4, atol=1e-4)
+        hf.model.layers[1].self_attn.s.top_p = 1.0  # the layers' shared settings: the fixed top-8 instead
+        assert (hf(x).logits - want).abs().max() > 1e-3
+    assert ours.args.msa.top_p == 0.7
+
+
 def test_left_padded_batch_generates_each_prompt_as_alone(tiny):
     hf = hf_load(tiny["qwen3-qknorm"])
     a, b = torch.randint(0, 256, (30,)).tolist(), torch.randint(0, 256, (19,)).tolist()
