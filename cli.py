@@ -13,6 +13,7 @@ import time
 
 _STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -28,7 +29,10 @@ from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
 from m3compile.outputs import COMMITTED
 from m3compile.commands.bench import bench
-from m3compile.commands.common import EXIT_INTERRUPTED, fail, kv_cache_option, load_model, parse_chunk, stdout_console
+from m3compile.commands.common import (
+    EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, libraries_to_log, load_model, log_path,
+    stdout_console, terminal,
+)
 from m3compile.commands.eval import eval_
 from m3compile.commands.train import distill, train
 
@@ -51,7 +55,7 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt  # the atomic writers remove their temporary directories, as for Ctrl-C
 
 
-class _Group(click.Group):
+class _Group(Group):
     """m3c's group: usage errors and the library's errors (M3CompileError) as one line `error: <message>` (exit 2),
     Ctrl-C and SIGTERM as one line and exit 130."""
 
@@ -66,8 +70,11 @@ class _Group(click.Group):
                 previous[sig] = signal.signal(sig, _sigterm)
         except ValueError:  # not the main thread: leave signals alone
             pass
+        argv = list(sys.argv[1:] if args is None else args)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with libraries_to_log("--verbose" in argv[:argv.index("--")] if "--" in argv else "--verbose" in argv,
+                                  argv):
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NoArgsIsHelp as e:  # bare `m3c`: the help, as click shows it
             e.show()
             sys.exit(e.exit_code)
@@ -91,7 +98,7 @@ class _Group(click.Group):
                 fail(_interrupted(), EXIT_INTERRUPTED)
             fail(str(e))
         except DistillInterrupted as e:
-            click.echo(str(e), err=True)
+            click.echo(str(e), file=terminal())
             sys.exit(EXIT_INTERRUPTED)
         except KeyboardInterrupt:
             fail(_interrupted(), EXIT_INTERRUPTED)
@@ -129,7 +136,10 @@ def _parse_size(text: str) -> int:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="m3compile")
-def main():
+@click.option("--verbose", is_flag=True,
+              help=f"Show the libraries' warnings (torch, ONNX) on the terminal; else they go to the log "
+                   f"($M3C_LOG, default {log_path().as_posix().replace(Path.home().as_posix(), '~')}).")
+def main(verbose):
     """m3compile: rewrite a dense GQA transformer into MiniMax Sparse Attention (MSA).
 
     \b
@@ -148,13 +158,23 @@ def main():
 
 
 @main.command()
-@click.argument("src", required=False, type=click.Path(path_type=Path))
-@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.argument("src", required=False, type=InputPath())
+@click.argument("out", required=False, type=OutputPath("dir"))
 @click.option("--preset", default=None, help="Convert a built-in preset instead of SRC (default when SRC is omitted: m3-tiny).")
-@click.option("--out", "out_opt", type=click.Path(path_type=Path), default=None, help="Output directory (same as OUT).")
+@click.option("--out", "out_opt", type=OutputPath("dir"), default=None, help="Output directory (same as OUT).")
 @click.option("--block-size", default=128, show_default=True, help="Keys per block (also the KV-cache page).")
-@click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included.")
+@click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to, own block included (with --top-p: at most).")
+@click.option("--top-p", default=1.0, show_default=True,
+              help="Adaptive budget (docs/msa.md 2.8): each (KV group, query) keeps, beside its forced blocks, the "
+                   "fewest best blocks whose index-branch probability reaches this, between --min-blocks and --topk "
+                   "blocks; 1 = the fixed top-k. A setting of the selection, so it can be changed on an MSA source "
+                   "(the weights stay).")
+@click.option("--min-blocks", default=0, show_default=True, help="The adaptive budget's floor: blocks kept at least (forced ones included).")
 @click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
+@click.option("--dense-costliest", type=int, default=None,
+              help="Instead of --dense-layers: keep dense the N layers whose loss rises most when each alone is "
+                   "sparse under the oracle at this budget, measured on --calib (loads the whole model on "
+                   "--calib-device; the figures go into conversion_report.json: layer_costs).")
 @click.option("--index-dim", type=int, default=None,
               help="Index head dim [default: the model's head dim]. Below the rotary width (even only) the index "
                    "head keeps the model's lowest RoPE frequencies (config: sparse_index_rope \"low\"): a cheaper "
@@ -169,18 +189,19 @@ def main():
               help="Index scoring: auto (the compute dtype) or fp8 (e4m3 query rows and keys, fp32 accumulation); kept in config.json.")
 @click.option("--dtype", default=None, help="Output dtype of floating tensors (float32, bfloat16, float16) [default: each tensor's own].")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output safetensors shard (5GB = 5*10^9 bytes; GiB for 2^30).")
-@click.option("--calib", type=click.Path(path_type=Path), default=None,
+@click.option("--calib", type=InputPath(), default=None,
               help="Calibration data (.bin bytes, .npy ids, .txt/.jsonl via SRC's tokenizer): fits the index branch to "
                    "the hidden states it sees [default: the weight-only init].")
-@click.option("--calib-tokens", default=8192, show_default=True, help="Calibration tokens read from the start of --calib.")
-@click.option("--calib-seq-len", type=int, default=None,
+@click.option("--calib-tokens", default=8192, show_default=True, type=Size(),
+              help="Calibration tokens read from the start of --calib.")
+@click.option("--calib-seq-len", type=Size(), default=None,
               help="Tokens per calibration window [default: 2048, or the model's positions if fewer].")
 @click.option("--calib-device", default="cpu", show_default=True, help="Where the calibration forward runs (cpu, cuda, cuda:N).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
-def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim, index_heads, init_blocks,
-            local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib, calib_tokens, calib_seq_len,
-            calib_device, force, as_json):
+def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dense_layers, dense_costliest, index_dim,
+            index_heads, init_blocks, local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib,
+            calib_tokens, calib_seq_len, calib_device, force, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -203,6 +224,8 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
     """
     from m3compile.config import MSAConfig
     from m3compile.conversion.checkpoint import convert_checkpoint
+    from m3compile.evaluation.loss import dense_layers_by_cost
+    from m3compile.outputs import check_output_dir
 
     ctx = click.get_current_context()
     if src is not None and preset is not None:
@@ -211,6 +234,10 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
              if ctx.get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
     if calib is None and given:
         raise click.UsageError(f"{given[0]} applies only with --calib")
+    if dense_costliest is not None and calib is None:
+        raise click.UsageError("--dense-costliest measures the layers on calibration data: give --calib")
+    if dense_costliest is not None and ctx.get_parameter_source("dense_layers") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("give --dense-layers or --dense-costliest, not both")
     if out is not None and out_opt is not None and os.path.abspath(out) != os.path.abspath(out_opt):
         raise click.UsageError(f"OUT given twice, as {out} and as --out {out_opt}: give one")
     out = out or out_opt or (Path(f"{preset or 'm3-tiny'}-msa") if src is None else None)
@@ -218,11 +245,20 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         raise click.UsageError("missing OUT directory")
     config = MSAConfig(block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                        init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
-                       vision_window=vision_window, index_dtype=index_dtype)
+                       vision_window=vision_window, index_dtype=index_dtype, top_p=top_p, min_blocks=min_blocks)
     if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
                                for p in ("block_size", "topk", "index_dim", "index_heads", "init_blocks",
-                                         "local_blocks", "dense_layers", "vision_window", "index_dtype")):
+                                         "local_blocks", "dense_layers", "vision_window", "index_dtype", "top_p",
+                                         "min_blocks", "dense_costliest")):
         config = None  # the defaults (MSAConfig()); an MSA source keeps its own settings
+    costs = None
+    if dense_costliest is not None:
+        check_output_dir(out, (src, calib), force)  # before the measurement: a bad OUT is found at once
+        with Progress(transient=True, disable=as_json) as bar:
+            bar.add_task("measuring each layer alone sparse (oracle)", total=None)
+            costs = dense_layers_by_cost(src, config, calib, dense_costliest, preset=preset, calib_tokens=calib_tokens,
+                                         seq_len=calib_seq_len, device=calib_device)
+        config = dataclasses.replace(config, dense_layers=tuple(sorted(costs.costliest(dense_costliest))))
 
     console = stdout_console()
     columns = (TextColumn("[bold]convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -232,6 +268,7 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
         report = convert_checkpoint(
             src, out, config, preset=preset, force=force, dtype=dtype, max_shard_size=_parse_size(max_shard_size),
             calib=calib, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, calib_device=calib_device,
+            layer_costs=None if costs is None else costs.to_dict(),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -251,15 +288,22 @@ def convert(src, out, preset, out_opt, block_size, topk, dense_layers, index_dim
                   f"index init: calibrated on {init.tokens:,} tokens of {init.source} ({init.windows} x {init.seq_len})")
     console.print(f"parameters {report.params_before:,} -> {report.params_after:,} (+{report.index_params:,} index branch); "
                   f"{report.seconds:.1f} s")
+    if costs is not None:
+        rise = lambda i: f"layer {i} {100 * costs.layers[i]['loss_increase']['oracle']:+.2f}%"  # noqa: E731
+        kept = costs.costliest(dense_costliest)
+        console.print(f"dense by measured cost (loss alone sparse under the oracle, {costs.tokens:,} tokens): "
+                      f"{', '.join(map(rise, kept)) or 'none'}; the next: "
+                      f"{', '.join(map(rise, costs.costliest()[len(kept):len(kept) + 3])) or 'none'}")
 
 
 @main.command(name="attention-map")
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
+@click.argument("model_dir", type=InputPath())
+@click.option("--data", required=True, type=InputPath(), help="Token data: .bin bytes, .npy ids, .txt/.jsonl text.")
 @click.option("--layer", required=True, type=int, help="MSA layer to draw.")
 @click.option("--group", default=0, show_default=True, help="KV group (index head) to draw.")
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
-@click.option("--seq-len", default=1024, show_default=True, help="Tokens in the window (the map is seq-len x seq-len).")
+@click.option("--out", "out", required=True, type=OutputPath("file", ".png"), help="PNG file to write.")
+@click.option("--seq-len", default=1024, show_default=True, type=Size(),
+              help="Tokens in the window (the map is seq-len x seq-len).")
 @click.option("--offset", default=0, show_default=True, help="First token of the window in --data.")
 @click.option("--dtype", default="float32", show_default=True, help="Compute dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
@@ -294,16 +338,16 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
 
 
 _prefill_chunk_option = click.option(
-    "--prefill-chunk", default="auto", show_default=True,
+    "--prefill-chunk", default="auto", show_default=True, type=Size(auto=True),
     help="Tokens per prefill pass, e.g. 32K; auto: the whole prompt where its activations fit beside the caches, "
          "else the largest chunk that does.")
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=InputPath())
 @click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from this UTF-8 file.")
-@click.option("--max-new-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--prompt-file", type=InputPath(), default=None, help="Read the prompt from this UTF-8 file.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=Size(), help="Tokens to generate at most.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples from softmax(logits / T).")
 @click.option("--top-p", default=1.0, show_default=True, help="With --temperature: sample from the smallest set of tokens holding this probability.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
@@ -335,7 +379,6 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
     (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
-    chunk = parse_chunk(prefill_chunk)
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
@@ -349,8 +392,6 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
         fail(f"--prompt is not UTF-8 text (invalid byte at offset {len(prompt[:e.start].encode('utf-8', 'replace'))})")
-    if max_new_tokens < 1:
-        raise click.BadParameter("--max-new-tokens must be >= 1")
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, next
     from m3compile.io.tokenizer import TextCodec, eos_token_id
     from m3compile.runtime.generate import generate
@@ -380,26 +421,30 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     result = generate(model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
                       temperature=temperature, top_p=top_p, seed=seed, on_token=show,
                       cuda_graph=False if eager else None, timings=timings, kv_cache_dtype=kv_cache,
-                      index_cache_dtype=index_cache, prefill_chunk=chunk)
+                      index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
     click.echo()
     if timings:
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
         click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
-                              | total), err=True)
+                              | total), file=terminal())
 
 
 @main.command()
-@click.argument("src", required=False, type=click.Path(path_type=Path))
+@click.argument("src", required=False, type=InputPath())
 @click.option("--preset", default=None, help="Inspect a built-in preset instead of SRC (default when SRC is omitted: m3).")
-@click.option("--context", default=131072, show_default=True, help="Context length for the cost figures.")
+@click.option("--context", default=None, type=Size(),
+              help="Context length for the cost figures [default: 131072, or the model's positions if fewer].")
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "dot", "svg", "mermaid"]), default="rich",
               show_default=True, help="rich tables, JSON, or one layer's graph as Graphviz DOT, SVG or Mermaid.")
 @click.option("--layer", type=int, default=None, help="Layer drawn by dot/svg/mermaid [default: the first MSA layer].")
-@click.option("--out", "out", type=click.Path(path_type=Path), default=None, help="Write to this file instead of stdout.")
+@click.option("--out", "out", type=OutputPath("file"), default=None, help="Write to this file instead of stdout.")
 @click.option("--block-size", default=128, show_default=True, help="For an unconverted model: MSA block size to apply.")
 @click.option("--topk", default=16, show_default=True, help="For an unconverted model: top-k blocks to apply.")
 @click.option("--dense-layers", default=None, help="For an unconverted model: layers kept dense [default: 0; m3: 0,1,2].")
-def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layers):
+@click.option("--blocks", type=float, default=None,
+              help="Blocks each (KV group, query) keeps, for the cost: an adaptive budget's measured mean (m3c eval "
+                   "loss: mean_blocks) [default: the top-k, the budget's ceiling].")
+def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layers, blocks):
     """Show what conversion changes in SRC (a checkpoint directory) or a preset, without loading weights.
 
     Works from config.json and the safetensors headers on the meta device, so any size takes seconds: every
@@ -423,7 +468,7 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
         default_dense = "0,1,2" if src is None and (preset or "m3") == "m3" else "0"
         config = MSAConfig(block_size=block_size, topk=topk,
                            dense_layers=_parse_layers(dense_layers if dense_layers is not None else default_dense))
-    report = inspect(src, preset=preset, config=config, context=context)
+    report = inspect(src, preset=preset, config=config, context=context, blocks=blocks)
     if fmt == "rich":
         console = stdout_console()
         for part in render(report):
@@ -438,8 +483,8 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
 
 
 @main.command(name="export-onnx")
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=InputPath())
+@click.argument("out_dir", type=OutputPath("dir"))
 @click.option("--dtype", type=click.Choice(ONNX_DTYPES), default="float32", show_default=True,
               help="The exported weights' and the graph's dtype (the MSA function computes in fp32).")
 @click.option("--external-data", type=click.Choice(EXTERNAL_DATA), default="auto", show_default=True,

@@ -132,7 +132,7 @@ def main() -> int:
     d.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     d.add_argument("--lr-warmup", type=int, default=0)
     d.add_argument("--lr-decay-steps", type=int, default=None)
-    d.add_argument("--lr-min", type=float, default=0.1)
+    d.add_argument("--lr-min", type=float, default=None)
     d.add_argument("--warmup-steps", type=int, default=0)
     d.add_argument("--checkpoint-every", type=int, default=250)
     d.add_argument("--holdout-tokens", type=int, default=None)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "check_msa_ranges", "max_positions", "DTYPES", "INDEX_DTYPES",
-           "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK",
-           "MAX_INDEX_DIM", "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
+__all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
+           "check_msa_ranges", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES", "SELECTIONS",
+           "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS",
+           "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -48,6 +50,57 @@ MAX_INDEX_HEADS = 1024
 # config without the key (written before it existed, or M3's own) is version 1. Raise it when a key's meaning changes.
 FORMAT_VERSION = 1
 FORMAT_VERSION_KEY = "m3compile_format_version"
+# The ceilings of sizes: every size a command takes (a length, a chunk, a number of samples, a batch, decode steps) is
+# parsed by parse_size and checked against its kind's ceiling before anything is allocated. Far past any real run,
+# short of a request that would exhaust memory before a later check could see it
+SIZE_LIMITS = {
+    "length": 1 << 24,  # tokens of a sequence, prompt, prefill chunk, window or generation: 16M, 16x M3's 1M context
+    "samples": 10_000,  # prompts per ruler task and length, retrieval probes per distance
+    "batch": 1024,  # sequences (windows, prompts) run at once
+    "decode steps": 1 << 16,  # decode steps of one timing
+}
+_SIZE_UNITS = {"length": "tokens", "samples": "samples", "batch": "sequences", "decode steps": "steps"}
+_SIZE_SUFFIXES = {"K": 1024, "M": 1024 * 1024}
+
+
+def check_size(value, name: str, kind: str = "length") -> int:
+    """`value` as a size of `kind` (SIZE_LIMITS): a whole number in [1, the ceiling]; `name` labels the error."""
+    limit, unit = SIZE_LIMITS[kind], _SIZE_UNITS[kind]
+    if not _is_int(value):
+        raise M3CompileError(f"{name} must be a whole number of {unit}, got {value!r}")
+    if value < 1:
+        raise M3CompileError(f"{name} must be >= 1, got {value}")
+    if value > limit:
+        raise M3CompileError(f"{name} {value:,} is past the ceiling of {limit:,} {unit}")
+    return value
+
+
+def parse_size(value, name: str, kind: str = "length") -> int:
+    """The one parser of sizes: an int, or a text such as 4096, 8K or 1M (K = 1024, M = 1024 x 1024; 1.5K is 1536),
+    checked by check_size. Not a number, not whole, not finite (inf) or past the ceiling: a one-line error naming
+    `name` and the ceiling."""
+    if isinstance(value, str):
+        text = value.strip().upper()
+        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+        try:
+            number = float(text[:-1] if scale > 1 else text) * scale
+        except ValueError:
+            raise M3CompileError(f"{name}: expected a size such as 4096, 8K or 1M, got {value!r}") from None
+        if math.isnan(number):
+            raise M3CompileError(f"{name}: expected a size such as 4096, 8K or 1M, got {value!r}")
+        limit = SIZE_LIMITS[kind]
+        if number > limit:
+            raise M3CompileError(f"{name} {value.strip()} is past the ceiling of {limit:,} {_SIZE_UNITS[kind]}")
+        if number != int(number):
+            raise M3CompileError(f"{name} {value.strip()} is not a whole number of {_SIZE_UNITS[kind]}")
+        value = int(number)
+    return check_size(value, name, kind)
+
+
+def parse_sizes(text: str, name: str, kind: str = "length") -> tuple[int, ...]:
+    """Comma-separated sizes (8K,32K,1M), each by parse_size; empty items are skipped ('' is none)."""
+    return tuple(parse_size(t, name, kind) for t in str(text).split(",") if t.strip())
+
 
 # dtype names users give -> the torch dtype's attribute name
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -70,30 +123,37 @@ def _is_int(value) -> bool:
 
 
 def check_msa_ranges(*, block_size, topk, init_blocks, local_blocks, index_dim=None, index_heads=None,
-                     names: dict[str, str] | None = None, min_local: int = 1) -> None:
+                     top_p=1.0, min_blocks=0, names: dict[str, str] | None = None, min_local: int = 1) -> None:
     """The one range check of MSA settings, for MSAConfig and for the settings a converted config.json holds: whole
-    numbers within [minimum, MAX_*], init_blocks + local_blocks within topk. `names` labels each setting in the
-    error (config.json keys); by default `MSAConfig.<name>`."""
+    numbers within [minimum, MAX_*], init_blocks + local_blocks within topk, top_p a number in (0, 1], min_blocks
+    (the adaptive budget's floor) within topk (its ceiling). `names` labels each setting in the error (config.json
+    keys); by default `MSAConfig.<name>`."""
     names = names or {}
+    label = lambda n: names.get(n, f"MSAConfig.{n}")  # noqa: E731
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise M3CompileError(f"{label('top_p')} must be a number in (0, 1] (1: the fixed top-k), got {top_p!r}")
     bounds = {"block_size": (1, MAX_BLOCK_SIZE), "topk": (1, MAX_TOPK), "init_blocks": (0, MAX_TOPK),
               "local_blocks": (min_local, MAX_TOPK), "index_dim": (1, MAX_INDEX_DIM),
-              "index_heads": (1, MAX_INDEX_HEADS)}
+              "index_heads": (1, MAX_INDEX_HEADS), "min_blocks": (0, MAX_TOPK)}
     values = dict(block_size=block_size, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                  index_dim=index_dim, index_heads=index_heads)
+                  index_dim=index_dim, index_heads=index_heads, min_blocks=min_blocks)
     for name, value in values.items():
         if value is None and name in ("index_dim", "index_heads"):
             continue
-        label, (low, high) = names.get(name, f"MSAConfig.{name}"), bounds[name]
+        (low, high) = bounds[name]
         if not _is_int(value):
-            raise M3CompileError(f"{label} must be an integer, got {value!r}")
+            raise M3CompileError(f"{label(name)} must be an integer, got {value!r}")
         if value < low:
-            raise M3CompileError(f"{label} must be >= {low}, got {value}")
+            raise M3CompileError(f"{label(name)} must be >= {low}, got {value}")
         if value > high:
-            raise M3CompileError(f"{label} {value:,} is past any sensible setting (at most {high:,})")
+            raise M3CompileError(f"{label(name)} {value:,} is past any sensible setting (at most {high:,})")
+    short = lambda n: names.get(n, n)  # noqa: E731
     if init_blocks + local_blocks > topk:
-        label = lambda n: names.get(n, n)  # noqa: E731
-        raise M3CompileError(f"{label('init_blocks')} ({init_blocks}) + {label('local_blocks')} ({local_blocks}) "
-                             f"exceed {label('topk')} ({topk})")
+        raise M3CompileError(f"{short('init_blocks')} ({init_blocks}) + {short('local_blocks')} ({local_blocks}) "
+                             f"exceed {short('topk')} ({topk})")
+    if min_blocks > topk:
+        raise M3CompileError(f"{short('min_blocks')} ({min_blocks}), the adaptive budget's floor, exceeds "
+                             f"{short('topk')} ({topk}), its ceiling")
 
 
 @dataclass(frozen=True)
@@ -110,6 +170,10 @@ class MSAConfig:
     vision_window multimodal models: temporal steps per 3D ViT attention window     M3: 4
     index_dtype   index scoring: "auto" (the compute dtype) or "fp8" (e4m3 x e4m3, per-token key scale; not an M3
                   key: config.json gets sparse_attention_config.sparse_index_dtype only when it is "fp8")
+    top_p         the adaptive budget (docs/msa.md 2.8): each (KV group, query) keeps, beside its forced blocks, the
+                  fewest best blocks whose index-branch probability sums to at least top_p; topk is then the
+                  ceiling. 1: the fixed top-k (M3). Not an M3 key: config.json gets sparse_top_p only below 1
+    min_blocks    the adaptive budget's floor: at least this many blocks (forced ones included) where visible
     """
 
     block_size: int = 128
@@ -121,13 +185,16 @@ class MSAConfig:
     dense_layers: tuple[int, ...] = (0,)
     vision_window: int = 4  # multimodal models: ViT attention in 3D windows of <= this many temporal steps
     index_dtype: str = "auto"
+    top_p: float = 1.0
+    min_blocks: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
         if self.vision_window < 1:
             raise M3CompileError(f"MSAConfig.vision_window must be >= 1, got {self.vision_window}")
         check_msa_ranges(block_size=self.block_size, topk=self.topk, init_blocks=self.init_blocks,
-                         local_blocks=self.local_blocks, index_dim=self.index_dim, index_heads=self.index_heads)
+                         local_blocks=self.local_blocks, index_dim=self.index_dim, index_heads=self.index_heads,
+                         top_p=self.top_p, min_blocks=self.min_blocks)
         if self.index_dtype not in INDEX_DTYPES:
             raise M3CompileError(f"MSAConfig.index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {self.index_dtype!r}")
         if any(i < 0 for i in self.dense_layers):
@@ -155,9 +222,10 @@ class MSAConfig:
 
     def m3_config(self, n_layers: int, index_heads: int, index_dim: int, sparse_layers: list[bool],
                   index_rope: str = "m3") -> dict:
-        """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring, and
-        sparse_index_rope for an index head narrower than the rotary width: not M3 keys, written only when set) and
-        the format version it is written in (FORMAT_VERSION_KEY)."""
+        """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring,
+        sparse_index_rope for an index head narrower than the rotary width, sparse_top_p and sparse_min_blocks for an
+        adaptive budget: not M3 keys, written only when set) and the format version it is written in
+        (FORMAT_VERSION_KEY)."""
         out = {
             FORMAT_VERSION_KEY: FORMAT_VERSION,
             "use_sparse_attention": True,
@@ -175,6 +243,8 @@ class MSAConfig:
             out["sparse_index_dtype"] = self.index_dtype
         if index_rope != "m3":
             out["sparse_index_rope"] = index_rope
+        if self.top_p < 1:
+            out.update(sparse_top_p=self.top_p, sparse_min_blocks=self.min_blocks)
         return out
 
 
@@ -187,23 +257,38 @@ class EvalConfig:
     max_windows  evaluate at most this many windows; None = all (0 is not "all": it would evaluate nothing)
     batch        windows per forward
     probes       retrieval: probes per distance
+    kv_cache     loss: "auto" scores the model's own forward; another K/V cache dtype scores each window through the
+                 paged prefill, one window at a time (so with a batch of one only)
     """
 
     seq_len: int = 4096
     max_windows: int | None = None
     batch: int = 1
     probes: int = 16
+    kv_cache: str = "auto"
 
     def __post_init__(self):
-        for name in ("seq_len", "max_windows", "batch", "probes"):
-            value = getattr(self, name)
-            if name == "max_windows" and value is None:
-                continue
-            if not _is_int(value):
-                raise M3CompileError(f"{name} must be an integer, got {value!r}")
-            if value < 1:
-                extra = " (leave it out to evaluate every window)" if name == "max_windows" else ""
-                raise M3CompileError(f"{name} must be >= 1, got {value}{extra}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
+        check_size(self.probes, "probes", "samples")
+        if self.max_windows is not None:
+            if not _is_int(self.max_windows):
+                raise M3CompileError(f"max_windows must be an integer, got {self.max_windows!r}")
+            if self.max_windows < 1:
+                raise M3CompileError(f"max_windows must be >= 1, got {self.max_windows} (leave it out to evaluate "
+                                     f"every window)")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
+        if self.kv_cache != "auto" and self.batch != 1:
+            raise M3CompileError(f"--kv-cache {self.kv_cache} scores one window at a time through the paged prefill; "
+                                 f"--batch {self.batch} cannot apply (leave it out)")
+
+
+def budget_words(topk: int, top_p: float = 1.0, min_blocks: int = 0) -> str:
+    """A selection budget in words: "top-k 16", or "top-p 0.9 of 4-16 blocks" for an adaptive one."""
+    if top_p >= 1:
+        return f"top-k {topk}"
+    return f"top-p {top_p:g} of {min_blocks}-{topk} blocks"
 
 
 def max_positions(cfg: dict | None) -> int | None:

@@ -213,25 +213,26 @@ def _fp8_scoring(index_dtype: str) -> bool:
 @torch.fx.wrap
 @_lowerable("msa_select")
 def msa_select(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-               index_dtype: str = "auto"):
+               index_dtype: str = "auto", top_p: float = 1.0, min_blocks: int = 0):
     """Index-branch block selection. q_idx [B, T, Hi, Di], k_idx [B, T, Di] -> [B, Hi, T, topk] (-1 = empty).
 
-    index_dtype "fp8": scores of the e4m3-quantised query rows and keys (kernels.indexer.naive.select_blocks fp8)."""
+    index_dtype "fp8": scores of the e4m3-quantised query rows and keys (kernels.indexer.naive.select_blocks fp8).
+    top_p < 1: the adaptive budget (docs/msa.md 2.8; topk its ceiling, min_blocks its floor)."""
     return select_blocks(
         q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-        local_blocks=local_blocks, fp8=_fp8_scoring(index_dtype),
+        local_blocks=local_blocks, fp8=_fp8_scoring(index_dtype), top_p=top_p, min_blocks=min_blocks,
     )
 
 
 @torch.fx.wrap
 @_lowerable("msa_select")
 def msa_oracle_select(q, k, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                      scale: float | None = None):
+                      scale: float | None = None, top_p: float = 1.0, min_blocks: int = 0):
     """The oracle's blocks: per KV group and query, the forced blocks, then the earlier blocks of most group-mean
-    dense attention mass (what a perfect index branch would select). q [B, Hq, T, D], k [B, Hkv, T, D] ->
-    [B, Hkv, T, topk] (-1 = empty)."""
+    dense attention mass (what a perfect index branch would select; top_p < 1: the fewest holding top_p of the
+    candidates' mass). q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T, topk] (-1 = empty)."""
     return causal_lse_naive.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                          local_blocks=local_blocks, scale=scale)
+                                          local_blocks=local_blocks, scale=scale, top_p=top_p, min_blocks=min_blocks)
 
 
 @torch.fx.wrap
@@ -245,10 +246,12 @@ def msa_recent_select(q, k, block_size: int, topk: int, init_blocks: int = 0, lo
 
 @torch.fx.wrap
 @_lowerable("msa_attention")
-def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True, adaptive: bool = False):
     """Block-sparse attention over the selected blocks (or dense causal when `sparse` is False).
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D], blocks [B, Hkv, T, K] -> [B, Hq, T, D].
+    adaptive: the selection has an adaptive budget (docs/msa.md 2.8), so it may leave visible blocks out even where
+    its K slots could hold every one: the lowering never takes that for dense attention.
     """
     if not sparse:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -257,21 +260,23 @@ def msa_attention(q, k, v, blocks, block_size: int, scale: float, sparse: bool =
 
 @torch.fx.wrap
 @_lowerable("msa_attention")
-def msa_attention_lse(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+def msa_attention_lse(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True,
+                      adaptive: bool = False):
     """msa_attention that also gives the per-head log-sum-exp over the selected keys ([B, T, Hq] fp32, base 2, no
     gradient) and the BlockCSR of the selection its kernel walked: (out, lse, csr). The reference gives
     (out, None, None); the lowering gives both where its sparse kernel ran (None, None where SDPA did: dense
     support, or every visible block selected). A layer with a KL hook (passes/kl_distill.py) wires them into the
     hook, its teacher's normaliser and its kernel's layout, so the hook needs no attention pass and no CSR build of
     its own; evaluation reads block recall off the lse."""
-    return msa_attention.reference(q, k, v, blocks, block_size, scale, sparse), None, None
+    return msa_attention.reference(q, k, v, blocks, block_size, scale, sparse, adaptive), None, None
 
 
 @torch.fx.wrap
 @_lowerable("msa_index_kl")
 def msa_index_kl(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
-                 csr=None):
-    """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token).
+                 csr=None, adaptive: bool = False):
+    """Mean KL(teacher || student) and mean block recall of one MSA layer over (batch, group, token); with an
+    adaptive budget (`adaptive`, as msa_attention's) over the blocks it kept.
 
     q [B, Hq, T, D], k [B, Hkv, T, D], q_idx [B, T, Hi, Di], k_idx [B, T, Di], blocks [B, Hi, T, K] -> two scalars.
     `teacher_lse` (the attention's per-head log-sum-exp) and `csr` (the BlockCSR its kernel walked), from the
@@ -343,14 +348,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
 
 @torch.library.custom_op("m3compile::msa", mutates_args=())
 def _msa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
-            block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
-    """One MSA layer: msa_select (q_idx [B, T, Hi, Di], k_idx [B, T, Di]) then msa_attention (q, k, v head-major)."""
-    blocks = msa_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks)
-    return msa_attention(q, k, v, blocks, block_size, scale)
+            block_size: int, topk: int, init_blocks: int, local_blocks: int, scale: float, top_p: float = 1.0,
+            min_blocks: int = 0) -> torch.Tensor:
+    """One MSA layer: msa_select (q_idx [B, T, Hi, Di], k_idx [B, T, Di]; top_p < 1: the adaptive budget) then
+    msa_attention (q, k, v head-major)."""
+    blocks = msa_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks, "auto", top_p, min_blocks)
+    return msa_attention(q, k, v, blocks, block_size, scale, True, top_p < 1)
 
 
 @_msa_op.register_fake
-def _(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale):
+def _(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale, top_p=1.0, min_blocks=0):
     return torch.empty_like(q)
 
 
@@ -404,9 +411,10 @@ def using_sparse_kernel(name: str):
         _sparse_kernel.pop()
 
 
-def _all_selected(T: int, block_size: int, topk: int) -> bool:
-    """Every visible block is selected: MSA is dense causal attention exactly (docs/msa.md 2.6)."""
-    return -(-T // block_size) <= topk
+def _all_selected(T: int, block_size: int, topk: int, adaptive: bool = False) -> bool:
+    """Every visible block is selected: MSA is dense causal attention exactly (docs/msa.md 2.6); never so under an
+    adaptive budget, which may leave blocks out whatever its ceiling (2.8)."""
+    return not adaptive and -(-T // block_size) <= topk
 
 
 @_lowers(apply_rope)
@@ -447,30 +455,31 @@ def index_branch_triton(x, q_weight, k_weight, q_norm_weight, k_norm_weight, cos
 
 @_lowers(msa_select)
 def msa_select_triton(q_idx, k_idx, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                      index_dtype: str = "auto"):
+                      index_dtype: str = "auto", top_p: float = 1.0, min_blocks: int = 0):
     """Fused index scoring + top-k -> [B, Hi, T, topk] int32 (-1 = empty). index_dtype "fp8": the keys are
     quantised here (one scale per key block), the query rows inside the kernel."""
     k_scale = None
     if _fp8_scoring(index_dtype):
         k_idx, k_scale = indexer.quantize_index_keys(k_idx, block_size)
     return indexer.select_blocks(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                 local_blocks=local_blocks, k_scale=k_scale)
+                                 local_blocks=local_blocks, k_scale=k_scale, top_p=top_p, min_blocks=min_blocks)
 
 
 @_lowers(msa_oracle_select)
 def msa_oracle_select_triton(q, k, block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                             scale: float | None = None):
+                             scale: float | None = None, top_p: float = 1.0, min_blocks: int = 0):
     """The oracle's blocks with each chunk's block log-sum-exps from one kernel (kernels.causal_lse.oracle_blocks)."""
     return causal_lse.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                    local_blocks=local_blocks, scale=scale)
+                                    local_blocks=local_blocks, scale=scale, top_p=top_p, min_blocks=min_blocks)
 
 
 @_lowers(msa_attention)
-def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True,
+                         adaptive: bool = False):
     """Gather-Q block-sparse attention. Where no gradient is needed and sparse_kernel() is "tile": the query-tile
     union kernel instead (same result). When every visible block is selected MSA is dense causal attention exactly,
     and the dense kernel (SDPA) runs."""
-    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
+    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1], adaptive):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not grad and sparse_kernel() == "tile" and use_triton(q, k, v, blocks):
@@ -479,10 +488,11 @@ def msa_attention_triton(q, k, v, blocks, block_size: int, scale: float, sparse:
 
 
 @_lowers(msa_attention_lse)
-def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True):
+def msa_attention_lse_triton(q, k, v, blocks, block_size: int, scale: float, sparse: bool = True,
+                             adaptive: bool = False):
     """(out, lse, csr) from the gather-Q kernel; (SDPA, None, None) where every visible block is selected or the
     support is dense; the reference's (out, None, None) where Triton does not run."""
-    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1]):
+    if not sparse or _all_selected(q.shape[2], block_size, blocks.shape[-1], adaptive):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True), None, None
     return _sparse.sparse_attention_lse(q, k, v, blocks, block_size=block_size, scale=scale, return_csr=True)
 
@@ -508,7 +518,7 @@ def dense_support(B: int, H: int, T: int, block_size: int, chunk: int, device: t
 
 @_lowers(msa_index_kl)
 def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: float, sparse: bool, teacher_lse=None,
-                        csr=None):
+                        csr=None, adaptive: bool = False):
     """Mean KL and mean block recall of one MSA layer, as msa_index_kl; Triton on CUDA for both supports.
 
     Sparse support: the KL is the fused kernel (kernels/sparse_kl/) fed with the sparse attention's per-head
@@ -524,10 +534,10 @@ def msa_index_kl_triton(q, k, q_idx, k_idx, blocks, block_size: int, scale: floa
     """
     T = q.shape[2]
     if not use_triton(q, k, q_idx, k_idx):
-        return msa_index_kl.reference(q, k, q_idx, k_idx, blocks, block_size, scale, sparse)
+        return msa_index_kl.reference(q, k, q_idx, k_idx, blocks, block_size, scale, sparse, adaptive=adaptive)
     q = q.detach() if q.requires_grad else q  # (a detach is a dispatch; the frozen backbone's need none)
     k = k.detach() if k.requires_grad else k
-    everything = _all_selected(T, block_size, blocks.shape[-1])
+    everything = _all_selected(T, block_size, blocks.shape[-1], adaptive)
     if sparse and not everything:
         with torch.no_grad():
             if teacher_lse is None:

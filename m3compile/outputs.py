@@ -1,12 +1,14 @@
 """Atomic outputs: a command's output (a directory, or one file) appears whole or not at all, one writer at a time.
 
-The output guard, one for every command that writes: check_output_dir (a directory) and check_output_file (one
-file) run before any work and refuse, as one-line errors with nothing written, an output that is or overlaps an
+The output guard, one for every command that writes: check_output_dir (a directory written whole), check_output_file
+(one file) and check_output_folder (a directory a command writes files into, kept between runs) run before any work
+and refuse, as one-line errors with nothing written, an output that is or overlaps an
 input (equal to it, inside it or holding it, whatever --force says), a name too long for the temporary and lock
 names beside it, a lock that cannot be taken, a symlink loop, a parent that is not a writable directory.
 atomic_output_dir / atomic_output_file then write into a temporary sibling, under an exclusive lock, and move it
 into place with SIGINT / SIGTERM held, recording each output put in place in COMMITTED (m3c says so when a signal
-comes after it).
+comes after it). What they put in place has the modes the process's umask gives new files (a temporary directory is
+made private; the output is not).
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from pathlib import Path
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["check_output_dir", "check_output_file", "output_lock", "COMMITTED", "signals_recorded",
-           "atomic_output_dir", "atomic_output_file", "atomic_write_text", "resolved"]
+__all__ = ["check_output_dir", "check_output_file", "check_output_folder", "check_output", "OUTPUT_KINDS", "output_lock", "COMMITTED", "signals_recorded",
+           "atomic_output_dir", "atomic_output_file", "atomic_write_text", "atomic_save_figure", "resolved"]
 
 # What the sibling names add to an output's name: `.NAME.partial-XXXXXXXX` (the temporary output), `.NAME.lock`, and
 # for a directory replaced with --force `.NAME.partial-old-PID` (the previous output while the new one moves in)
@@ -140,14 +142,49 @@ def check_output_dir(out: str | os.PathLike, inputs=(), force: bool = False, loc
         _check_lock(out)
 
 
-def check_output_file(out: str | os.PathLike, inputs=()) -> None:
-    """check_output_dir for an output that is one file (inspect --out, attention-map --out): an existing file is
-    replaced (as these commands always did), a directory is refused; a missing parent directory is created."""
+def check_output_file(out: str | os.PathLike, inputs=(), suffix: str | None = None, lock: bool = True) -> None:
+    """check_output_dir for an output that is one file (inspect --out, attention-map --out, eval ruler --plot): an
+    existing file is replaced (as these commands always did), a directory is refused, and so is a name without
+    `suffix` (".png") when one is asked; a missing parent directory is created."""
     out = Path(out)
     _check_output(out, inputs, max(_PARTIAL_EXTRA, _LOCK_EXTRA), directory=False)
+    if suffix is not None and out.suffix.lower() != suffix:
+        raise M3CompileError(f"output {out}: the file is written as {suffix[1:].upper()}; name the file *{suffix}")
     if out.is_dir():
         raise M3CompileError(f"output {out} is a directory; name a file to write")
-    _check_lock(out)
+    if lock:
+        _check_lock(out)
+
+
+def check_output_folder(out: str | os.PathLike, inputs=()) -> None:
+    """check_output_dir for a directory a command writes its files into (m3c bench --out): it may exist (its files
+    of the same names are replaced, each written whole under its own lock, others are kept), but may not be a file
+    or overlap an input."""
+    out = Path(out)
+    _check_output(out, inputs, max(_PARTIAL_EXTRA, _LOCK_EXTRA), directory=True)
+    if out.is_symlink() and not out.exists():
+        raise M3CompileError(f"output {out} is a dangling symlink")
+    if out.exists() and not out.is_dir():
+        raise M3CompileError(f"output {out} is a file, not a directory")
+
+
+# The kinds of output a command writes, each with its check: "dir" a directory written whole (replaced only with
+# --force), "file" one file, "folder" a directory files are written into
+OUTPUT_KINDS = ("dir", "file", "folder")
+
+
+def check_output(out: str | os.PathLike, kind: str, inputs=(), *, force: bool = True, suffix: str | None = None,
+                 lock: bool = True) -> None:
+    """The output guard for an output of `kind` (OUTPUT_KINDS): check_output_dir, check_output_file or
+    check_output_folder."""
+    if kind == "dir":
+        check_output_dir(out, inputs, force=force, lock=lock)
+    elif kind == "file":
+        check_output_file(out, inputs, suffix=suffix, lock=lock)
+    elif kind == "folder":
+        check_output_folder(out, inputs)
+    else:
+        raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
 
 
 _HELD_LOCKS: dict[str, list] = {}  # lock file -> [fd, depth]: a process may nest writes of one output
@@ -187,6 +224,28 @@ def output_lock(out: str | os.PathLike):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where /proc tells it (os.umask sets it to read it)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _umask_modes(path: Path) -> None:
+    """Give `path` (a file, or a directory and everything in it) the modes the umask gives what a process creates:
+    a temporary directory is made private (0700), and some writers create private files (0600)."""
+    mask = _umask()
+    for p in [path] + ([Path(d) / n for d, dirs, files in os.walk(path) for n in dirs + files] if path.is_dir() else []):
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        base = 0o777 if p.is_dir() or mode & 0o111 else 0o666
+        os.chmod(p, base & ~mask)
 
 
 COMMITTED: list[Path] = []  # outputs atomic_output_dir has put in place (m3c says so if a signal comes after)
@@ -245,6 +304,7 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=()):
             with _signals_held():  # a signal between the directory's creation and `tmp` would leave it behind
                 tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
             yield tmp
+            _umask_modes(tmp)
             with _signals_held():
                 if out.exists():  # move the old output aside first: a kill at any point leaves one of the two in place
                     out.rename(old)
@@ -279,6 +339,8 @@ def atomic_output_file(out: str | os.PathLike, inputs=()):
         tmp = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
         try:
             yield tmp
+            if tmp.exists():
+                _umask_modes(tmp)
             with _signals_held():
                 os.replace(tmp, out)
                 COMMITTED.append(out)
@@ -291,4 +353,12 @@ def atomic_write_text(out: str | os.PathLike, text: str, inputs=()) -> Path:
     """Write `text` to the file `out` through atomic_output_file (the guard first; whole or not at all)."""
     with atomic_output_file(out, inputs) as tmp:
         tmp.write_text(text)
+    return Path(out)
+
+
+def atomic_save_figure(fig, out: str | os.PathLike, inputs=(), **savefig) -> Path:
+    """Save the matplotlib figure `fig` as the PNG file `out` through atomic_output_file (the guard first; whole or
+    not at all); `savefig`: Figure.savefig's options (dpi, bbox_inches)."""
+    with atomic_output_file(out, inputs) as tmp:
+        fig.savefig(tmp, format="png", **savefig)
     return Path(out)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES, SELECTIONS
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES, SELECTIONS, check_msa_ranges
 from m3compile.errors import M3CompileError
 from m3compile.models.fused import Fusable
 from m3compile.ops import (add_rms_norm, apply_rope, index_branch, index_norm_rope, msa_attention, msa_attention_lse,
@@ -46,6 +46,16 @@ class MSALayerArgs:
     local_blocks: int = 1
     index_dtype: str = "auto"  # "fp8": e4m3 index scoring (m3compile.config.INDEX_DTYPES)
     index_rope: str = "m3"  # the index RoPE rule (config.INDEX_ROPES; kernels/norm_rope/index_rope.py)
+    top_p: float = 1.0  # the adaptive budget (docs/msa.md 2.8): < 1 keeps the fewest blocks of index mass >= top_p
+    min_blocks: int = 0  # ... and at least this many (topk is the ceiling)
+
+    def check_floor(self, tokens: int, what: str) -> None:
+        """An adaptive budget's floor must be reachable in a context of `tokens` (`what` names it in the error): a
+        floor above its blocks would hold every query to a budget it never has."""
+        blocks = -(-tokens // self.block_size)
+        if self.top_p < 1 and self.min_blocks > blocks:
+            raise M3CompileError(f"min_blocks {self.min_blocks} is above the {blocks} blocks of {self.block_size} "
+                                 f"tokens in {what}: the adaptive budget's floor can never be met there")
 
     def __post_init__(self):
         if self.index_dtype not in INDEX_DTYPES:
@@ -308,12 +318,15 @@ class Attention(Fusable):
         """The blocks [B, Hkv, T, topk] (-1 = empty) each (KV group, query) attends to, as `selection` says:
         "index" the index branch's top-k, "oracle" the blocks of most dense group-mean attention mass (from this
         layer's own q/k: what a perfect index branch would pick), "recent" the newest blocks (a baseline); the
-        forced blocks in every one (docs/msa.md 2.5)."""
+        forced blocks in every one (docs/msa.md 2.5). With an adaptive budget (docs/msa.md 2.8) the index and the
+        oracle keep the fewest blocks of probability (index) or mass (oracle) top_p, "recent" its ceiling."""
         m = self.msa
         if self.selection == "index":
-            return msa_select(q_idx, k_idx, m.block_size, m.topk, m.init_blocks, m.local_blocks, m.index_dtype)
+            return msa_select(q_idx, k_idx, m.block_size, m.topk, m.init_blocks, m.local_blocks, m.index_dtype,
+                              m.top_p, m.min_blocks)
         if self.selection == "oracle":
-            return msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, self.scale)
+            return msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, self.scale, m.top_p,
+                                     m.min_blocks)
         return msa_recent_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks)
 
     def _msa(self, q, k, v, q_idx, k_idx):
@@ -321,9 +334,10 @@ class Attention(Fusable):
         if self.selection == "dense":  # every visible key: no selection to compute
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         blocks = self.select(q, k, q_idx, k_idx)
+        adaptive = m.top_p < 1 and self.selection != "recent"
         if self.observer is None:
-            return msa_attention(q, k, v, blocks, m.block_size, self.scale)
-        o, lse, _ = msa_attention_lse(q, k, v, blocks, m.block_size, self.scale)
+            return msa_attention(q, k, v, blocks, m.block_size, self.scale, True, adaptive)
+        o, lse, _ = msa_attention_lse(q, k, v, blocks, m.block_size, self.scale, True, adaptive)
         self.observer(self, q, k, blocks, lse)
         return o
 
@@ -528,7 +542,25 @@ class Decoder(nn.Module):
                 raise M3CompileError(f"--index-dtype {index_dtype} applies to MSA layers, and the model has none "
                                      f"(it was never converted): nothing would score with it")
             return
-        self.args = self.args.replace(msa=dataclasses.replace(self.args.msa, index_dtype=index_dtype))
+        self._set_msa(index_dtype=index_dtype)
+
+    def set_budget(self, top_p: float | None = None, min_blocks: int | None = None, topk: int | None = None) -> None:
+        """The MSA layers' selection budget from now on (docs/msa.md 2.8): top_p < 1 an adaptive one between
+        min_blocks and topk blocks, 1 the fixed top-k; None keeps a setting. Changes `args.msa` too, as
+        set_index_dtype does. Refused on a model without MSA layers."""
+        if self.args.msa is None:
+            raise M3CompileError("a selection budget applies to MSA layers, and the model has none (it was never "
+                                 "converted)")
+        m = self.args.msa
+        new = dict(top_p=m.top_p if top_p is None else top_p,
+                   min_blocks=m.min_blocks if min_blocks is None else min_blocks, topk=m.topk if topk is None else topk)
+        check_msa_ranges(block_size=m.block_size, topk=new["topk"], init_blocks=m.init_blocks,
+                         local_blocks=m.local_blocks, top_p=new["top_p"], min_blocks=new["min_blocks"],
+                         names={"top_p": "top_p", "min_blocks": "min_blocks"}, min_local=0)
+        self._set_msa(**new)
+
+    def _set_msa(self, **changes) -> None:
+        self.args = self.args.replace(msa=dataclasses.replace(self.args.msa, **changes))
         for module in self.modules():
             if isinstance(module, Attention) and module.msa is not None:
                 module.msa = self.args.msa

@@ -1,7 +1,7 @@
 """fuse_msa: one node per MSA layer for export, torch.ops.m3compile.msa (ONNX: the custom node m3compile::MSA).
 
     msa_select(q_idx, k_idx, ...) -> blocks -> msa_attention(q, k, v, blocks, ...)
-        ==>  msa(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale)
+        ==>  msa(q, k, v, q_idx, k_idx, block_size, topk, init_blocks, local_blocks, scale, top_p, min_blocks)
 
 It runs on the reference inference graph (after strip_kl_distill, never on a lowered graph): the export's
 translation table turns the fused op into the ONNX node whose function body is standard operators. A layer that
@@ -40,7 +40,7 @@ class FuseMSA(Pass):
             with g.inserting_before(n):
                 fused = g.call_function(msa_fused, (
                     att["q"], att["k"], att["v"], sel["q_idx"], sel["k_idx"], att["block_size"], sel["topk"],
-                    sel["init_blocks"], sel["local_blocks"], att["scale"]))
+                    sel["init_blocks"], sel["local_blocks"], att["scale"], float(sel["top_p"]), sel["min_blocks"]))
             n.replace_all_uses_with(fused)
             g.erase_node(n)
             if not select.users:

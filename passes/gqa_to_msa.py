@@ -7,7 +7,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from m3compile.config import MSAConfig
+from m3compile.config import MSAConfig, budget_words
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import AttentionMatch, find_attention, msa_nodes
 from m3compile.graph.pass_manager import Pass, PassReport, register_pass
@@ -15,7 +15,7 @@ from m3compile.graph.tracing import propagate_shapes
 from m3compile.models.decoder import MSALayerArgs, RMSNorm
 from m3compile.kernels.norm_rope.index_rope import index_rope_rule
 from m3compile.models.index_init import index_branch_weights
-from m3compile.ops import index_branch, is_op, msa_attention, msa_select, op_args
+from m3compile.ops import index_branch, is_op, msa_attention, msa_select, op_args, set_op_arg
 
 __all__ = ["GQAToMSA"]
 
@@ -30,8 +30,10 @@ class GQAToMSA(Pass):
     `index_branch` op on the detached input of the layer's projections (both index projections as one matmul, then
     per head the Gemma norm and the index RoPE from the main branch's tables, by the rule
     kernels/norm_rope/index_rope.py picks for the widths); then
-    `msa_select` picks top-k blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8) and
-    `msa_attention` replaces the attention op.
+    `msa_select` picks top-k blocks per KV group (scored as `index_dtype` says: the compute dtype, or fp8; with
+    top_p < 1 the adaptive budget of docs/msa.md 2.8) and `msa_attention` replaces the attention op. The budget
+    (top_p, min_blocks) is a setting of the selection, not of the weights: layers that were MSA already take the
+    config's too.
     Layers listed in `dense_layers` keep dense attention. `moments` {layer: [hidden, hidden]}: the second moments
     of the layers' attention inputs on calibration data (m3compile/conversion/calibration.py), for the calibrated init; a layer
     without one gets the weight-only init. Requires: shapes propagated (done if missing).
@@ -54,7 +56,13 @@ class GQAToMSA(Pass):
         report = PassReport(self.name)
         self.layer_changes = {}
         matches, failures = find_attention(gm)
-        existing = len(msa_nodes(gm))
+        existing = msa_nodes(gm)
+        for n in existing:  # the selection's budget is the config's on every MSA layer
+            select = op_args(n)["blocks"]
+            if select.target is msa_select:
+                set_op_arg(select, "top_p", self.config.top_p)
+                set_op_arg(select, "min_blocks", self.config.min_blocks)
+                set_op_arg(n, "adaptive", self.config.top_p < 1)
         if not matches and not existing:
             why = f": {failures[0]}" if failures else " (no scaled_dot_product_attention or softmax found)"
             raise M3CompileError(f"no causal GQA attention found in the graph{why}")
@@ -68,7 +76,7 @@ class GQAToMSA(Pass):
                 self.layer_changes[m.layer] = (
                     f"{m.form} attention -> MSA (Hq {m.n_heads}, Hkv {m.n_kv_heads}, "
                     f"index {s.index_heads}x{s.index_dim}{'' if s.index_rope == 'm3' else f' rope {s.index_rope}'}, "
-                    f"block {s.block_size}, top-k {s.topk})")
+                    f"block {s.block_size}, {budget_words(s.topk, s.top_p, s.min_blocks)})")
             report.details.append(f"layer {m.layer}: {self.layer_changes[m.layer]}")
         if report.replaced:
             gm.graph.eliminate_dead_code()
@@ -97,7 +105,7 @@ class GQAToMSA(Pass):
         # rank (models/index_init.py)
         rope = index_rope_rule(m.head_dim, m.rope_dim, index_dim)
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
-                                cfg.index_dtype, rope)
+                                cfg.index_dtype, rope, cfg.top_p, cfg.min_blocks)
         self.layer_settings[m.layer] = settings
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
         like = weights["index_q_proj.weight"]
@@ -122,9 +130,11 @@ class GQAToMSA(Pass):
             k_idx = g.call_function(operator.getitem, (index, 1))
             blocks = g.call_function(msa_select, (), dict(
                 q_idx=q_idx, k_idx=k_idx, block_size=cfg.block_size, topk=cfg.topk, init_blocks=cfg.init_blocks,
-                local_blocks=cfg.local_blocks, index_dtype=cfg.index_dtype))
+                local_blocks=cfg.local_blocks, index_dtype=cfg.index_dtype, top_p=cfg.top_p,
+                min_blocks=cfg.min_blocks))
             out = g.call_function(msa_attention, (), dict(
-                q=m.q, k=m.k, v=m.v, blocks=blocks, block_size=cfg.block_size, scale=m.scale, sparse=True))
+                q=m.q, k=m.k, v=m.v, blocks=blocks, block_size=cfg.block_size, scale=m.scale, sparse=True,
+                adaptive=cfg.top_p < 1))
         out.meta["m3_msa_layer"] = m.layer
         m.output.replace_all_uses_with(out)
 

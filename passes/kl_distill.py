@@ -125,7 +125,7 @@ class KLDistill(Pass):
                 hook = g.call_function(msa_index_kl, (), dict(
                     q=att["q"], k=att["k"], q_idx=sel["q_idx"], k_idx=sel["k_idx"], blocks=select,
                     block_size=att["block_size"], scale=att["scale"], sparse=self.mode == "sparse", teacher_lse=lse,
-                    csr=csr))
+                    csr=csr, adaptive=att["adaptive"]))
             with g.inserting_after(hook):
                 kl = g.call_function(operator.getitem, (hook, 0))
             with g.inserting_after(kl):

@@ -17,6 +17,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # later interpreted kernel in that process fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
 import triton  # noqa: E402,F401
 
+# What libraries print while an m3c command runs goes to m3c's log (m3compile/commands/common.py): the suite's, in the
+# temporary directory, not the user's ~/.cache
+os.environ.setdefault("M3C_LOG", str(Path(tempfile.gettempdir()) / f"m3compile-test-{os.getuid()}.log"))
+
 from m3compile import MSAConfig, convert_checkpoint  # noqa: E402
 
 # `pytest -n 2` on 2 cores: one torch thread per worker. Two workers of 2 OpenMP threads each on 2 cores spin

@@ -102,7 +102,8 @@ def dense_recall(q: torch.Tensor, k: torch.Tensor, selected_lse: torch.Tensor, *
 
 
 def oracle_blocks(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int, init_blocks: int = 0,
-                  local_blocks: int = 1, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                  local_blocks: int = 1, scale: float | None = None, top_p: float = 1.0, min_blocks: int = 0,
+                  backend: str = "auto") -> torch.Tensor:
     """The oracle selection of naive.oracle_blocks (per KV group and query, the forced blocks, then the earlier
     blocks of most group-mean dense attention mass; -1 where nothing is left). On Triton each chunk of query rows
     takes its per-head block log-sum-exps from one kernel (block_stats.block_lse: a FlashAttention-style pass
@@ -115,7 +116,7 @@ def oracle_blocks(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: in
     check_attention_inputs(q, k, k)
     if not use_triton(q, k, backend=backend):
         return naive.oracle_blocks(q, k, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                   local_blocks=local_blocks, scale=scale)
+                                   local_blocks=local_blocks, scale=scale, top_p=top_p, min_blocks=min_blocks)
     B, Hq, T, _ = q.shape
     Hkv = k.shape[1]
     nb = -(-T // block_size)
@@ -125,6 +126,6 @@ def oracle_blocks(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: in
         rows = torch.arange(start, min(T, start + chunk), device=q.device)
         blse = block_lse(q, k, rows, block_size=block_size, scale=scale, backend="triton")  # [B, Hq, R, nb]
         mass = torch.exp(blse - torch.logsumexp(blse, -1, keepdim=True)).unflatten(1, (Hkv, -1)).mean(2)
-        out[:, :, start:start + rows.numel()] = select_from_scores(mass, rows, block_size, topk, init_blocks,
-                                                                   local_blocks)
+        out[:, :, start:start + rows.numel()] = select_from_scores(naive.oracle_scores(mass, top_p), rows, block_size,
+                                                                   topk, init_blocks, local_blocks, top_p, min_blocks)
     return out

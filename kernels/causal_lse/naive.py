@@ -82,9 +82,17 @@ def block_recall(
     return out
 
 
-def _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
+def oracle_scores(mass: torch.Tensor, top_p: float) -> torch.Tensor:
+    """What the oracle ranks blocks by: their dense mass; for the adaptive budget (top_p < 1) its log, so that the
+    softmax over the candidate blocks is their mass renormalised over them (the block loss's teacher), and a perfect
+    index branch keeps the fewest blocks holding top_p of it."""
+    return mass.log() if top_p < 1 else mass
+
+
+def _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk, top_p=1.0, min_blocks=0):
     """Per query chunk [start, end): the dense group-mean block mass p [B, Hkv, C, ceil(end / bs)] and the oracle's
-    blocks [B, Hkv, C, topk] (forced blocks, then the most mass; -1 where nothing is left)."""
+    blocks [B, Hkv, C, topk] (forced blocks, then the most mass; -1 where nothing is left; top_p < 1: the adaptive
+    budget over the mass)."""
     check_attention_inputs(q, k, k)
     B, Hq, T, D = q.shape
     scale = D**-0.5 if scale is None else scale
@@ -93,7 +101,8 @@ def _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chu
         end = min(T, start + chunk)
         p = _block_mass(q, k, start, end, block_size, scale)
         t_pos = torch.arange(start, end, device=q.device)
-        yield start, end, p, select_from_scores(p, t_pos, block_size, topk, init_blocks, local_blocks)
+        yield start, end, p, select_from_scores(oracle_scores(p, top_p), t_pos, block_size, topk, init_blocks,
+                                                local_blocks, top_p, min_blocks)
 
 
 def oracle_recall(
@@ -106,6 +115,8 @@ def oracle_recall(
     local_blocks: int = 1,
     scale: float | None = None,
     chunk: int | None = None,
+    top_p: float = 1.0,
+    min_blocks: int = 0,
 ) -> torch.Tensor:
     """The best recall any index branch could reach: the teacher's own top-k blocks (forced blocks kept).
 
@@ -113,7 +124,8 @@ def oracle_recall(
     """
     B, _, T, _ = q.shape
     out = torch.empty(B, k.shape[1], T, dtype=torch.float32, device=q.device)
-    for start, end, p, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
+    for start, end, p, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk, top_p,
+                                              min_blocks):
         out[:, :, start:end] = (p.gather(-1, best.clamp(min=0)) * (best >= 0)).sum(-1)
     return out
 
@@ -128,6 +140,8 @@ def oracle_blocks(
     local_blocks: int = 1,
     scale: float | None = None,
     chunk: int | None = None,
+    top_p: float = 1.0,
+    min_blocks: int = 0,
 ) -> torch.Tensor:
     """Oracle selection: per (KV group, query) the blocks holding most of the group's true attention mass.
 
@@ -135,8 +149,8 @@ def oracle_blocks(
     fp32), summed per key block; the forced blocks are kept exactly as `select_blocks` keeps them (the
     `local_blocks` most recent, the first `init_blocks`), and the remaining slots take the earlier blocks of most
     mass. Slots that cannot be filled hold -1. It is what a perfect index branch would select, so the loss of a
-    model run with it bounds what distillation can reach at this block size and top-k. Query-chunked: memory is
-    O(chunk * T), never T x T.
+    model run with it bounds what distillation can reach at this block size and top-k. top_p < 1: the adaptive
+    budget over the mass (`oracle_scores`). Query-chunked: memory is O(chunk * T), never T x T.
 
     q [B, Hq, T, D], k [B, Hkv, T, D] -> [B, Hkv, T, topk] int64.
     """
@@ -144,6 +158,7 @@ def oracle_blocks(
         raise ValueError(f"topk and block_size must be >= 1, got {topk} and {block_size}")
     B, _, T, _ = q.shape
     out = torch.empty(B, k.shape[1], T, topk, dtype=torch.long, device=q.device)
-    for start, end, _, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk):
+    for start, end, _, best in _oracle_chunks(q, k, block_size, topk, init_blocks, local_blocks, scale, chunk, top_p,
+                                              min_blocks):
         out[:, :, start:end] = best
     return out

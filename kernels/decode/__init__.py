@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from m3compile.kernels._common import launch_fp8, next_pow2, use_triton
-from m3compile.kernels.decode.naive import (KV_QUANTISED, dequantize_kv, paged_attention_reference,
+from m3compile.kernels.decode.naive import (KV_QUANTISED, adaptive_decode, dequantize_kv, index_logit_scale,
+                                            paged_attention_reference,
                                             paged_block_scores_reference, paged_index_write_reference,
                                             paged_kv_write_reference, paged_oracle_select, paged_recent_select,
                                             paged_select_reference, quantize_kv, quantize_pages,
@@ -43,7 +44,7 @@ __all__ = ["paged_select", "paged_select_launches", "top_blocks", "top_blocks_re
            "paged_attention", "paged_select_reference", "paged_attention_reference",
            "paged_block_scores_reference", "paged_index_write", "paged_index_write_reference", "quantize_pages",
            "paged_kv_write", "paged_kv_write_reference", "quantize_kv", "dequantize_kv", "KV_QUANTISED",
-           "paged_oracle_select", "paged_recent_select"]
+           "paged_oracle_select", "paged_recent_select", "adaptive_decode", "index_logit_scale"]
 
 
 def _check_cache(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -129,10 +130,12 @@ def top_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int,
 
 def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                          idx_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[str, Callable]]]:
+                          idx_scale: torch.Tensor | None = None, top_p: float = 1.0,
+                          min_blocks: int = 0) -> tuple[torch.Tensor, list[tuple[str, Callable]]]:
     """`paged_select`'s Triton launches, unrun: (the output [B, Hi, topk] they fill, [(name, launch)] in order:
-    "scores", then "topk" or "topk_chunks" + "topk_merge"). Each launch can be timed alone (it reads only what the
-    launches before it wrote); paged_select runs them all."""
+    "scores", then "topk" or "topk_chunks" + "topk_merge", and with top_p < 1 "adaptive" (the budget's cut in place,
+    one program per row: naive.adaptive_decode's meaning)). Each launch can be timed alone (it reads only what the launches before it
+    wrote); paged_select runs them all."""
     fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
     from m3compile.kernels.decode._tl_decode import (paged_index_scores_fp8_kernel,
                                                      paged_index_scores_fp8_narrow_kernel, paged_index_scores_kernel)
@@ -161,21 +164,33 @@ def paged_select_launches(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_ta
         )
 
     out = torch.empty(B, H, topk, dtype=torch.int32, device=q_idx.device)
-    return out, [("scores", lambda: launch_fp8(launch, fp8))] + _top_blocks_launches(
+    launches = [("scores", lambda: launch_fp8(launch, fp8))] + _top_blocks_launches(
         scores, seq_lens, out, block_size=bs, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+    if top_p < 1:  # the scores are q . k (fp8: of the e4m3 query row without its scale): the kernel scales them
+        from m3compile.kernels.decode._tl_decode import adaptive_cut_kernel
+
+        launches.append(("adaptive", lambda: adaptive_cut_kernel[(B, H)](
+            q, scores, seq_lens, out, q.stride(0), q.stride(1), scores.stride(0), scores.stride(1), out.stride(0),
+            out.stride(1), max_pages, D**-0.5, float(top_p), int(min_blocks), D=D, DP=DP, BS=bs, K=topk,
+            KP=max(2, next_pow2(topk)), INIT=init_blocks, LOCAL=local_blocks, FP8=fp8,
+            CHUNK=min(1024, max(16, next_pow2(max_pages))), num_warps=4)))
+    return out, launches
 
 
 def paged_select(q_idx: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  topk: int, init_blocks: int = 0, local_blocks: int = 1, idx_scale: torch.Tensor | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 top_p: float = 1.0, min_blocks: int = 0, backend: str = "auto") -> torch.Tensor:
     """q_idx [B, Hi, Di] of the newest token of each sequence -> selected blocks [B, Hi, topk] int32 (-1 = empty),
-    best first, equal scores to the lower page."""
+    best first, equal scores to the lower page; top_p < 1: the adaptive budget (docs/msa.md 2.8), the slots past it
+    -1."""
     if not use_triton(q_idx, idx_cache, backend=backend):
         fp8 = _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale)
         return paged_select_reference(q_idx, idx_cache, block_table, seq_lens, topk=topk, init_blocks=init_blocks,
-                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None)
+                                      local_blocks=local_blocks, idx_scale=idx_scale if fp8 else None, top_p=top_p,
+                                      min_blocks=min_blocks)
     out, launches = paged_select_launches(q_idx, idx_cache, block_table, seq_lens, topk=topk,
-                                          init_blocks=init_blocks, local_blocks=local_blocks, idx_scale=idx_scale)
+                                          init_blocks=init_blocks, local_blocks=local_blocks, idx_scale=idx_scale,
+                                          top_p=top_p, min_blocks=min_blocks)
     for _, launch in launches:
         launch()
     return out

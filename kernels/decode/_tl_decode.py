@@ -401,3 +401,58 @@ def _store_row(x, p_x, p_s, m, m_h, INT8: tl.constexpr):
         x8 = to_e4m3(x, scale[:, None])
     tl.store(p_x, x8, mask=m)
     tl.store(p_s, scale, mask=m_h)
+
+
+@triton.jit(do_not_specialize=["max_pages", "stride_qb", "stride_sb", "stride_sh", "stride_bb", "stride_bh"])
+def adaptive_cut_kernel(
+    q_idx, scores, seq_lens, blocks,
+    stride_qb, stride_qh, stride_sb, stride_sh, stride_bb, stride_bh,
+    max_pages, sm_scale, top_p, min_blocks,
+    D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
+    LOCAL: tl.constexpr, FP8: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # one program per (sequence, index head): the adaptive budget's cut of its fixed selection (naive.adaptive_decode)
+    # in place. The logits are the scoring kernel's block scores times sm_scale (and, FP8, the query row's own e4m3
+    # scale); the candidates' log-sum-exp streams over the row's pages; a slot's rank and the mass before it come
+    # from comparing every slot with every other (K x K: ties to the lower slot, as a stable sort), so no sort
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + i_b)
+    n_pages = tl.cdiv(seq_len, BS)
+    q_block = (seq_len - 1) // BS
+    scale = sm_scale
+    if FP8:
+        o_d = tl.arange(0, DP)
+        q = tl.load(q_idx + i_b * stride_qb + i_h * stride_qh + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+        scale = scale * e4m3_scale(tl.maximum(tl.max(tl.abs(q), 0), 1e-12))
+    p_s = scores + i_b * stride_sb + i_h * stride_sh
+    o_c = tl.arange(0, CHUNK)
+    m = tl.full([CHUNK], float("-inf"), tl.float32)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, max_pages, CHUNK):
+        page = start + o_c
+        cand = (page < n_pages) & (page >= INIT) & (page <= q_block - LOCAL)
+        s = tl.where(cand, tl.load(p_s + page, mask=cand, other=0.0) * scale, float("-inf"))
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - m_safe) + tl.exp(s - m_safe)
+        m = m_new
+    m_row = tl.max(m, 0)
+    m_row_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
+    total = tl.sum(acc * tl.exp(m - m_row_safe), 0)
+    o_k = tl.arange(0, KP)
+    p_b = blocks + i_b * stride_bb + i_h * stride_bh + o_k
+    ids = tl.load(p_b, mask=o_k < K, other=-1)
+    valid = ids >= 0
+    forced = valid & ((ids > q_block - LOCAL) | (ids < INIT))
+    cand = valid & ~forced
+    logit = tl.where(cand, tl.load(p_s + ids, mask=cand, other=0.0) * scale, float("-inf"))
+    prob = tl.where(cand, tl.exp(logit - m_row_safe) / tl.maximum(total, 1e-30), 0.0)
+    # slot j is ahead of slot i: a higher logit, or the same one in a lower slot
+    li, lj = logit[:, None], logit[None, :]
+    ahead = cand[None, :] & ((lj > li) | ((lj == li) & (o_k[None, :] < o_k[:, None])))
+    before = tl.sum(tl.where(ahead, prob[None, :], 0.0), 1)
+    rank = tl.sum(ahead.to(tl.int32), 1)
+    n_forced = tl.sum(forced.to(tl.int32), 0)
+    keep = forced | (cand & ((before < top_p) | (n_forced + rank < min_blocks)))
+    tl.store(p_b, tl.where(keep, ids, -1), mask=o_k < K)

@@ -8,10 +8,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from m3compile.kernels.indexer.naive import block_masks, select_from_scores
+from m3compile.kernels.causal_lse.naive import oracle_scores
+from m3compile.kernels.indexer.naive import FORCED, adaptive_keep, block_masks, candidate_lse, select_from_scores
 from m3compile.kernels.naive_common import quantize_index_keys
 
 __all__ = ["paged_block_scores_reference", "paged_select_reference", "top_blocks_reference", "newest_top_blocks",
+           "adaptive_decode", "index_logit_scale",
            "paged_oracle_select", "paged_recent_select", "paged_attention_reference", "quantize_pages", "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
 
 
@@ -32,11 +34,42 @@ def paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_sc
 
 
 def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
-                           idx_scale=None):
-    """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k."""
+                           idx_scale=None, top_p=1.0, min_blocks=0):
+    """Plain-torch `paged_select`: block scores of each sequence's cached keys, then reference top-k (top_p < 1: the
+    adaptive budget, `adaptive_decode`)."""
     scores = paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale)
-    return top_blocks_reference(scores, seq_lens, block_size=idx_cache.shape[1], topk=topk, init_blocks=init_blocks,
-                                local_blocks=local_blocks)
+    bs = idx_cache.shape[1]
+    blocks = top_blocks_reference(scores, seq_lens, block_size=bs, topk=topk, init_blocks=init_blocks,
+                                  local_blocks=local_blocks)
+    if top_p >= 1:
+        return blocks
+    # the reference's scores are q . k / sqrt(Di); fp8: of the e4m3 query row without its scale
+    logits = scores * (index_logit_scale(q_idx, idx_scale is not None) * math.sqrt(q_idx.shape[-1]))
+    return adaptive_decode(blocks, logits, seq_lens, block_size=bs, init_blocks=init_blocks,
+                           local_blocks=local_blocks, top_p=top_p, min_blocks=min_blocks)
+
+
+def index_logit_scale(q_idx: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """[B, Hi, 1]: what turns the decode scoring kernel's block scores (q . k, the query's own fp8 scale left out
+    where it scores in fp8) into the index branch's logits (q . k / sqrt(Di) of the dequantised query)."""
+    scale = torch.full((*q_idx.shape[:2], 1), q_idx.shape[-1] ** -0.5, device=q_idx.device)
+    return scale * quantize_index_keys(q_idx)[1].float()[..., None] if fp8 else scale
+
+
+def adaptive_decode(blocks: torch.Tensor, logits: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int,
+                    init_blocks: int, local_blocks: int, top_p: float, min_blocks: int) -> torch.Tensor:
+    """The adaptive budget (indexer.naive.adaptive_keep) over a decode step's fixed selection: blocks [B, Hi, K]
+    (-1 = empty) of each sequence's newest token, logits [B, Hi, pages] the index branch's block logits (anything
+    past a sequence's pages) -> blocks with the candidates past the budget set to -1. No host synchronisation: a
+    CUDA graph captures it."""
+    visible, local, init = block_masks(seq_lens.long() - 1, logits.shape[-1], block_size, init_blocks,
+                                       local_blocks)  # [B, pages]
+    lse = candidate_lse(logits, (visible & ~local & ~init)[:, None])
+    ids = blocks.long().clamp(min=0)
+    slot = logits.float().gather(-1, ids)
+    forced = (local | init)[:, None].expand_as(logits).gather(-1, ids)
+    kept = adaptive_keep(blocks, slot.masked_fill(forced, FORCED), lse, top_p, min_blocks)
+    return kept.to(blocks.dtype)
 
 
 def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, local_blocks=1):
@@ -48,7 +81,7 @@ def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, l
     t_pos = seq_lens.long() - 1  # each sequence's newest token
     visible, local, init = block_masks(t_pos, scores.shape[-1], block_size, init_blocks, local_blocks)  # [B, pages]
     s = scores.float().masked_fill(~visible[:, None], float("-inf"))
-    s = s.masked_fill(init[:, None], torch.finfo(torch.float32).max).masked_fill(local[:, None], float("inf"))
+    s = s.masked_fill(init[:, None], FORCED).masked_fill(local[:, None], float("inf"))
     top = s.sort(dim=-1, descending=True, stable=True)
     k = min(topk, s.shape[-1])
     out[..., :k] = top.indices[..., :k].masked_fill(top.values[..., :k] == float("-inf"), -1).int()
@@ -56,21 +89,24 @@ def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, l
 
 
 def newest_top_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, topk: int,
-                      init_blocks: int = 0, local_blocks: int = 1) -> torch.Tensor:
+                      init_blocks: int = 0, local_blocks: int = 1, top_p: float = 1.0,
+                      min_blocks: int = 0) -> torch.Tensor:
     """Top-k of block scores [B, Hkv, pages] for each sequence's newest token (position seq_lens - 1), forced blocks
-    first (indexer.naive.select_from_scores, the sequences as its query rows) -> [B, Hkv, topk] int32. No host
-    synchronisation: a CUDA graph captures it."""
+    first (indexer.naive.select_from_scores, the sequences as its query rows; top_p < 1: the adaptive budget, the
+    scores being logits) -> [B, Hkv, topk] int32. No host synchronisation: a CUDA graph captures it."""
     rows = select_from_scores(scores.transpose(0, 1)[None], seq_lens.long() - 1, block_size, topk, init_blocks,
-                              local_blocks)  # [1, Hkv, B, topk]
+                              local_blocks, top_p, min_blocks)  # [1, Hkv, B, topk]
     return rows[0].transpose(0, 1).to(torch.int32)
 
 
 def paged_oracle_select(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         *, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                        scale: float | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float | None = None, k_scale: torch.Tensor | None = None, top_p: float = 1.0,
+                        min_blocks: int = 0) -> torch.Tensor:
     """The oracle's blocks for the newest token of each sequence, from the paged KV cache: per KV group, the mean
     over its query heads of their softmax over every cached key (fp32), summed per page (= block), then the
-    top-k with the forced blocks as `paged_select` keeps them. Plain torch over every page of the block table (one
+    top-k with the forced blocks as `paged_select` keeps them (top_p < 1: the adaptive budget over the mass). Plain
+    torch over every page of the block table (one
     query per sequence: no kernel needed), no host synchronisation, so a CUDA graph captures it.
 
     q [B, Hq, D], k_cache [P, BS, Hkv, D] (a quantised cache with its k_scale [P, BS, Hkv]: each key row times its
@@ -85,8 +121,8 @@ def paged_oracle_select(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     pos = torch.arange(keys.shape[1] * bs, device=q.device).view(keys.shape[1], bs)
     s = s.masked_fill(pos >= seq_lens.long()[:, None, None, None, None], float("-inf"))
     mass = torch.softmax(s.flatten(-2), -1).view_as(s).mean(2).sum(-1)  # [B, Hkv, pages]
-    return newest_top_blocks(mass, seq_lens, block_size=bs, topk=topk, init_blocks=init_blocks,
-                             local_blocks=local_blocks)
+    return newest_top_blocks(oracle_scores(mass, top_p), seq_lens, block_size=bs, topk=topk, init_blocks=init_blocks,
+                             local_blocks=local_blocks, top_p=top_p, min_blocks=min_blocks)
 
 
 def paged_recent_select(block_table: torch.Tensor, seq_lens: torch.Tensor, n_kv: int, *, block_size: int, topk: int,

@@ -61,6 +61,8 @@ def select_blocks_reference(
     init_blocks: int = 0,
     local_blocks: int = 1,
     k_scale: torch.Tensor | None = None,
+    top_p: float = 1.0,
+    min_blocks: int = 0,
 ) -> torch.Tensor:
     """Plain-torch `select_blocks` (same layouts, int32). fp8 keys: the query quantised per (token, head) and
     dequantised (naive_common.fp8_round), the keys dequantised with k_scale, then fp32 scores, block max and top-k."""
@@ -68,7 +70,7 @@ def select_blocks_reference(
     if fp8:
         q_idx, k_idx = fp8_round(q_idx), dequantize_index_keys(k_idx, k_scale, block_size)
     return naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                             local_blocks=local_blocks).to(torch.int32)
+                               local_blocks=local_blocks, top_p=top_p, min_blocks=min_blocks).to(torch.int32)
 
 
 def select_blocks(
@@ -80,6 +82,8 @@ def select_blocks(
     init_blocks: int = 0,
     local_blocks: int = 1,
     k_scale: torch.Tensor | None = None,
+    top_p: float = 1.0,
+    min_blocks: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Top-k key blocks per (index head, query token).
@@ -90,6 +94,8 @@ def select_blocks(
     scores) -> [B, Hi, T, topk] int32 (-1 = empty slot).
     A prompt chunk over its cached prefix passes fewer queries: q_idx [B, Tq, Hi, Di] (Tq <= T) are the queries of
     the last Tq positions -> [B, Hi, Tq, topk].
+    top_p < 1: the adaptive budget (docs/msa.md 2.8): the kernel also gives each slot's logit and the candidates'
+    log-sum-exp, and naive.adaptive_keep sets the slots past the budget to -1 (min_blocks: its floor).
     Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
@@ -97,12 +103,16 @@ def select_blocks(
     T = k_idx.shape[1]
     if not use_triton(q_idx, k_idx, backend=backend):
         return select_blocks_reference(q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                                       local_blocks=local_blocks, k_scale=k_scale)
+                                       local_blocks=local_blocks, k_scale=k_scale, top_p=top_p,
+                                       min_blocks=min_blocks)
     if k_idx.stride(-1) != 1 or q_idx.stride(-1) != 1:
         raise ValueError("q_idx and k_idx must be contiguous in their last dimension")
     out = torch.empty(B, H, Tq, topk, dtype=torch.int32, device=q_idx.device)
     if Tq == 0:
         return out
+    adapt = top_p < 1
+    slot_logits = torch.empty(out.shape, dtype=torch.float32, device=q_idx.device) if adapt else out
+    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q_idx.device) if adapt else out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
     from m3compile.kernels.indexer._tl_indexer import index_topk_kernel as kernel
@@ -112,14 +122,15 @@ def select_blocks(
 
     def launch(fp8_dot: bool) -> None:
         kernel[grid](
-            q_idx, k_idx, scale, out,
+            q_idx, k_idx, scale, out, slot_logits, lse,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
             scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
-            T, T - Tq, tune_bucket(T),
+            T, T - Tq, tune_bucket(T), D**-0.5,
             H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
             TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
             HAS_SCALE=fp8, BLOCK_SCALE=block_scale, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
+            ADAPT=adapt,
         )
 
     launch_fp8(launch, fp8)
-    return out
+    return naive.adaptive_keep(out, slot_logits, lse, top_p, min_blocks) if adapt else out

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._common import autotune, configs
-from m3compile.kernels._tl_common import quantize_rows_e4m3
+from m3compile.kernels._tl_common import e4m3_scale, quantize_rows_e4m3
 
 @triton.jit
 def _insert(vals, ids, score, j, o_kp):
@@ -35,6 +35,15 @@ def _block_scores(b_q, p_k, p_s0, j, o_key, m_key, o_tok, m_d, CAUSAL: tl.conste
         score = score * tl.load(p_s0 + j)
     return score
 
+@triton.jit
+def _candidate_lse(m, l, logit, cand):
+    # one key block's logit [ROWS] into the running max m and sum l of exp(logit - m) over the candidate blocks
+    logit = tl.where(cand, logit, float("-inf"))
+    m_new = tl.maximum(m, logit)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, l * tl.exp(m - m_safe) + tl.exp(logit - m_safe)
+
+
 def _prune(cfgs, named_args, **kw):
     hp = named_args["HP"] if "HP" in named_args else kw["HP"]
     return [c for c in cfgs if c.kwargs["ROWS"] >= hp] or cfgs[-1:]
@@ -48,19 +57,22 @@ def _prune(cfgs, named_args, **kw):
         # against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py, BENCHMARKS.md)
         default=dict(ROWS=128, num_warps=4, num_stages=2),
     ),
-    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "tune_bucket"],
+    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "ADAPT", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
-    q, k, k_scale, out,
+    q, k, k_scale, out, slot_logits, lse,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
-    T, q_start, tune_bucket,
+    T, q_start, tune_bucket, sm_scale,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
-    ROWS: tl.constexpr,
+    ADAPT: tl.constexpr, ROWS: tl.constexpr,
 ):
+    # ADAPT (the adaptive budget): also each slot's block logit (score * sm_scale, times the row's own fp8 scale
+    # where it scores in fp8; +inf for a forced block) into slot_logits [B, H, Tq, TOPK], and the log-sum-exp of the
+    # logits of every candidate block (visible, not forced) into lse [B, H, Tq], kept online over the key blocks
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
     BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
@@ -74,8 +86,13 @@ def index_topk_kernel(
     o_row = (o_tok - q_start)[:, None].to(tl.int64)
     p_q = q + i_b * stride_qb + o_row * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    row_scale = tl.full([ROWS], sm_scale, tl.float32)
     if HAS_SCALE:  # fp8 scoring: each (token, head) row quantised here, once per program
+        if ADAPT:  # the row's scale, which the ranking does not need but the logits do
+            row_scale = row_scale * e4m3_scale(tl.maximum(tl.max(tl.abs(b_q.to(tl.float32)), 1), 1e-12))
         b_q = quantize_rows_e4m3(b_q, FP8_DOT)
+    m_c = tl.full([ROWS], float("-inf"), tl.float32)  # ADAPT: the candidates' running max and sum of exp
+    l_c = tl.zeros([ROWS], tl.float32)
     q_block = o_tok // BS
     o_kp = tl.arange(0, KP)
     # padding slots (>= TOPK) hold +inf so they are never the minimum that gets replaced
@@ -93,6 +110,8 @@ def index_topk_kernel(
         m_key = o_n < BS
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, False, HAS_SCALE, BLOCK_SCALE, IEEE)
+        if ADAPT:
+            m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
         score = tl.where(j < INIT, 3.4028234663852886e38, score)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
         vals, ids = _insert(vals, ids, score, j, o_kp)
@@ -101,8 +120,15 @@ def index_topk_kernel(
         m_key = (o_n < BS) & (o_key < T)
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, True, HAS_SCALE, BLOCK_SCALE, IEEE)
+        if ADAPT:
+            m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         vals, ids = _insert(vals, ids, score, j, o_kp)
-    p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
-    tl.store(p_o, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
+    o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
+    tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
+    if ADAPT:  # slot_logits shares out's strides; lse is [B, H, Tq] contiguous
+        logit = tl.where(vals >= 3.4028234663852886e38, float("inf"), vals * row_scale[:, None])
+        tl.store(slot_logits + o_out, logit, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
+        o_lse = (i_b * H + o_h) * (T - q_start) + (o_tok - q_start)
+        tl.store(lse + o_lse, tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf")), mask=m_row)

@@ -52,12 +52,13 @@ def bench_presets() -> list[str]:
     return [p for p in PRESETS if p != "m3"]
 
 
-def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 128, topk: int = 16,
+def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | None = None, topk: int | None = None,
                  dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto",
-                 index_dim: int | None = None) -> tuple[Decoder, Decoder, str, dict | None]:
+                 index_dim: int | None = None, default_msa: tuple[int, int] = (128, 16),
+                 ) -> tuple[Decoder, Decoder, str, dict | None]:
     """(dense model, converted model sharing its weights, description, conversion check) for a checkpoint
-    directory (dense: converted in memory with block / topk / dense_layers; converted: the dense twin without the
-    index branch) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
+    directory (dense: converted in memory with block / topk / dense_layers, None: `default_msa`'s; converted: the
+    dense twin without the index branch, and a block or topk other than its own is refused) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
     for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower).
     `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced).
     `index_dim`: the conversion's index head dim (MSAConfig.index_dim; a dense model or preset only)."""
@@ -75,15 +76,18 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int = 12
     args = dense.args
     check = None
     if args.msa is None:  # dense: convert in memory
-        gm, _ = convert(dense, MSAConfig(block_size=block, topk=topk, dense_layers=dense_layers,
+        gm, _ = convert(dense, MSAConfig(block_size=block or default_msa[0], topk=topk or default_msa[1],
+                                         dense_layers=dense_layers,
                                          index_dtype=index_dtype, index_dim=index_dim))
         check = conversion_check(gm, dense)
         sparse_args = gm.meta["model_args"]
         state = dict(gm.state_dict())
     else:
-        if index_dim is not None and index_dim != args.msa.index_dim:
-            raise M3CompileError(f"{model} is already converted with index dim {args.msa.index_dim}: "
-                                 f"--index-dim {index_dim} needs its dense source")
+        for option, asked, own in (("--index-dim", index_dim, args.msa.index_dim),
+                                   ("--block", block, args.msa.block_size), ("--topk", topk, args.msa.topk)):
+            if asked is not None and asked != own:
+                raise M3CompileError(f"{model} is already converted with {option[2:]} {own}: {option} {asked} "
+                                     f"cannot apply to it (it needs its dense source)")
         sparse_args, state, converted = args, dict(dense.state_dict()), dense
         if index_dtype != "auto":
             sparse_args = args.replace(msa=dataclasses.replace(args.msa, index_dtype=index_dtype))

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from m3compile.config import parse_dtype
+from m3compile.config import check_size, parse_dtype
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 from m3compile.models.decoder import PRESETS, Attention, Decoder
@@ -66,13 +66,18 @@ _SCOPES = {"select": "m3c.msa_select", "attention": "m3c.msa_attention", "kl": "
            "block_loss": "m3c.msa_block_loss", "forward": "m3c.forward", "backward": "m3c.backward", "optimizer": "m3c.optimizer"}
 
 
+DEFAULT_MSA = (64, 8)  # block size and top-k of a dense model's conversion, unless asked
+
+
 @dataclass(frozen=True)
 class DistillBenchConfig:
     model: str  # checkpoint directory or preset name
     seq_len: int = 8192
     batch: int = 2
-    block: int = 64  # for a dense model or preset: the conversion's block size and top-k
-    topk: int = 8
+    # for a dense model or preset: the conversion's block size and top-k (None: 64 and 8; a converted model's own,
+    # another refused); the result's config records what ran
+    block: int | None = None
+    topk: int | None = None
     dtype: str = "bfloat16"  # the backbone's weights (index weights are fp32 under autocast)
     autocast: str = "auto"  # as DistillConfig.autocast
     block_loss: float = 1.0  # as DistillConfig.block_loss, its default (the distillation rows; training keeps the KL)
@@ -87,9 +92,11 @@ class DistillBenchConfig:
     cuda_graph: bool = False  # also each distillation mode's step captured in a CUDA graph: checked, then timed
 
     def __post_init__(self):
-        for name in ("seq_len", "batch", "block", "topk", "steps"):
-            if getattr(self, name) < 1:
+        for name in ("block", "topk", "steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
         if not (math.isfinite(self.block_loss) and self.block_loss >= 0):
             raise M3CompileError(f"block_loss must be a finite number >= 0, got {self.block_loss}")
         if self.cuda_graph and (self.count_only or not str(self.device).startswith("cuda")):
@@ -239,7 +246,7 @@ def run_distill_bench(cfg: DistillBenchConfig, log=print) -> dict:
 
 def _bench(cfg: DistillBenchConfig, log) -> dict:
     dense, sparse, what, _ = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
-                                          topk=cfg.topk, n_layers=cfg.layers)
+                                          topk=cfg.topk, n_layers=cfg.layers, default_msa=DEFAULT_MSA)
     args = sparse.args
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab_size, (cfg.batch, cfg.seq_len + 1), generator=g).to(cfg.device)
@@ -327,7 +334,7 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
         dense.zero_grad(set_to_none=True)
         if cfg.shard:  # the distillation step sharded this model's modules: a fresh one
             sparse = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block, topk=cfg.topk,
-                                  n_layers=cfg.layers)[1]
+                                  n_layers=cfg.layers, default_msa=DEFAULT_MSA)[1]
         train = DistillStep(sparse, TrainConfig(steps=1, seq_len=cfg.seq_len, batch=cfg.batch, dtype=cfg.dtype,
                                                 lr=1e-5, autocast=cfg.autocast), cfg.device, "sparse",
                             shard=cfg.shard)
@@ -349,7 +356,8 @@ def _bench(cfg: DistillBenchConfig, log) -> dict:
             env["triton"] = triton.__version__
         except ImportError:
             pass
-    return {"model": what, "config": asdict(cfg), "layers": args.n_layers, "msa": asdict(args.msa),
+    ran = asdict(cfg) | {"block": args.msa.block_size, "topk": args.msa.topk}  # what ran, not what was asked
+    return {"model": what, "config": ran, "layers": args.n_layers, "msa": asdict(args.msa),
             "autocast": str(amp).replace("torch.", "") if amp else None, "rows": rows, "env": env,
             **({"cuda_graph_errors": graph_errors} if graph_errors else {})}
 

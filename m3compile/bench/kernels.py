@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from m3compile.config import check_size
 from m3compile.errors import M3CompileError
+from m3compile.outputs import atomic_save_figure, atomic_write_text, check_output_folder
 from m3compile.kernels.decode import paged_attention, paged_select, quantize_pages
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks
 from m3compile.kernels.sparse_attention import forward_stage, sparse_attention, sparse_attention_lse
@@ -69,11 +70,20 @@ class BenchConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.heads % self.kv_heads:
-            raise M3CompileError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        for name in ("heads", "kv_heads", "head_dim", "index_dim", "block", "topk", "batch"):
+        for name in ("heads", "kv_heads", "head_dim", "index_dim", "block", "topk"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1")
+        if self.heads % self.kv_heads:
+            raise M3CompileError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        check_size(self.batch, "batch", "batch")
+        for name in ("prefill_lengths", "decode_lengths", "query_chunk_sweep"):
+            for n in getattr(self, name):
+                check_size(n, name)
+        check_size(self.dense_max, "dense_max")
+        check_size(self.flex_max, "flex_max")
+        for name in ("rep_ms", "warmup_ms"):
+            if not getattr(self, name) >= 1:
+                raise M3CompileError(f"{name} must be >= 1 millisecond, got {getattr(self, name)}")
         bad = [s for s in self.selections if s not in ("independent", "shared")]
         if bad:
             raise M3CompileError(f"unknown selection {bad[0]!r} (use independent or shared)")
@@ -352,6 +362,8 @@ def _autotune_choices() -> dict:
 def run_bench(cfg: BenchConfig, prefill: bool = True, decode: bool = True, log=print) -> BenchResult:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise M3CompileError("m3c bench kernels needs a CUDA GPU (use --device cpu for a smoke run of tiny shapes)")
+    if not (prefill and cfg.prefill_lengths) and not (decode and cfg.decode_lengths):
+        raise M3CompileError("nothing to run: give prefill or decode lengths")
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": cfg.device,
            "date": time.strftime("%Y-%m-%d")}
     try:
@@ -412,13 +424,12 @@ def speedups(result: BenchResult) -> tuple[list[dict], list[dict]]:
 
 
 def write_outputs(result: BenchResult, out: Path) -> None:
-    """bench.json and bench.png (speedup over dense against context length), written atomically."""
-    out.mkdir(parents=True, exist_ok=True)
+    """bench.json and bench.png (speedup over dense against context length) in the folder `out`, each through the
+    output guard, written whole or not at all."""
+    check_output_folder(out)
     pre, dec = speedups(result)
     payload = asdict(result) | {"speedups": {"prefill": pre, "decode": dec}}
-    tmp = out / ".bench.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, out / "bench.json")
+    atomic_write_text(out / "bench.json", json.dumps(payload, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,10 +465,10 @@ def write_outputs(result: BenchResult, out: Path) -> None:
     gpu = result.env.get("gpu", result.env["device"])
     fig.suptitle(f"m3c bench kernels: {gpu}, torch {result.env['torch']}, triton {result.env['triton']}", fontsize=9)
     fig.tight_layout()
-    tmp = out / ".bench.png.tmp"
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out / "bench.png")
+    try:
+        atomic_save_figure(fig, out / "bench.png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def render(result: BenchResult, cfg: BenchConfig, out_dir: Path) -> list:
@@ -595,6 +606,10 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise M3CompileError("m3c bench backward needs a CUDA GPU (use --device cpu for a smoke run)")
+    if not lengths:
+        raise M3CompileError("nothing to run: give --lengths")
+    for n in lengths:
+        check_size(n, "lengths")
     dev, dt = cfg.device, torch.bfloat16 if cfg.device == "cuda" else torch.float32
     H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     rows = []
@@ -661,12 +676,9 @@ def run_backward_bench(cfg: BenchConfig, lengths: tuple[int, ...], log=print) ->
 
 
 def write_json(result: dict, path: Path) -> Path:
-    """`result` as indented JSON at `path` (its folder made), written atomically: a temporary file, then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    """`result` as indented JSON at `path` (its folder made), through the output guard: whole or not at all."""
+    check_output_folder(path.parent)
+    return atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 def render_backward(result: dict, cfg: BenchConfig, path: Path) -> list:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import platform
 import re
 import time
@@ -64,8 +63,9 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, parse_dtype
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, check_size, parse_dtype
 from m3compile.errors import M3CompileError
+from m3compile.outputs import atomic_save_figure, atomic_write_text, check_output_folder
 from m3compile.kernels.decode import quantize_kv, quantize_pages
 from m3compile.models.decoder import Decoder, ModelArgs, MoE
 from m3compile.ops import SPARSE_KERNELS, using_sparse_kernel
@@ -111,8 +111,10 @@ class ModelBenchConfig:
     prefill_lengths: tuple[int, ...] = (8192, 32768, 131072, 524288)
     decode_lengths: tuple[int, ...] = (32768, 131072)
     batch: int = 8  # decode batch asked for (lowered to what fits)
-    block: int = 128  # conversion of a dense model: block size, top-k (layer 0 stays dense)
-    topk: int = 16
+    # conversion of a dense model: block size, top-k (layer 0 stays dense); None: 128 and 16, or a converted model's
+    # own (another is refused); the result's config records what ran
+    block: int | None = None
+    topk: int | None = None
     dense_max: int = 131072  # longest prefill timed on the dense model; longer ones are extrapolated
     msa_max: int = 131072  # the same for the MSA model
     profile_max: int | None = None  # longest prefill also run under the profiler for its stages (None: every one)
@@ -133,15 +135,18 @@ class ModelBenchConfig:
     fuse_projections: bool = True  # Decoder.fuse_projections on both models (False: the separate Linears)
 
     def __post_init__(self):
-        if self.profile_max is not None and self.profile_max < 1:
-            raise M3CompileError(f"profile_max must be >= 1, got {self.profile_max}")
-        for name in ("batch", "block", "topk", "steps", "decode_steps", "dense_max", "msa_max"):
-            if getattr(self, name) < 1:
+        for name in ("block", "topk", "steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.batch, "batch", "batch")
+        check_size(self.decode_steps, "decode_steps", "decode steps")
+        for name in ("dense_max", "msa_max", "profile_max", "prefill_chunk"):
+            if getattr(self, name) is not None:
+                check_size(getattr(self, name), name)
         if not self.prefill_lengths and not self.decode_lengths:
             raise M3CompileError("nothing to run: give prefill or decode lengths")
-        if any(t < 1 for t in self.prefill_lengths + self.decode_lengths):
-            raise M3CompileError("lengths must be >= 1")
+        for n in self.prefill_lengths + self.decode_lengths:
+            check_size(n, "lengths")
         for name in ("figure_seconds", "reserve_gb"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
@@ -150,8 +155,6 @@ class ModelBenchConfig:
             raise M3CompileError(f"index_cache must be 'auto' or 'fp8', got {self.index_cache!r}")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise M3CompileError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise M3CompileError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.bandwidth_tbs is not None and not (math.isfinite(self.bandwidth_tbs) and self.bandwidth_tbs > 0):
             raise M3CompileError(f"bandwidth must be a number of TB/s > 0, got {self.bandwidth_tbs}")
         if self.index_dtype not in ("auto", "fp8"):
@@ -648,7 +651,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    result = {"bench": "model", "model": what, "name": _slug(cfg.model), "config": asdict(cfg),
+    ran = asdict(cfg) | {"block": args.msa.block_size, "topk": args.msa.topk}  # what ran, not what was asked
+    result = {"bench": "model", "model": what, "name": _slug(cfg.model), "config": ran,
               "layers": args.n_layers, "msa_layers": sum(args.is_sparse(i) for i in range(args.n_layers)),
               "shapes": {"hidden": args.hidden_size, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
                          "head_dim": args.head_dim, "intermediate": args.intermediate_size, "vocab": args.vocab_size},
@@ -674,13 +678,11 @@ def _slug(model: str) -> str:
 def write_model_outputs(result: dict, out: Path) -> tuple[Path, Path]:
     """OUT/<model>.json, then OUT/model_speedup.png drawn from every model bench JSON in OUT (run the bench for two
     models into one OUT to plot both), each written atomically. A run of only prefill or only decode keeps the
-    other part of an earlier run of the same model in OUT (`_merge_earlier`)."""
-    out.mkdir(parents=True, exist_ok=True)
+    other part of an earlier run of the same model in OUT (`_merge_earlier`). Through the output guard."""
+    check_output_folder(out)
     path = out / f"{result['name']}.json"
     result = _merge_earlier(result, path)
-    tmp = out / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     results = []
     for f in sorted(out.glob("*.json")):
         try:
@@ -837,7 +839,7 @@ def _plot(results: list[dict], png: Path) -> None:
     fig.suptitle(f"m3c bench model: {env.get('gpu', env.get('device', ''))}, torch {env.get('torch')}, "
                  f"triton {env.get('triton')}", fontsize=9)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    try:
+        atomic_save_figure(fig, png, dpi=110)
+    finally:
+        plt.close(fig)

@@ -2,31 +2,53 @@
 dense attention; one subcommand each (m3compile.bench runs them and renders their tables)."""
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import click
 
 from m3compile.config import INDEX_CACHE_DTYPES, INDEX_DTYPES
-from m3compile.outputs import resolved
-from m3compile.commands.common import fail, kv_cache_option, parse_chunk, parse_lengths, stacked, stdout_console
+from m3compile.commands.common import (
+    Group, InputPath, OutputPath, Size, kv_cache_option, stacked, stdout_console,
+)
 
 __all__ = ["bench"]
 
 
+def _device(ctx, param, value: str) -> str:
+    """--device: cpu runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1 unless set otherwise; read
+    when the kernels are first imported, which the bench's own imports do next): without it Triton finds no GPU
+    driver to compile for."""
+    if str(value).strip().lower() == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return value
+
+
 # Options several bench subcommands take, declared once
-_bench_device = click.option("--device", default="cuda", show_default=True,
-                             help="cuda; cpu runs a smoke test of the command (timings meaningless).")
+_bench_device = click.option("--device", default="cuda", show_default=True, callback=_device,
+                             help="cuda; cpu runs a smoke test of the command in Triton's interpreter (timings "
+                                  "meaningless).")
 _bench_rep_ms = click.option("--rep-ms", default=500, show_default=True,
                              help="Milliseconds of timed repeats per figure (median reported).")
 _bench_block = click.option("--block", default=128, show_default=True, help="Keys per block = cache page.")
 _bench_topk = click.option("--topk", default=16, show_default=True, help="Blocks each (KV group, query) attends to.")
+
+
+def _bench_conversion(block: int, topk: int):
+    """--block / --topk of a bench of a model: the conversion of a dense one; a converted one runs at its own."""
+    return stacked(
+        click.option("--block", type=int, default=None,
+                     help=f"A dense model's conversion: keys per block = cache page [default: {block}; a converted "
+                          f"model's own, which another value cannot change]."),
+        click.option("--topk", type=int, default=None,
+                     help=f"A dense model's conversion: blocks each (KV group, query) attends to [default: {topk}; a "
+                          f"converted model's own]."))
 _bench_heads = click.option("--heads", default=64, show_default=True, help="Query heads (M3: 64).")
 _bench_kv_heads = click.option("--kv-heads", default=4, show_default=True, help="KV heads = index heads (M3: 4).")
 _bench_head_dim = click.option("--head-dim", default=128, show_default=True)
 _bench_index_dim = click.option("--index-dim", default=128, show_default=True, help="Index head dim.")
-_bench_decode_batch = click.option("--batch", default=8, show_default=True, help="Decode batch.")
+_bench_decode_batch = click.option("--batch", default=8, show_default=True, type=Size("batch"), help="Decode batch.")
 _bench_dtype = click.option("--dtype", default="bfloat16", show_default=True, help="The model's weight dtype.")
-_bench_model_argument = click.argument("model", metavar="MODEL_DIR|PRESET")
+_bench_model_argument = click.argument("model", metavar="MODEL_DIR|PRESET", type=InputPath())
 
 
 # --heads --kv-heads --head-dim --index-dim --block --topk: the attention shapes the kernel benches time
@@ -35,23 +57,23 @@ _bench_attention_shapes = stacked(_bench_heads, _bench_kv_heads, _bench_head_dim
 
 
 def _bench_out(writes: str):
-    return click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path),
+    return click.option("--out", "out_dir", default="bench_out", show_default=True, type=OutputPath("folder"),
                         help=f"Writes {writes} here.")
 
 
 def _bench_dense_max(beyond: str):
-    return click.option("--dense-max", default="128K", show_default=True,
+    return click.option("--dense-max", default="128K", show_default=True, type=Size(),
                         help=f"Longest length timed densely; {beyond}.")
 
 
 def _bench_lengths(name: str, default: str | None, bench_default: str | None = None):
     """--prefill-lengths / --decode-lengths; a default of None leaves the lengths to the bench (`bench_default`)."""
     unless = f"; default {bench_default}" if default is None else ""
-    return click.option(f"--{name}-lengths", default=default, show_default=default is not None,
+    return click.option(f"--{name}-lengths", default=default, show_default=default is not None, type=Size(many=True),
                         help=f"{name.capitalize()} context lengths ('' to skip {name}{unless}).")
 
 
-@click.group()
+@click.group(cls=Group)
 def bench():
     """Time MSA against dense attention: the kernels, the whole model, its training steps (figures: BENCHMARKS.md)."""
 
@@ -69,9 +91,10 @@ def _log(console):
               help="Selection regimes for prefill: independent (indexer on random inputs) and/or shared (one "
                    "selection per 128-query block).")
 @_bench_dense_max("longer ones are extrapolated as T^2 and marked")
-@click.option("--flex-max", default="128K", show_default=True, help="Longest prefill timed with FlexAttention.")
+@click.option("--flex-max", default="128K", show_default=True, type=Size(),
+              help="Longest prefill timed with FlexAttention.")
 @click.option("--no-flex", is_flag=True, help="Skip FlexAttention.")
-@click.option("--query-chunk-sweep", default="",
+@click.option("--query-chunk-sweep", default="", type=Size(many=True),
               help="Also time the sparse attention with these query chunks, e.g. 4K,16K (tuning aid).")
 @_bench_rep_ms
 @_bench_device
@@ -94,10 +117,10 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
     from m3compile.bench.kernels import BenchConfig, render, run_bench, write_outputs
 
     cfg = BenchConfig(heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block, topk=topk,
-                      prefill_lengths=parse_lengths(prefill_lengths), decode_lengths=parse_lengths(decode_lengths),
-                      batch=batch, dense_max=parse_lengths(dense_max)[0], flex_max=parse_lengths(flex_max)[0],
-                      selections=tuple(selections), flex=not no_flex, device=device, rep_ms=rep_ms,
-                      query_chunk_sweep=parse_lengths(query_chunk_sweep), warmup_ms=max(25, rep_ms // 5))
+                      prefill_lengths=prefill_lengths, decode_lengths=decode_lengths, batch=batch,
+                      dense_max=dense_max, flex_max=flex_max, selections=tuple(selections), flex=not no_flex,
+                      device=device, rep_ms=rep_ms, query_chunk_sweep=query_chunk_sweep,
+                      warmup_ms=max(25, rep_ms // 5))
     console = stdout_console()
     result = run_bench(cfg, prefill=bool(cfg.prefill_lengths), decode=bool(cfg.decode_lengths), log=_log(console))
     write_outputs(result, out_dir)
@@ -110,13 +133,12 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @_bench_lengths("prefill", None, "8K,32K,128K,512K")
 @_bench_lengths("decode", None, "32K,128K")
 @_bench_decode_batch
-@_bench_block
-@_bench_topk
+@_bench_conversion(128, 16)
 @click.option("--index-dim", type=int, default=None,
               help="The conversion's index head dim (default: the model's head dim; below its rotary width the index "
                    "head keeps the lowest RoPE frequencies).")
 @_bench_dense_max("longer ones are extrapolated per stage and marked")
-@click.option("--msa-max", default="128K", show_default=True,
+@click.option("--msa-max", default="128K", show_default=True, type=Size(),
               help="Longest prefill timed on the MSA model; longer ones are extrapolated per stage and marked.")
 @_bench_dtype
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
@@ -124,7 +146,7 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @click.option("--index-dtype", type=click.Choice(INDEX_DTYPES), default="auto", show_default=True,
               help="The converted model's index scoring (fp8: e4m3 scores in prefill and an fp8 decode index cache).")
 @kv_cache_option()
-@click.option("--prefill-chunk", default=None,
+@click.option("--prefill-chunk", default=None, type=Size(),
               help="Time to first token through m3c generate's prefill in chunks of this many tokens (e.g. 64K), into "
                    "a paged cache [default: the whole prompt through the lowered backbone where its activations fit, "
                    "else chunks of the largest size that fits].")
@@ -135,11 +157,12 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
               help="The MSA prefill's sparse attention: gather-Q, or the query-tile union kernel "
                    "(kernels/sparse_attention/tile.py; opt-in, to compare the two: see BENCHMARKS.md; "
                    "M3C_SPARSE_KERNEL=tile turns it on elsewhere).")
-@click.option("--profile-max", default=None,
+@click.option("--profile-max", default=None, type=Size(),
               help="Longest prefill also run once under the profiler for its per-stage breakdown; longer ones are "
                    "timed only (a long prefill's profiled run costs as much as a timed one) [default: every length].")
 @click.option("--steps", default=5, show_default=True, help="Timed prefill runs per figure, at most.")
-@click.option("--decode-steps", default=32, show_default=True, help="Decode steps per timing.")
+@click.option("--decode-steps", default=32, show_default=True, type=Size("decode steps"),
+              help="Decode steps per timing.")
 @click.option("--figure-seconds", default=10.0, show_default=True,
               help="Fewer than --steps timed prefill runs where one run is long (at least one).")
 @click.option("--separate-projections", is_flag=True,
@@ -164,22 +187,14 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
     """
     from m3compile.bench.model import ModelBenchConfig, render, run_model_bench, write_model_outputs
 
-    lengths = {}
-    if prefill_lengths is not None:
-        lengths["prefill_lengths"] = parse_lengths(prefill_lengths)
-    if decode_lengths is not None:
-        lengths["decode_lengths"] = parse_lengths(decode_lengths)
-    if Path(model).is_dir():
-        where, model_dir = resolved(out_dir), resolved(model)  # (a symlink loop: one line)
-        if where == model_dir or model_dir in where.parents:
-            fail(f"--out {out_dir} is inside the model directory {model}: choose another output directory")
-    cfg = ModelBenchConfig(model=model, batch=batch, block=block, topk=topk, dense_max=parse_lengths(dense_max)[0],
-                           msa_max=parse_lengths(msa_max)[0], dtype=dtype,
-                           profile_max=None if profile_max is None else parse_lengths(profile_max)[0],
+    lengths = {name: value for name, value in (("prefill_lengths", prefill_lengths),
+                                               ("decode_lengths", decode_lengths)) if value is not None}
+    cfg = ModelBenchConfig(model=str(model), batch=batch, block=block, topk=topk, dense_max=dense_max,
+                           msa_max=msa_max, dtype=dtype, profile_max=profile_max,
                            index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim,
                            sparse_kernel=sparse_kernel, steps=steps, decode_steps=decode_steps,
                            figure_seconds=figure_seconds, device=device, kv_cache=kv_cache,
-                           prefill_chunk=None if prefill_chunk is None else parse_chunk(prefill_chunk),
+                           prefill_chunk=prefill_chunk,
                            bandwidth_tbs=bandwidth, fuse_projections=not separate_projections, **lengths)
     console = stdout_console()
     result = run_model_bench(cfg, log=_log(console))
@@ -189,8 +204,8 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
 
 @bench.command(name="distill", short_help="Distillation and training steps vs the frozen dense forward.")
 @_bench_model_argument
-@click.option("--seq-len", default="8K", show_default=True, help="Tokens per sequence.")
-@click.option("--batch", default=2, show_default=True, help="Sequences per step.")
+@click.option("--seq-len", default="8K", show_default=True, type=Size(), help="Tokens per sequence.")
+@click.option("--batch", default=2, show_default=True, type=Size("batch"), help="Sequences per step.")
 @_bench_dtype
 @click.option("--autocast", type=click.Choice(["auto", "bf16", "none"]), default="auto", show_default=True,
               help="As m3c distill --autocast.")
@@ -213,8 +228,7 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
               help="Also each distillation mode's step captured in a CUDA graph: checked against the eager step from "
                    "the same state (KL, recall, gradients, updated weights), then timed.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps (median reported) after 2 untimed.")
-@_bench_block
-@_bench_topk
+@_bench_conversion(64, 8)
 @_bench_device
 @_bench_out("distill.json")
 def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, no_eval, shard, layers, count_only,
@@ -230,7 +244,7 @@ def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, 
     from m3compile.bench.distill import DistillBenchConfig, render, run_distill_bench
     from m3compile.bench.kernels import write_json
 
-    cfg = DistillBenchConfig(model=model, seq_len=parse_lengths(seq_len)[0], batch=batch, block=block, topk=topk,
+    cfg = DistillBenchConfig(model=str(model), seq_len=seq_len, batch=batch, block=block, topk=topk,
                              dtype=dtype, autocast=autocast, train=not no_train, shard=shard, steps=steps,
                              device=device, layers=layers, count_only=count_only, cuda_graph=cuda_graph,
                              block_loss=block_loss, eval=not no_eval)
@@ -242,7 +256,7 @@ def bench_distill(model, seq_len, batch, dtype, autocast, block_loss, no_train, 
 
 @bench.command(name="backward", short_help="Sparse attention and fused KL, forward + backward, vs dense SDPA.")
 @_bench_attention_shapes
-@click.option("--lengths", default="32K,128K", show_default=True, help="Context lengths.")
+@click.option("--lengths", default="32K,128K", show_default=True, type=Size(many=True), help="Context lengths.")
 @_bench_dense_max("longer ones have no dense time")
 @_bench_rep_ms
 @_bench_device
@@ -257,10 +271,10 @@ def bench_backward(heads, kv_heads, head_dim, index_dim, block, topk, lengths, d
     from m3compile.bench.kernels import BenchConfig, render_backward, run_backward_bench, write_json
 
     cfg = BenchConfig(heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, block=block, topk=topk,
-                      dense_max=parse_lengths(dense_max)[0], device=device, rep_ms=rep_ms,
+                      dense_max=dense_max, device=device, rep_ms=rep_ms,
                       warmup_ms=max(25, rep_ms // 5))
     console = stdout_console()
-    result = run_backward_bench(cfg, parse_lengths(lengths), log=_log(console))
+    result = run_backward_bench(cfg, lengths, log=_log(console))
     for part in render_backward(result, cfg, write_json(result, out_dir / "backward.json")):
         console.print(part)
 

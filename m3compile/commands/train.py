@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from m3compile.commands.common import stacked, stdout_console
+from m3compile.commands.common import Command, InputPath, OutputPath, Size, stacked, stdout_console
 
 __all__ = ["distill", "train"]
 
@@ -18,12 +17,12 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
     """The arguments and options distill and train share, in their help's order: each command gives its own help
     texts where they differ, and its own options to go after --lr and before --json."""
     options = [
-        click.argument("model_dir", type=click.Path(path_type=Path)),
-        click.option("--data", required=True, type=click.Path(path_type=Path), help=data),
-        click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help=out),
+        click.argument("model_dir", type=InputPath()),
+        click.option("--data", required=True, type=InputPath(), help=data),
+        click.option("--out", "out_dir", required=True, type=OutputPath("dir"), help=out),
         click.option("--steps", required=True, type=int, help="Total optimizer steps (with --resume: the new total)."),
-        click.option("--seq-len", default=8192, show_default=True, help="Tokens per training sequence."),
-        click.option("--batch", default=1, show_default=True,
+        click.option("--seq-len", default=8192, show_default=True, type=Size(), help="Tokens per training sequence."),
+        click.option("--batch", default=1, show_default=True, type=Size("batch"),
                      help="Sequences per process per step (global batch = batch x processes)."),
         click.option("--lr", default=lr, show_default=True, help=lr_help),
         click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",
@@ -36,8 +35,8 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
                      help="Step at which the cosine reaches its floor [default: --steps]. A run grown by --resume "
                           "keeps its curve only with the same value: set it to the final step count when a run "
                           "goes in stages."),
-        click.option("--lr-min", default=0.1, show_default=True,
-                     help="The cosine's floor, as a fraction of --lr."),
+        click.option("--lr-min", type=float, default=None,
+                     help="The cosine's floor, as a fraction of --lr [default: 0.1]."),
         *after_lr,
         click.option("--checkpoint-every", default=100, show_default=True,
                      help="Write a resumable checkpoint every this many steps."),
@@ -66,7 +65,7 @@ def _training_options(*, data: str, out: str, lr: float, lr_help: str, dtype: st
     return stacked(*options)
 
 
-@click.command()
+@click.command(cls=Command)
 @_training_options(
     data="Calibration tokens: .bin bytes, .npy ids, .txt/.jsonl text.",
     out="Output directory: the distilled checkpoint plus its resumable state.",
@@ -156,7 +155,7 @@ def _training(verb: str, run, config, params: dict) -> None:
     console.print(f"wrote {params['out_dir']} (evaluate with: m3c eval loss {params['out_dir']} --data FILE)")
 
 
-@click.command()
+@click.command(cls=Command)
 @_training_options(
     data="Training tokens: .bin bytes, .npy ids, .txt/.jsonl text.",
     out="Output directory: the trained checkpoint plus its resumable state.",

@@ -27,7 +27,8 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
                        max_shard_size: int = 5 * 10**9,
                        progress: Callable[[int, int, str], None] | None = None,
                        calib: str | os.PathLike | None = None, calib_tokens: int = DEFAULT_CALIB_TOKENS,
-                       calib_seq_len: int | None = None, calib_device: str = "cpu") -> ConversionReport:
+                       calib_seq_len: int | None = None, calib_device: str = "cpu",
+                       layer_costs: dict | None = None) -> ConversionReport:
     """Checkpoint directory (or preset) -> converted checkpoint directory. Fails before writing anything.
 
     A checkpoint directory is converted streaming (m3compile.conversion.streaming): memory holds one layer, not the model.
@@ -35,6 +36,8 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
     the index init (m3compile/conversion/calibration.py) in windows of `calib_seq_len` tokens [default: 2048, at most the model's
     positions]; without it the init uses the weights alone. Every input (SRC, calib) is checked against the output
     before anything is read.
+    layer_costs: what chose config.dense_layers, for the report (evaluation.loss.LayerCostReport.to_dict: `m3c
+    convert --dense-costliest N`).
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, (src, calib), force)
@@ -54,7 +57,7 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
     if src is not None:
         return convert_streaming(src, out_dir, config, force=force, dtype=dtype, max_shard_size=max_shard_size,
                                  progress=progress, calib=ids, calib_seq_len=calib_seq_len, calib_device=calib_device,
-                                 calib_source=None if calib is None else str(calib))
+                                 calib_source=None if calib is None else str(calib), layer_costs=layer_costs)
     if dtype:
         model = model.to(parse_dtype(dtype))
     gm, report = convert(model, config, calib=ids, calib_seq_len=calib_seq_len,
@@ -62,5 +65,6 @@ def convert_checkpoint(src: str | os.PathLike | None, out_dir: str | os.PathLike
     if ids is not None:
         report.index_init = dataclasses.replace(report.index_init, source=str(calib))
     report.model = f"preset {preset or 'm3-tiny'}"
+    report.layer_costs = layer_costs
     save(gm, report, out_dir, None, force, max_shard_size)
     return report

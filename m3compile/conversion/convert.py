@@ -2,6 +2,7 @@
 init when given calibration tokens; the report says what changed."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class ConversionReport:
     params_after: int
     seconds: float = 0.0
     index_init: CalibrationInfo = CalibrationInfo("weight-only")
+    layer_costs: dict | None = None  # --dense-costliest: what each layer cost alone sparse (LayerCostReport.to_dict)
 
     @property
     def index_params(self) -> int:
@@ -41,7 +43,7 @@ class ConversionReport:
             "model": self.model, "config": self.config.to_dict(), "layers": self.layers,
             "passes": [p.to_dict() for p in self.passes], "params_before": self.params_before,
             "params_after": self.params_after, "index_params": self.index_params, "seconds": round(self.seconds, 3),
-            "index_init": self.index_init.to_dict(),
+            "index_init": self.index_init.to_dict(), "layer_costs": self.layer_costs,
         }
 
 
@@ -60,16 +62,22 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
     calib_seq_len: tokens per calibration window [default: 2048, at most the model's positions].
     calib_device: where the calibration forward runs [default: the model's device].
     """
-    config = config or MSAConfig()
     start = time.perf_counter()
     args: ModelArgs | None = getattr(model, "args", None)
+    if config is None and args is not None and args.msa is not None:  # an MSA source keeps its own settings
+        m = args.msa
+        config = MSAConfig(block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
+                           local_blocks=m.local_blocks, index_dtype=m.index_dtype, top_p=m.top_p,
+                           min_blocks=m.min_blocks)
+    config = config or MSAConfig()
     if args is not None:
         bad = [i for i in config.dense_layers if i >= args.n_layers]
         if bad:
             raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
-        if config.index_dtype != "auto" and args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
-            raise M3CompileError(f"index_dtype {config.index_dtype!r} applies to MSA layers, and every layer is kept "
-                                 f"dense (dense_layers): nothing would score with it")
+        if args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
+            raise M3CompileError(f"every layer is kept dense (dense_layers {','.join(map(str, config.dense_layers))} of "
+                                 f"the model's {args.n_layers} layers): the output would have no MSA layer; leave at "
+                                 f"least one layer out")
     moments, info = None, CalibrationInfo("weight-only")
     if calib is not None:
         if not isinstance(model, Decoder):
@@ -85,7 +93,7 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
     reports = manager.run(gm)
     gqa = manager.passes[0]
     if args is not None:
-        gm.meta["model_args"] = _converted_args(args, gqa.layer_settings)
+        gm.meta["model_args"] = _converted_args(args, gqa.layer_settings, config)
     layers = []
     out_args = gm.meta.get("model_args")
     for i in range(out_args.n_layers if out_args else 0):
@@ -98,7 +106,9 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
     return gm, report
 
 
-def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs]) -> ModelArgs:
+def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs], config: MSAConfig) -> ModelArgs:
+    if args.msa is not None:  # the budget is the config's on every MSA layer (passes/gqa_to_msa.py)
+        args = args.replace(msa=dataclasses.replace(args.msa, top_p=config.top_p, min_blocks=config.min_blocks))
     if not settings:
         return args
     new = next(iter(settings.values()))

@@ -16,7 +16,7 @@ from m3compile.errors import M3CompileError
 from m3compile.io.module_io import write_module
 from m3compile.outputs import atomic_output_dir
 from m3compile.export.remote_code import remote_config, write_modeling_file
-from m3compile.io.tensor_names import to_release_names
+from m3compile.io.tensor_names import checkpoint_names
 from m3compile.io.weights import write_checkpoint
 from m3compile.models.decoder import Decoder, ModelArgs
 from m3compile.conversion.convert import ConversionReport
@@ -30,12 +30,12 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
     out = json.loads(json.dumps(source))
     text = out["text_config"] if out.get("model_type") == "minimax_m3_vl" else out
     if args.msa is None:
-        return out
+        return remote_config(out)
     sparse = [args.is_sparse(i) for i in range(args.n_layers)]
     m = args.msa
     text["sparse_attention_config"] = dataclasses.replace(
         config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
-        index_dtype=m.index_dtype,
+        index_dtype=m.index_dtype, top_p=m.top_p, min_blocks=m.min_blocks,
     ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse, m.index_rope)
     m3_type = out.get("model_type") in ("minimax_m3_vl", "minimax_m3_vl_text")
     if m3_type and m.index_rope != "m3":  # transformers ships the M3 classes: they would apply M3's own rule
@@ -52,7 +52,9 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
 def config_for_preset(args: ModelArgs) -> dict:
     """config.json for a preset: a Llama (or, with q/k/v biases, Qwen2) config for the plain dense shapes
     (llama3-8b, qwen2.5-7b, smollm2-135m: RMSNorm w * x, SiLU MLP, no QK norm, no MoE), else an M3 text model (minimax_m3_vl_text) in the
-    release flavour of keys (M3's own conventions: Gemma-style norms, clamped SwiGLU)."""
+    release flavour of keys (M3's own conventions: Gemma-style norms, clamped SwiGLU), with what transformers' M3
+    class needs to build the same model: the rotary width as rope_parameters' partial_rotary_factor (it ignores
+    rotary_dim) and no token ids of the released model's 200K vocabulary (its defaults)."""
     llama_like = (args.norm_style == "rms" and args.mlp_act == "silu" and args.qk_norm is None and not args.n_experts
                   and not args.o_bias and args.rope_scaling is None and args.rope_dim == args.head_dim)
     if llama_like:  # Qwen2 is Llama with q/k/v biases
@@ -74,6 +76,9 @@ def config_for_preset(args: ModelArgs) -> dict:
         "rms_norm_eps": args.rms_norm_eps, "rope_theta": args.rope_theta, "rotary_dim": args.rope_dim,
         "moe_layer_freq": [int(args.is_moe(i)) for i in range(args.n_layers)], "tie_word_embeddings": args.tie_embeddings,
         "swiglu_alpha": args.swiglu_alpha, "swiglu_limit": args.swiglu_limit,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
+                            "partial_rotary_factor": args.rope_dim / args.head_dim},
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
 
 
@@ -97,7 +102,7 @@ def save(gm: torch.fx.GraphModule, report: ConversionReport, out_dir: str | os.P
     config = output_config(source_config or config_for_preset(args), args, report.config)
     out_dir = Path(out_dir)
     with atomic_output_dir(out_dir, force) as tmp:
-        write_checkpoint(tmp, config, to_release_names(state), max_shard_size)
+        write_checkpoint(tmp, config, checkpoint_names(state, config), max_shard_size)
         write_extras(tmp, gm, report, config)
     return out_dir
 

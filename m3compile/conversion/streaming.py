@@ -28,7 +28,7 @@ from m3compile.errors import M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.io.hf_config import args_from_config, max_positions, read_config, vision_args_from_config
 from m3compile.io.shards import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, SourceTensors, nbytes, tensor_group
-from m3compile.io.tensor_names import VISION_TENSOR, internal_names, to_release_names, vision_names, vision_release_names
+from m3compile.io.tensor_names import VISION_TENSOR, checkpoint_names, internal_names, vision_names, vision_release_names
 from m3compile.io.weights import check_finite, copy_tokenizer_files
 from m3compile.models.decoder import Decoder, DecoderLayer, ModelArgs, MSALayerArgs
 from m3compile.models.index_init import index_branch_weights
@@ -53,12 +53,14 @@ class _Converter:
         self.args, self.settings, self.dtype = args, settings, dtype
         self.vision = None  # VisionArgs when the vision tower is kept
         self.calibration: Calibration | None = None  # the calibrated init: fed each group as it is written
+        self.out_config: dict = {}  # the output's config.json, which decides the tensor names written
         self.groups: dict[tuple[int, str], list[str]] = {}
         for name in self.source.where:
             self.groups.setdefault(tensor_group(name), []).append(name)
 
     def group(self, g: tuple[int, str], materialise: bool) -> dict[str, torch.Tensor]:
-        """Output tensors of one group, release names: the source's (cast if asked) plus the new index branch."""
+        """Output tensors of one group (a layer: what one name fuses is in it), in the names the output's config
+        takes (checkpoint_names): the source's (cast if asked) plus the new index branch."""
         names = self.groups[g]
         raw = self.source.load(names) if materialise else {n: self.source.meta(n) for n in names}
         if self.dtype is not None and materialise:
@@ -74,7 +76,7 @@ class _Converter:
             state.update(self._index_branch(g[0], state, moment))
         if self.args.tie_embeddings:
             state.pop("lm_head.weight", None)
-        return to_release_names(state)
+        return checkpoint_names(state, self.out_config)
 
     def _calibrate(self, layer: int, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Feed the calibration forward: the embeddings, then each layer (up to the last converted one) in order;
@@ -126,6 +128,7 @@ def convert_streaming(
     calib_seq_len: int | None = None,
     calib_device: str = "cpu",
     calib_source: str | None = None,
+    layer_costs: dict | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint directory `src` into `out_dir` with memory bounded by one layer (see module doc).
 
@@ -151,10 +154,12 @@ def convert_streaming(
         model = Decoder(args)
     gm, report = convert(model, config)
     report.model = str(src)
+    report.layer_costs = layer_costs  # what chose the dense layers (m3c convert --dense-costliest)
     out_args: ModelArgs = gm.meta["model_args"]
     settings = {i: out_args.msa for i in range(args.n_layers) if out_args.is_sparse(i) and not args.is_sparse(i)}
     out_cfg = output_config(cfg, out_args, report.config)  # before any tensor is read: its refusals come first
     conv = _Converter(src, args, settings, parse_dtype(dtype))
+    conv.out_config = out_cfg
     if calib is not None and settings:
         conv.calibration = Calibration(args, calib, calib_seq_len, calib_device, calib_source, max_positions(cfg))
         report.index_init = conv.calibration.info

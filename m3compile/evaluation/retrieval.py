@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from m3compile.config import check_size
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import max_positions
 from m3compile.models.decoder import Decoder
@@ -163,10 +164,11 @@ def retrieval(model: Decoder, tokens: torch.Tensor, encode: Callable[[str], list
     tokens: 1-D real-text token ids (the filler); encode: str -> ids for the planted text (`text_encoder`).
     Distances whose probe sequence exceeds `seq_len` are skipped; none fitting is an error.
     """
-    if probes < 1:
-        raise M3CompileError(f"probes must be >= 1, got {probes}")
-    if not distances or any(d < 1 for d in distances):
-        raise M3CompileError(f"distances must be positive token counts, got {list(distances)}")
+    check_size(probes, "probes", "samples")
+    if not distances:
+        raise M3CompileError("no distances given")
+    for d in distances:
+        check_size(d, "distances")
     start = time.perf_counter()
     rng = random.Random(seed)
     device = next(model.parameters()).device

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from m3compile.config import SELECTIONS, max_positions
+from m3compile.config import SELECTIONS, check_size, max_positions
 from m3compile.errors import M3CompileError
+from m3compile.outputs import atomic_save_figure, check_output_file
 from m3compile.models.decoder import Decoder
 from m3compile.runtime.generate import generate, resolve_kv_cache
 from m3compile.io.tokenizer import PromptCodec
-from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples
+from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples, check_fits
 
 __all__ = ["ruler", "run_samples", "score", "read_text", "RulerReport", "draw_heatmap", "DEFAULT_SELECTIONS",
            "DEFAULT_LENGTHS", "PASS_SCORE"]
@@ -75,6 +76,10 @@ class RulerReport:
     max_new_tokens  {task: tokens generated at most} (RULER's per-task setting)
     excluded        tasks the dense model scores below 50 at the shortest length: kept out of `average`
     average         {selection: {length: mean score over the tasks not excluded}}, and "all" over the lengths
+    stderr          the standard error of each average, as `average` ({selection: {length | "all": points}}): the
+                    tasks' sample means are independent, so it is sqrt(sum over them of s^2 / n) / their count, s^2
+                    a task's sample variance (x 100^2) and n its samples (at 10 samples a task's score moves in steps
+                    of 10 points)
     prompt_tokens   {length: mean prompt tokens over every sample}
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     seconds         wall time
@@ -88,6 +93,7 @@ class RulerReport:
     chat: bool
     context: int | None = None
     scores: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    variances: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)  # each score's s^2 / n
     prompt_tokens: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     kv_cache: str = "auto"
@@ -100,10 +106,20 @@ class RulerReport:
 
     def average(self, selection: str, length: int | None = None) -> float | None:
         """Mean score of the tasks not excluded at `length` (None: over every length too)."""
+        values = self._kept(self.scores, selection, length)
+        return sum(values) / len(values) if values else None
+
+    def stderr(self, selection: str, length: int | None = None) -> float | None:
+        """The standard error of `average(selection, length)`, in points (None where no variance was kept)."""
+        if not self.variances:
+            return None
+        values = self._kept(self.variances, selection, length)
+        return math.sqrt(sum(values)) / len(values) if values else None
+
+    def _kept(self, table: dict, selection: str, length: int | None) -> list[float]:
         kept = [t for t in self.tasks if t not in self.excluded]
         lengths = self.lengths if length is None else [length]
-        values = [self.scores[t][selection][n] for t in kept for n in lengths]
-        return sum(values) / len(values) if values else None
+        return [table[t][selection][n] for t in kept for n in lengths]
 
     def to_dict(self) -> dict:
         return {
@@ -115,6 +131,8 @@ class RulerReport:
             "excluded": self.excluded,
             "average": {s: {**{str(n): _round(self.average(s, n)) for n in self.lengths},
                             "all": _round(self.average(s))} for s in self.selections},
+            "stderr": {s: {**{str(n): _round(self.stderr(s, n)) for n in self.lengths},
+                           "all": _round(self.stderr(s))} for s in self.selections},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
             "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
         }
@@ -153,13 +171,13 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
-    within the model's positions (m3compile.config.max_positions; a length above them is an error). A model without MSA
+    within the model's positions (m3compile.config.max_positions; a length above them is an error). Every length
+    and task pair is checked to fit (ruler_tasks.check_fits) before the first prompt is generated. A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
-    if samples < 1:
-        raise M3CompileError(f"samples must be >= 1, got {samples}")
-    if batch is not None and batch < 1:
-        raise M3CompileError(f"batch must be >= 1, got {batch}")
+    check_size(samples, "samples", "samples")
+    if batch is not None:
+        check_size(batch, "batch", "batch")
     p0 = next(model.parameters())
     resolve_kv_cache(kv_cache, p0.dtype, p0.device)  # an unknown or unsupported dtype stops before any prompt
     tasks = list(TASKS) if tasks is None else list(tasks)
@@ -173,23 +191,29 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     context = max_positions(getattr(model, "source_config", None))
     if lengths is None:
         lengths = [n for n in DEFAULT_LENGTHS if context is None or n <= context] or [context]
-    lengths = sorted(set(lengths))
-    if not lengths or lengths[0] < 1:
-        raise M3CompileError(f"lengths must be positive token counts, got {lengths}")
+    lengths = sorted(set(check_size(n, "lengths") for n in lengths))
+    if not lengths:
+        raise M3CompileError("no lengths given")
     too_long = [n for n in lengths if context is not None and n > context]
     if too_long:
         raise M3CompileError(f"length {too_long[0]} is above the model's context ({context} tokens, "
                              f"max_position_embeddings)")
     if not any(model.args.is_sparse(i) for i in range(model.args.n_layers)):
         selections = ["dense"]  # no MSA layer: every selection is dense attention
+    else:
+        model.args.msa.check_floor(lengths[0], f"a prompt of {lengths[0]} tokens")
     selections = list(dict.fromkeys(selections))
     start = time.perf_counter()
     report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
+    for length in report.lengths:  # every length and task pair, before any work (one tokenization each)
+        for name in tasks:
+            check_fits(TASKS[name], length, seed, haystacks, render, codec.encode_batch)
     total, done = len(tasks) * len(lengths) * len(selections) * samples, 0
     for name in tasks:
         report.scores[name] = {s: {} for s in selections}
+        report.variances[name] = {s: {} for s in selections}
     for length in report.lengths:
         counted = []
         for name in tasks:
@@ -209,23 +233,26 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
                                   selection=sel, batch=batch, progress=advance, kernels=kernels,
                                   kv_cache=kv_cache)
-                report.scores[name][sel][length] = 100.0 * sum(got) / len(got)
+                mean = sum(got) / len(got)
+                report.scores[name][sel][length] = 100.0 * mean
+                var = sum((g - mean) ** 2 for g in got) / (len(got) - 1) if len(got) > 1 else 0.0
+                report.variances[name][sel][length] = 100.0**2 * var / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def draw_heatmap(report: RulerReport, out: str | os.PathLike) -> Path:
+def draw_heatmap(report: RulerReport, out: str | os.PathLike, inputs=()) -> Path:
     """Write a PNG: per selection, the score of every task (rows; excluded ones marked) at every length (columns),
-    with the average over the tasks kept as the last row."""
+    with the average over the tasks kept as the last row. Through the output guard: `out` a *.png file that is none
+    of `inputs` (the model, the data) nor inside one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise M3CompileError(f"{out}: the heatmap is written as PNG; name the file *.png")
+    check_output_file(out, inputs, suffix=".png")
     rows = [t + (" (excluded)" if t in report.excluded else "") for t in report.tasks] + ["average"]
     cols = [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in report.lengths]
     n_sel = len(report.selections)
@@ -247,12 +274,8 @@ def draw_heatmap(report: RulerReport, out: str | os.PathLike) -> Path:
     axes[0][0].set_yticks(range(len(rows)), rows)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, pad=0.02, label="score (share of answers found, %)")
     fig.suptitle(f"RULER-style suite: {report.samples} samples per task and length, greedy", fontsize=10)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial")
     try:
-        fig.savefig(tmp, dpi=130, format="png", bbox_inches="tight")
-        tmp.replace(out)
+        atomic_save_figure(fig, out, inputs, dpi=130, bbox_inches="tight")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return out

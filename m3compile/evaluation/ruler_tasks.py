@@ -36,7 +36,7 @@ from typing import Callable
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["Task", "Instance", "Haystacks", "Sample", "TASKS", "build_samples"]
+__all__ = ["Task", "Instance", "Haystacks", "Sample", "TASKS", "build_samples", "check_fits"]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -139,6 +139,11 @@ def _niah(haystack: str, key_kind: str = "words", value_kind: str = "numbers", n
 
     def make(rng: random.Random, n: int, hay: Haystacks, length: int) -> Instance:
         keys, values, needles = [], [], []
+        if key_kind == "words":  # keys of two distinct words: the data must hold enough of them, or drawing never ends
+            need = num_k + (haystack == "needles")  # the needles' haystack needs at least one other key
+            if len(hay.words) * (len(hay.words) - 1) < need:
+                raise M3CompileError(f"{hay.name} holds {len(hay.words)} distinct words (lowercase, 4-10 letters); "
+                                     f"the task's {need} distinct two-word keys need more")
         while len(keys) < num_k:
             key = _key(rng, key_kind, hay)
             if key in keys:
@@ -293,6 +298,26 @@ def _fit(tokens: Callable[[int], int], budget: int, lo: int, hi: int | None) -> 
     return a, fa, base
 
 
+def _instance(task: Task, length: int, seed: int, haystacks: Haystacks, i: int, n: int) -> Instance:
+    return task.make(random.Random(f"{seed}:{task.name}:{length}:{i}"), n, haystacks, length)
+
+
+def check_fits(task: Task, length: int, seed: int, haystacks: Haystacks,
+               render: Callable[[Instance], str], encode_batch: Callable[[list[str]], list[list[int]]]) -> int:
+    """Whether `task` can fill a `length`-token prompt (its answer's tokens included) from `haystacks`: one
+    tokenization of its smallest prompt, before any sample is built. Returns the smallest prompt's tokens; a data
+    file too small for the task, or a length too short for its smallest prompt, is a one-line error."""
+    hi = task.capacity(haystacks)
+    if hi is not None and hi < task.min_units:
+        raise M3CompileError(f"{haystacks.name} is too short to fill a {length}-token {task.name} haystack: it holds "
+                             f"{max(0, hi)} {task.unit}")
+    smallest = len(encode_batch([render(_instance(task, length, seed, haystacks, 0, task.min_units))])[0])
+    if smallest > length - task.max_new_tokens:
+        raise M3CompileError(f"length {length} is too short for {task.name}: its smallest prompt takes "
+                             f"{smallest} tokens + {task.max_new_tokens} generated")
+    return smallest
+
+
 def build_samples(task: Task, length: int, count: int, seed: int, haystacks: Haystacks,
                   render: Callable[[Instance], str], encode_batch: Callable[[list[str]], list[list[int]]]) -> list[Sample]:
     """`count` samples of `task` whose prompts fill `length` tokens (with the task's max_new_tokens), each from its
@@ -305,20 +330,15 @@ def build_samples(task: Task, length: int, count: int, seed: int, haystacks: Hay
     budget = length - task.max_new_tokens
 
     def instance(i: int, n: int) -> Instance:
-        return task.make(random.Random(f"{seed}:{task.name}:{length}:{i}"), n, haystacks, length)
+        return _instance(task, length, seed, haystacks, i, n)
 
     def prompt_tokens(i: int, n: int) -> int:
         return len(encode_batch([render(instance(i, n))])[0])
 
     hi = task.capacity(haystacks)
     short = f"{haystacks.name} is too short to fill a {length}-token {task.name} haystack"
-    if hi is not None and hi < task.min_units:
-        raise M3CompileError(f"{short}: it holds {max(0, hi)} {task.unit}")
-    try:
-        n, tokens, base = _fit(lambda n: prompt_tokens(0, n), budget, task.min_units, hi)
-    except _TooLong as e:
-        raise M3CompileError(f"length {length} is too short for {task.name}: its smallest prompt takes "
-                             f"{e.args[0]} tokens + {task.max_new_tokens} generated") from None
+    check_fits(task, length, seed, haystacks, render, encode_batch)
+    n, tokens, base = _fit(lambda n: prompt_tokens(0, n), budget, task.min_units, hi)
     slope = max(1e-3, (tokens - base) / max(1, n - task.min_units))  # mean tokens per unit
     if n == hi and budget - tokens > slope:
         raise M3CompileError(f"{short}: all its {hi} {task.unit} make a {tokens + task.max_new_tokens}-token "

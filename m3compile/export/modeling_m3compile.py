@@ -15,7 +15,9 @@ m3compile installed, generate() first counts the cache and the prompts' forward 
 MSA layer, for hidden states x (m3compile's docs/msa.md, sections 2-3):
     q_idx = rope(norm_q(x W_qi)) [B, T, Hi, Di], k_idx = rope(norm_k(x W_ki)) [B, T, Di]   (x detached; Hi = Hkv)
     block score S[g, t, b] = max over keys j <= t of block b of q_idx[g, t] . k_idx[j] / sqrt(Di)
-    per (group g, token t): the local block(s), the init blocks, then the best other blocks, topk in all (-1 = empty)
+    per (group g, token t): the local block(s), the init blocks, then the best other blocks, topk in all (-1 = empty);
+      with sparse_top_p < 1 (an adaptive budget, docs/msa.md 2.8) only the fewest best of those whose probability
+      softmax(S) over the visible unforced blocks sums to sparse_top_p, at least sparse_min_blocks blocks in all
     the G query heads of group g attend (exact softmax) over the causally visible keys of those blocks
 
 Cache: transformers' own cache holds each layer's keys and values; an MSA layer's index keys ride in its key tensor
@@ -116,6 +118,10 @@ class Settings:
         self.topk = sparse.get("sparse_topk_blocks", 16)
         self.init_blocks = sparse.get("sparse_init_block", 0)
         self.local_blocks = sparse.get("sparse_local_block", 1)
+        self.top_p = sparse.get("sparse_top_p", 1.0)
+        self.min_blocks = sparse.get("sparse_min_blocks", 0)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sparse_top_p must be in (0, 1], got {self.top_p!r}")
         self.index_rope = sparse.get("sparse_index_rope", "m3")
         if self.index_rope not in ("m3", "low", "tile"):
             raise ValueError(f"sparse_index_rope must be 'm3', 'low' or 'tile', got {self.index_rope!r}")
@@ -223,14 +229,35 @@ def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, q_start: int, s: Set
         visible = b_pos[None, :] <= q_block
         local = visible & (b_pos[None, :] > q_block - s.local_blocks)
         init = visible & (b_pos[None, :] < s.init_blocks)
+        lse = torch.logsumexp(scores.masked_fill(~visible | local | init, float("-inf")), -1)  # the candidates'
         # forced blocks win; when they outnumber the slots, local blocks win over init blocks
         scores = scores.masked_fill(~visible, float("-inf")).masked_fill(init, torch.finfo(torch.float32).max)
         scores = scores.masked_fill(local, float("inf"))
         kk = min(s.topk, n_blocks)
         top_scores, top_idx = scores.topk(kk, dim=-1)
         top_idx = top_idx.masked_fill(top_scores == float("-inf"), -1)
+        if s.top_p < 1:
+            top_idx = adaptive_keep(top_idx, top_scores, lse, s.top_p, s.min_blocks)
         out[:, :, start:end] = F.pad(top_idx, (0, s.topk - kk), value=-1)
     return out
+
+
+def adaptive_keep(blocks: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, top_p: float,
+                  min_blocks: int) -> torch.Tensor:
+    """The adaptive budget over a fixed selection: blocks [..., K] with their logits (forced: the largest float or
+    more, always kept) and lse [...] over every candidate; the candidates best first until their probability
+    exp(logit - lse) sums to top_p, and more while fewer than min_blocks blocks are kept; the rest -1."""
+    forced = logits >= torch.finfo(torch.float32).max
+    cand = (blocks >= 0) & ~forced
+    z = logits.float().masked_fill(~cand, float("-inf"))
+    order = z.argsort(dim=-1, descending=True, stable=True)
+    z = z.gather(-1, order)
+    prob = torch.exp(z - lse[..., None]).masked_fill(z == float("-inf"), 0.0)
+    before = torch.cumsum(prob, -1) - prob
+    rank = torch.arange(blocks.shape[-1], device=blocks.device)
+    keep = (z > float("-inf")) & ((before < top_p) | (forced.sum(-1, keepdim=True) + rank < min_blocks))
+    keep = torch.zeros_like(keep).scatter(-1, order, keep)
+    return blocks.masked_fill(~(keep | forced), -1)
 
 
 def sparse_attention(q, k, v, blocks, q_start: int, block_size: int, scale: float) -> torch.Tensor:
@@ -432,12 +459,13 @@ class M3CompileAttention(nn.Module):
         0 .. Tk - 1 (Tk = q_start + Tq) -> [B, Hq, Tq, D]."""
         Tq, Tk = q.shape[2], k.shape[2]
         s = self.s
-        everything = -(-Tk // s.block_size) <= s.topk  # every visible block selected: MSA is dense attention
+        everything = -(-Tk // s.block_size) <= s.topk and s.top_p >= 1  # every visible block: dense attention
         kernels = self.msa and use_kernels(q, k, v, backend=backend)
         if self.msa and not (kernels and everything):  # (there m3compile's lowered model runs SDPA too)
             if kernels and q_start == 0:  # a prompt: fused indexer, gather-Q sparse attention
                 blocks = m3c_indexer.select_blocks(q_idx.contiguous(), k_idx.contiguous(), block_size=s.block_size,
-                                                   topk=s.topk, init_blocks=s.init_blocks, local_blocks=s.local_blocks)
+                                                   topk=s.topk, init_blocks=s.init_blocks, local_blocks=s.local_blocks,
+                                                   top_p=s.top_p, min_blocks=s.min_blocks)
                 return m3c_sparse.sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), blocks,
                                                    block_size=s.block_size, scale=self.scale)
             blocks = select_blocks(q_idx.transpose(1, 2), k_idx, q_start, s)  # decode steps; no kernels

@@ -19,15 +19,15 @@ if not onnx.defs.has("MSA", MSA_DOMAIN):
         outputs=[OpSchema.FormalParameter("out", T)],
         type_constraints=[(T, ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in
-                    ("block_size", "topk", "init_blocks", "local_blocks")]
-        + [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "")],
+                    ("block_size", "topk", "init_blocks", "local_blocks", "min_blocks")]
+        + [OpSchema.Attribute(a, OpSchema.AttrType.FLOAT, "") for a in ("scale", "top_p")],
     ))
 m3 = onnxscript.values.Opset(MSA_DOMAIN, 1)
 
 
 @onnxscript.script(m3, default_opset=op)
 def MSA(q_in: FLOAT, k_in: FLOAT, v_in: FLOAT, q_idx_in: FLOAT, k_idx_in: FLOAT, block_size: int, topk: int,
-        init_blocks: int, local_blocks: int, scale: float) -> FLOAT:
+        init_blocks: int, local_blocks: int, scale: float, top_p: float, min_blocks: int) -> FLOAT:
     # computed in fp32 whatever the model's dtype, as the reference kernels do (kernels/indexer/naive.py,
     # kernels/sparse_attention/naive.py); the output comes back in the input's dtype
     q = op.Cast(q_in, to=1)
@@ -65,11 +65,27 @@ def MSA(q_in: FLOAT, k_in: FLOAT, v_in: FLOAT, q_idx_in: FLOAT, k_idx_in: FLOAT,
     first = op.Less(blk_row, op.Constant(value_int=init_blocks))
     # local blocks win over init blocks when the forced blocks outnumber the slots (as kernels/indexer/naive.py)
     big = op.CastLike(op.Constant(value_float=3.4028234663852886e38), q)
+    # the adaptive budget's normaliser: the log-sum-exp of the candidates' logits (visible, not forced)
+    cand = op.Where(op.And(visible, op.Not(op.Or(first, recent))), scores, neg)
+    c_max = op.ReduceMax(cand, op.Constant(value_ints=[-1]), keepdims=1)
+    c_max = op.Where(op.Equal(c_max, neg), op.CastLike(op.Constant(value_float=0.0), q), c_max)
+    lse = op.Add(op.Log(op.ReduceSum(op.Exp(op.Sub(cand, c_max)), op.Constant(value_ints=[-1]), keepdims=1)), c_max)
     scores = op.Where(op.And(visible, first), big, op.Where(visible, scores, neg))
     scores = op.Where(op.And(visible, recent), pos_inf, scores)
     kk = op.Min(op.Reshape(op.Constant(value_int=topk), op.Constant(value_ints=[1])), nb)
-    vals, idx = op.TopK(scores, kk, axis=-1)
+    vals, idx = op.TopK(scores, kk, axis=-1)  # best first: the forced blocks, then the candidates
     valid = op.Not(op.Equal(vals, neg))
+    # adaptive budget (top_p < 1): a candidate stays while the mass before it is below top_p, or while fewer than
+    # min_blocks blocks are kept; top_p 1 keeps every slot (the fixed top-k)
+    forced = op.GreaterOrEqual(vals, big)
+    zero_p = op.CastLike(op.Constant(value_float=0.0), q)
+    prob = op.Where(op.And(valid, op.Not(forced)), op.Exp(op.Sub(vals, lse)), zero_p)
+    before = op.CumSum(prob, op.Constant(value_int=-1), exclusive=1)
+    p_cut = op.CastLike(op.Constant(value_float=top_p), q)
+    slot = op.Range(zero, op.Squeeze(kk), one)
+    fixed = op.GreaterOrEqual(p_cut, op.CastLike(op.Constant(value_float=1.0), q))
+    keep = op.Or(op.Or(forced, fixed), op.Or(op.Less(before, p_cut), op.Less(slot, op.Constant(value_int=min_blocks))))
+    valid = op.And(valid, keep)
     hit = op.And(op.Equal(op.Unsqueeze(idx, op.Constant(value_ints=[-1])), blk),
                  op.Unsqueeze(valid, op.Constant(value_ints=[-1])))
     sel = op.ReduceMax(op.Cast(hit, to=1), op.Constant(value_ints=[3]), keepdims=0)  # [B, H, T, NB]
@@ -90,7 +106,7 @@ def MSA(q_in: FLOAT, k_in: FLOAT, v_in: FLOAT, q_idx_in: FLOAT, k_idx_in: FLOAT,
 
 
 def translate(q, k, v, q_idx, k_idx, block_size: int, topk: int, init_blocks: int, local_blocks: int,
-              scale: float):
+              scale: float, top_p: float = 1.0, min_blocks: int = 0):
     """torch.ops.m3compile.msa -> one m3compile::MSA node (its function body is added to the model afterwards)."""
     return m3.MSA(q, k, v, q_idx, k_idx, block_size=block_size, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, scale=scale)
+                  local_blocks=local_blocks, scale=scale, top_p=top_p, min_blocks=min_blocks)

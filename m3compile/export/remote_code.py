@@ -15,13 +15,17 @@ so "llama" plus auto_map would load a dense Llama without a word (only a warning
 asking for it. M3's own types (minimax_m3_vl, minimax_m3_vl_text) are left as they are: transformers ships their
 MSA model. Readers (`source_config`) see the source's type again, so checkpoints written before this (model_type
 llama + sparse_attention_config) and after it load the same way.
+
+What a config says about code is never trusted: every config.json the product writes (convert, distill, train,
+save) gets its model_type, architectures and auto_map from remote_config, whatever the source's said; a source's
+auto_map (and custom_pipelines) is dropped, never carried into an output beside code that it does not name.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from m3compile.io.hf_config import REMOTE_MODEL_TYPE, REMOTE_SOURCE_TYPES
+from m3compile.io.hf_config import REMOTE_MODEL_TYPE, REMOTE_SOURCE_TYPES, source_config
 
 __all__ = ["MODELING_FILE", "ARCHITECTURE", "remote_config", "write_modeling_file"]
 
@@ -29,6 +33,10 @@ MODELING_FILE = "modeling_m3compile.py"
 ARCHITECTURE = "M3CompileForCausalLM"
 _AUTO_MAP = {"AutoConfig": "modeling_m3compile.M3CompileConfig",
              "AutoModelForCausalLM": "modeling_m3compile.M3CompileForCausalLM"}
+# transformers' own class of each source type, for a dense output
+_DENSE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM"}
+_CODE_KEYS = ("auto_map", "custom_pipelines")  # config keys that name code for transformers to import
 
 
 def _has_msa_layers(config: dict) -> bool:
@@ -38,14 +46,18 @@ def _has_msa_layers(config: dict) -> bool:
 
 
 def remote_config(config: dict) -> dict:
-    """config.json of an output directory: a Llama-family model with MSA layers as model_type m3compile_msa (with
-    auto_map); a dense model, an M3 model or one already converted this way as given."""
-    kind = config.get("model_type")
-    if kind not in REMOTE_SOURCE_TYPES or not _has_msa_layers(config):
-        return dict(config)
-    out = dict(config, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[ARCHITECTURE],
-               auto_map=dict(_AUTO_MAP))
-    return out
+    """config.json of an output directory, its fields that name code written here: a Llama-family model with MSA
+    layers as model_type m3compile_msa with our architectures and auto_map (one converted before included), a dense
+    one as its source type with transformers' class; an M3 model keeps its type. No auto_map of the source stays."""
+    out = {k: v for k, v in source_config(config).items() if k not in _CODE_KEYS}
+    out.pop("source_model_type", None)
+    kind = out.get("model_type")
+    if kind not in REMOTE_SOURCE_TYPES:
+        return out
+    if not _has_msa_layers(out):
+        return dict(out, model_type=kind, architectures=[_DENSE_ARCHITECTURES[kind]])
+    return dict(out, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[ARCHITECTURE],
+                auto_map=dict(_AUTO_MAP))
 
 
 def write_modeling_file(folder: str | Path, config: dict) -> bool:

@@ -63,7 +63,8 @@ _CONFIG_TYPES = (
 _SPARSE_TYPES = (
     ("sparse_num_index_heads", int, 1), ("sparse_index_dim", int, 1), ("sparse_block_size", int, 1),
     ("sparse_topk_blocks", int, 1), ("sparse_init_block", int, 0), ("sparse_local_block", int, 0),
-    ("use_sparse_attention", bool, None), (FORMAT_VERSION_KEY, int, 1),
+    ("sparse_min_blocks", int, 0), ("sparse_top_p", float, 0), ("use_sparse_attention", bool, None),
+    (FORMAT_VERSION_KEY, int, 1),
 )
 
 
@@ -252,12 +253,14 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
             block_size=cfg.get("index_block_size", 128), topk=cfg.get("index_topk_blocks", 16),
             init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
             index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
+            top_p=sparse_cfg.get("sparse_top_p", 1.0), min_blocks=sparse_cfg.get("sparse_min_blocks", 0),
         )
         if any(sparse):
             _check_msa(msa, dict(block_size="index_block_size", topk="index_topk_blocks",
                                  init_blocks="sparse_attention_config.sparse_init_block",
                                  local_blocks="index_local_blocks", index_dim="index_head_dim",
-                                 index_heads="index_n_heads"))
+                                 index_heads="index_n_heads", top_p="sparse_attention_config.sparse_top_p",
+                                 min_blocks="sparse_attention_config.sparse_min_blocks"))
         return args.replace(sparse_layers=sparse, msa=msa if any(sparse) else None), flavour
     msa = _msa_from_release(sparse_cfg, args)
     return (args.replace(**msa) if msa else args), flavour
@@ -280,11 +283,12 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
         block_size=sparse_cfg.get("sparse_block_size", 128), topk=sparse_cfg.get("sparse_topk_blocks", 16),
         init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
         index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
+        top_p=sparse_cfg.get("sparse_top_p", 1.0), min_blocks=sparse_cfg.get("sparse_min_blocks", 0),
     )
     _check_msa(msa, {name: f"sparse_attention_config.{key}" for name, key in (
         ("block_size", "sparse_block_size"), ("topk", "sparse_topk_blocks"), ("init_blocks", "sparse_init_block"),
         ("local_blocks", "sparse_local_block"), ("index_dim", "sparse_index_dim"),
-        ("index_heads", "sparse_num_index_heads"))})
+        ("index_heads", "sparse_num_index_heads"), ("top_p", "sparse_top_p"), ("min_blocks", "sparse_min_blocks"))})
     return {"sparse_layers": tuple(bool(f) for f in freq), "msa": msa}
 
 
@@ -293,7 +297,7 @@ def _check_msa(msa: MSALayerArgs, keys: dict[str, str]) -> None:
     try:
         check_msa_ranges(block_size=msa.block_size, topk=msa.topk, init_blocks=msa.init_blocks,
                          local_blocks=msa.local_blocks, index_dim=msa.index_dim, index_heads=msa.index_heads,
-                         names=keys, min_local=0)
+                         top_p=msa.top_p, min_blocks=msa.min_blocks, names=keys, min_local=0)
     except M3CompileError as e:
         raise M3CompileError(f"config.json {e}") from None
 

@@ -51,8 +51,9 @@ def auto_dtype(config: dict, stored: torch.dtype, device) -> torch.dtype:
 def load(path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
          attn_impl: str = "sdpa_gqa") -> Decoder:
     """A checkpoint directory (dense or converted, any supported layout) as a runnable Decoder. dtype: a name
-    ("bfloat16", "fp32", ...) or torch dtype; None: the dtype its tensors are stored in; "auto": `auto_dtype`
-    (float32 on a CPU, the checkpoint's own elsewhere)."""
+    ("bfloat16", "fp32", ...) or torch dtype; None (the default): the dtype its tensors are stored in, on any device
+    (a bf16 checkpoint computes in bf16 on a CPU too); "auto": `auto_dtype`, as m3c's commands load (float32 on a
+    CPU, the checkpoint's own elsewhere)."""
     check_device(device)
     ck = read_checkpoint(path, attn_impl)
     target = auto_dtype(ck.config, ck.dtype, device) if dtype == "auto" else parse_dtype(dtype) or ck.dtype

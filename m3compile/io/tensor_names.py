@@ -2,7 +2,10 @@
 
 Read: both M3 layouts (docs/msa.md section 1), the release naming (`language_model.model.`, `block_sparse_moe.`,
 per-expert w1/w2/w3, `index_q_proj`) and what `transformers` saves (`indexer.q_proj`, fused `gate_up_proj`, packed
-experts), and the Llama family's. Write: the release naming (to_release_names, vision_release_names).
+experts), and the Llama family's. Write (checkpoint_names): the release naming (to_release_names,
+vision_release_names), except for a text-only M3 checkpoint (minimax_m3_vl_text), which gets what transformers'
+own class for that type loads (to_transformers_names): transformers maps the release naming only for the
+multimodal type, so release names there load as unexpected tensors beside freshly initialised ones.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from m3compile.errors import M3CompileError
 from m3compile.models.decoder import ModelArgs
 
 __all__ = ["VISION_TENSOR", "vision_names", "vision_release_names", "strip_prefix", "internal_names",
-           "to_release_names"]
+           "to_release_names", "to_transformers_names", "checkpoint_names", "written_together"]
 
 # Tensors that carry no weights of the text model (recomputed buffers, multi-token-prediction heads).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|((^|\.)mtp\.)")
@@ -134,3 +137,51 @@ def to_release_names(state: dict[str, torch.Tensor], prefix: str = "") -> dict[s
             continue
         out[prefix + name if prefix else name] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+_FUSED = re.compile(r"(.*\.(?:mlp|shared_experts))\.(gate|up)_proj\.weight$")  # a dense or shared MLP's gate / up
+
+
+def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> what transformers' MiniMaxM3VLForCausalLM (model type minimax_m3_vl_text) loads: the index branch
+    under `indexer.`, the experts packed (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), a dense
+    or shared MLP's gate and up rows in one `gate_up_proj` (gate first: both must be in `state`), the router's bias
+    under `gate.`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        fused = _FUSED.match(name)
+        if fused:
+            if fused[2] == "gate":
+                out[f"{fused[1]}.gate_up_proj.weight"] = torch.cat([t, state[f"{fused[1]}.up_proj.weight"]], dim=0)
+            continue
+        name = re.sub(r"\.self_attn\.index_(q|k)_(proj|norm)\.", r".self_attn.indexer.\1_\2.", name)
+        name = re.sub(r"\.mlp\.w13$", ".mlp.experts.gate_up_proj", name)
+        name = re.sub(r"\.mlp\.w2$", ".mlp.experts.down_proj", name)
+        out[name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _transformers_naming(config: dict) -> bool:
+    return config.get("model_type") == "minimax_m3_vl_text"
+
+
+def checkpoint_names(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Our names -> those a checkpoint whose config.json is `config` is written with (module doc)."""
+    return to_transformers_names(state) if _transformers_naming(config) else to_release_names(state)
+
+
+def written_together(names: list[str], config: dict) -> list[list[str]]:
+    """`names` (ours) in groups that checkpoint_names turns into output tensors together (a gate and its up rows,
+    where they are fused), in their order; each other name alone."""
+    if not _transformers_naming(config):
+        return [[n] for n in names]
+    groups, of = [], {}
+    for n in names:
+        fused = _FUSED.match(n)
+        if fused and fused[1] in of:
+            of[fused[1]].append(n)
+            continue
+        groups.append([n])
+        if fused:
+            of[fused[1]] = groups[-1]
+    return groups

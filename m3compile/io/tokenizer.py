@@ -4,7 +4,10 @@ model's chat template when the checkpoint has one, plain text otherwise).
 
 The chat template is the Jinja template that tokenizer_config.json ("chat_template") or chat_template.jinja holds,
 rendered as Hugging Face renders it (jinja2's sandbox, trim_blocks and lstrip_blocks, `tojson`, `raise_exception`)
-with one user message and the generation prompt; the answer's opening words follow the assistant header.
+with one user message and the generation prompt; the answer's opening words follow the assistant header. It is
+checked as the codec opens: read (UTF-8; a tokenizer_config.json that is not a JSON object, or a chat_template that
+is not text, is an error, never a silent fallback to plain prompts) and rendered once on a probe message, so a
+template that fails does so before any work, as one line naming its file.
 
     codec = PromptCodec("out", vocab_size=151936)
     ids = codec.encode_batch([codec.prompt("What is 2 + 2?", answer_prefix=" The answer is")])[0]
@@ -82,29 +85,58 @@ def eos_token_id(config: dict, model_dir: str | os.PathLike | None = None) -> in
 
 
 def _json(path: Path) -> dict:
+    """A JSON object file; anything else is an error naming the file."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise M3CompileError(f"{path}: not valid JSON") from None
-    return value if isinstance(value, dict) else {}
+    except OSError as e:
+        raise M3CompileError(f"{path}: cannot read it ({e.strerror})") from None
+    if not isinstance(value, dict):
+        raise M3CompileError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _template_value(found, path: Path) -> str | None:
+    """A "chat_template" entry: text, or a list of {"name", "template"} whose "default" is taken; else an error."""
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+    if found is not None and not isinstance(found, str):
+        raise M3CompileError(f"{path}: chat_template must be text (or a list of named templates), got "
+                             f"{json.dumps(found)[:40]}")
+    return found if found and found.strip() else None
 
 
 def read_chat_template(model_dir: str | os.PathLike) -> str | None:
-    """The checkpoint's chat template (tokenizer_config.json's "chat_template": a string, or the one named
-    "default" of a list; else chat_template.jinja; else chat_template.json), or None."""
+    """The checkpoint's chat template (tokenizer_config.json's "chat_template": a string, or the one named "default"
+    of a list; else chat_template.jinja; else chat_template.json), or None."""
+    found = _chat_template(Path(model_dir))
+    return None if found is None else found[0]
+
+
+def _chat_template(model_dir: Path) -> tuple[str, Path] | None:
+    """read_chat_template's template, and the file it is in."""
     root = Path(model_dir)
-    found = _json(root / "tokenizer_config.json").get("chat_template") if (root / "tokenizer_config.json").is_file() \
-        else None
-    if isinstance(found, list):
-        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
-    if isinstance(found, str) and found.strip():
-        return found
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text(encoding="utf-8")
-    if (root / "chat_template.json").is_file():
-        found = _json(root / "chat_template.json").get("chat_template")
-        return found if isinstance(found, str) else None
+    for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        path = root / name
+        if not path.is_file():
+            continue
+        if name.endswith(".jinja"):
+            try:
+                found = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise M3CompileError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        else:
+            found = _template_value(_json(path).get("chat_template"), path)
+        if found:
+            return found, path
     return None
+
+
+def _first_line(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _token_text(value) -> str | None:
@@ -137,10 +169,11 @@ class PromptCodec:
         special = _json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
         self.special = {name: _token_text(special.get(name)) for name in ("bos_token", "eos_token", "pad_token",
                                                                            "unk_token")}
-        self.template = None
-        source = read_chat_template(root) if chat else None
-        if source is not None:
-            self.template = self._compile(source, root)
+        self.template, self.template_file = None, None
+        found = _chat_template(root) if chat else None
+        if found is not None:
+            self.template, self.template_file = self._compile(*found), found[1]
+            self.prompt("probe")  # a template that fails, fails here: before any work
         stops = []
         for value in self._config_eos(config or {}, root):
             if value not in stops:
@@ -165,15 +198,14 @@ class PromptCodec:
         return out
 
     @staticmethod
-    def _compile(source: str, root: Path):
+    def _compile(source: str, path: Path):
         try:
-            import jinja2
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:  # pragma: no cover - jinja2 is a dependency (and torch's)
             raise M3CompileError("rendering the checkpoint's chat template needs jinja2 (pip install jinja2)") from None
 
         def raise_exception(message):
-            raise M3CompileError(f"{root}: the chat template refused the prompt: {message}")
+            raise M3CompileError(f"{path}: the chat template refused the prompt: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
@@ -183,8 +215,8 @@ class PromptCodec:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             return env.from_string(source)
-        except jinja2.TemplateError as e:
-            raise M3CompileError(f"{root}: cannot read the chat template ({e})") from None
+        except Exception as e:  # noqa: BLE001 - jinja2's errors and what its parser lets through, as one line
+            raise M3CompileError(f"{path}: cannot read the chat template ({_first_line(e)})") from None
 
     @property
     def chat(self) -> bool:
@@ -196,13 +228,16 @@ class PromptCodec:
         prompt, then `answer_prefix` (the answer's opening words); without a template, question + answer_prefix."""
         if self.template is None:
             return question + answer_prefix
-        import jinja2
-
         try:
             text = self.template.render(messages=[{"role": "user", "content": question}], add_generation_prompt=True,
                                         tools=None, documents=None, **self.special)
-        except jinja2.TemplateError as e:
-            raise M3CompileError(f"cannot render the chat template ({e})") from None
+        except M3CompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the template raises (TypeError, the sandbox's limits), one line
+            raise M3CompileError(f"{self.template_file}: cannot render the chat template "
+                                 f"({_first_line(e)})") from None
+        if not isinstance(text, str):
+            raise M3CompileError(f"{self.template_file}: the chat template did not render text")
         return text + answer_prefix
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -216,6 +216,9 @@ def resolve_index_cache(name: str, args: ModelArgs, model_dtype: torch.dtype) ->
     its index in fp8, `args.msa.index_dtype`, else `model_dtype`); any other name is a one-line M3CompileError."""
     if name not in INDEX_CACHE_DTYPES:
         raise M3CompileError(f"index_cache_dtype must be 'auto' or 'fp8', got {name!r}")
+    if name != "auto" and args.msa is None:
+        raise M3CompileError(f"--index-cache {name} applies to the index keys of MSA layers, and the model has none "
+                             f"(it was never converted): nothing would be cached in it")
     fp8_model = args.msa is not None and args.msa.index_dtype == "fp8"
     return torch.float8_e4m3fn if name == "fp8" or fp8_model else model_dtype
 

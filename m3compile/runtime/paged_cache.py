@@ -206,15 +206,18 @@ class PromptView:
         cache.write_tokens(i, self.b, self.start, k[0].transpose(0, 1), v[0].transpose(0, 1),
                            None if k_idx is None else k_idx[0], backend=self.backend)
         k, v = cache.keys_values(i, self.b, end)  # [1, Hkv, end, D]: every key so far, as the cache holds it
-        if m is None or self.selection == "dense" or -(-end // m.block_size) <= m.topk:
+        fit = -(-end // m.block_size) <= m.topk and (m.top_p >= 1 or self.selection == "recent") if m else True
+        if m is None or self.selection == "dense" or fit:
             return _causal(q, k, v, attn.scale)  # a dense layer, or keys that fit in the top-k: dense is exact
         if self.selection == "index":
             keys, k_scale = cache.index_keys(i, self.b, end)
             with scope("m3c.msa_select"):
                 blocks = select_blocks(q_idx, keys, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
-                                       local_blocks=m.local_blocks, k_scale=k_scale, backend=self.backend)
+                                       local_blocks=m.local_blocks, k_scale=k_scale, top_p=m.top_p,
+                                       min_blocks=m.min_blocks, backend=self.backend)
         elif self.selection == "oracle":
-            blocks = msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, attn.scale)
+            blocks = msa_oracle_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks, attn.scale, m.top_p,
+                                       m.min_blocks)
         else:
             blocks = msa_recent_select(q, k, m.block_size, m.topk, m.init_blocks, m.local_blocks)
         with scope("m3c.msa_attention"):
@@ -253,12 +256,14 @@ class StepView:
             with scope("m3c.decode_select"):
                 blocks = paged.paged_select(q_idx[:, 0], cache.idx[i], cache.block_table, cache.seq_lens,
                                             topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
-                                            idx_scale=cache.idx_scale[i], backend=self.backend)
+                                            idx_scale=cache.idx_scale[i], top_p=m.top_p, min_blocks=m.min_blocks,
+                                            backend=self.backend)
         elif m is not None and self.selection == "oracle":
             q_keys = cache.rotate_queries(q[:, :, 0])  # [B, Hq, D] in the cached keys' basis
             blocks = paged.paged_oracle_select(q_keys, cache.k[i], cache.block_table, cache.seq_lens, topk=m.topk,
                                                init_blocks=m.init_blocks, local_blocks=m.local_blocks,
-                                               scale=attn.scale, k_scale=cache.k_scale[i])
+                                               scale=attn.scale, k_scale=cache.k_scale[i], top_p=m.top_p,
+                                               min_blocks=m.min_blocks)
         elif m is not None and self.selection == "recent":
             blocks = paged.paged_recent_select(cache.block_table, cache.seq_lens, attn.n_kv_heads,
                                                block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,

@@ -12,7 +12,7 @@ from m3compile.kernels.causal_lse.naive import block_recall
 from m3compile.kernels.sparse_kl.naive import selected_blocks_mask
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
-from m3compile.outputs import atomic_output_file, check_output_file
+from m3compile.outputs import atomic_save_figure, check_output_file
 from m3compile.models.decoder import Decoder
 
 __all__ = ["AttentionMap", "attention_map", "draw_attention_map", "check_map_output", "MAX_MAP_TOKENS"]
@@ -90,10 +90,7 @@ def attention_map(model: Decoder, tokens: torch.Tensor, layer: int, group: int, 
 def check_map_output(out: str | os.PathLike, inputs=()) -> None:
     """The map's output file, before any work: a *.png name, and the output guard (not an input, nor inside one; not
     a directory; its name and lock free)."""
-    out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise M3CompileError(f"{out}: the map is written as PNG; name the file *.png")
-    check_output_file(out, inputs)
+    check_output_file(out, inputs, suffix=".png")
 
 
 def draw_attention_map(amap: AttentionMap, out: str | os.PathLike, inputs=()) -> Path:
@@ -136,8 +133,7 @@ def draw_attention_map(amap: AttentionMap, out: str | os.PathLike, inputs=()) ->
                  fontsize=8)
     fig.tight_layout()
     try:
-        with atomic_output_file(out, inputs) as tmp:
-            fig.savefig(tmp, dpi=130, format="png")
+        atomic_save_figure(fig, out, inputs, dpi=130)
     finally:
         plt.close(fig)
     return out

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from rich.table import Table
 from rich.tree import Tree
 
-from m3compile.config import MSAConfig
+from m3compile.config import MAX_TOPK, MSAConfig, check_size, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.tracing import trace
-from m3compile.io.hf_config import args_from_config, read_config, vision_args_from_config
+from m3compile.io.hf_config import args_from_config, check_positions, read_config, vision_args_from_config
 from m3compile.io.shards import SourceTensors
 from m3compile.io.tensor_names import VISION_TENSOR
 from m3compile.models.decoder import PRESETS, Decoder, ModelArgs
@@ -37,21 +37,27 @@ from m3compile.ops import is_op, op_args, segment_attention
 from m3compile.conversion.convert import convert
 from m3compile.pipelines import run_pipeline
 
-__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to_mermaid", "layer_subgraph", "render"]
+__all__ = ["InspectReport", "inspect", "attention_cost", "to_dot", "to_svg", "to_mermaid", "layer_subgraph", "render",
+           "DEFAULT_CONTEXT"]
+
+DEFAULT_CONTEXT = 131072  # the context of the cost figures, unless the model has fewer positions or one is asked
 
 
-def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> dict:
+def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2, blocks: float | None = None) -> dict:
     """Attention FLOPs and cache bytes per token at `context`, MSA layers against the same layers dense.
 
-    the FLOP model of docs/msa.md for a prefill of N tokens: dense 2*Hq*d*N^2, MSA H_kv*d_idx*N^2 + 4*Hq*d*N*topk*block;
+    the FLOP model of docs/msa.md for a prefill of N tokens: dense 2*Hq*d*N^2, MSA H_kv*d_idx*N^2 + 4*Hq*d*N*k*block;
     per token = divided by N. Decode of one token at context N: dense 4*Hq*d*N, MSA 2*H_kv*d_idx*N +
-    4*Hq*d*min(topk*block, N). Dense layers cost the same in both columns.
+    4*Hq*d*min(k*block, N). Dense layers cost the same in both columns. k = `blocks`, the blocks each (KV group,
+    query) keeps: under an adaptive budget (docs/msa.md 2.8) what `m3c eval loss` measured (its mean_blocks);
+    default the top-k (the adaptive budget's ceiling: an upper bound of its cost).
     """
     N, hq, hkv, d = context, args.n_heads, args.n_kv_heads, args.head_dim
     dense_prefill, dense_decode = 2 * hq * d * N, 4 * hq * d * N
     out = {"context": N, "layers": args.n_layers, "msa_layers": 0, "dense_prefill_flops_per_token": 0,
            "msa_prefill_flops_per_token": 0, "dense_decode_flops": 0, "msa_decode_flops": 0,
-           "kv_cache_bytes_per_token": 0, "index_k_cache_bytes_per_token": 0, "index_params": 0}
+           "kv_cache_bytes_per_token": 0, "index_k_cache_bytes_per_token": 0, "index_params": 0,
+           "blocks_per_query": None, "adaptive": bool(args.msa and args.msa.top_p < 1)}
     per_layer = None
     for i in range(args.n_layers):
         out["dense_prefill_flops_per_token"] += dense_prefill
@@ -59,8 +65,10 @@ def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2) -> d
         out["kv_cache_bytes_per_token"] += 2 * hkv * d * bytes_per_value
         if args.is_sparse(i):
             m = args.msa
-            kept = min(m.topk * m.block_size, N)
-            prefill = m.index_heads * m.index_dim * N + 4 * hq * d * m.topk * m.block_size
+            k = m.topk if blocks is None else blocks
+            out["blocks_per_query"] = k
+            kept = min(k * m.block_size, N)
+            prefill = m.index_heads * m.index_dim * N + 4 * hq * d * k * m.block_size
             out["msa_prefill_flops_per_token"] += prefill
             out["msa_decode_flops"] += 2 * m.index_heads * m.index_dim * N + 4 * hq * d * kept
             # fp8 index scoring keeps e4m3 keys and an fp32 scale per token slot (its page's scale, repeated)
@@ -206,16 +214,20 @@ def _vision_section(vargs, window_now: int | None, window_new: int) -> dict:
 
 
 def inspect(source: str | os.PathLike | None = None, *, preset: str | None = None, config: MSAConfig | None = None,
-            context: int = 131072) -> InspectReport:
+            context: int | None = None, blocks: float | None = None) -> InspectReport:
     """Inspect a checkpoint directory (from config.json and tensor headers only) or a preset, on the meta device.
 
     An unconverted model is shown before and after `convert` with `config`; a converted one (or the m3 preset,
-    natively MSA) as it is.
+    natively MSA) as it is. The cost is given at `context` tokens: None, DEFAULT_CONTEXT or the model's positions if
+    fewer; a context past them is refused, as eval refuses it. blocks: the blocks per (KV group, query) the cost
+    counts (attention_cost).
     """
     start = time.perf_counter()
-    if context < 1:
-        raise M3CompileError(f"--context must be >= 1, got {context}")
-    checked = 0
+    if context is not None:
+        check_size(context, "--context")
+    if blocks is not None and not (isinstance(blocks, (int, float)) and 0 < blocks <= MAX_TOPK):
+        raise M3CompileError(f"--blocks must be a number of blocks in (0, {MAX_TOPK:,}], got {blocks!r}")
+    checked, positions = 0, None
     if source is not None:
         path = Path(source)
         cfg = read_config(path)
@@ -224,6 +236,9 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         has_vision = any(VISION_TENSOR.match(n) for n in src.where)
         vision_args = vision_args_from_config(cfg) if has_vision else None
         checked, name, model_type = src.check(args, vision_args), str(path), cfg.get("model_type", "?")
+        positions = max_positions(cfg)
+        if context is not None:
+            check_positions(context, cfg, f"--context {context:,}")
     else:
         vision_args = None
         preset = preset or "m3"
@@ -255,7 +270,8 @@ def inspect(source: str | os.PathLike | None = None, *, preset: str | None = Non
         source=name, model_type=model_type, params=params, tensors_checked=checked,
         layers=_layer_rows(gm, out_args, converted), passes=passes, ops_before=_histogram(before),
         ops_after=_histogram(gm), nodes_before=len(before.graph.nodes), nodes_after=len(gm.graph.nodes),
-        cost=attention_cost(out_args, context), seconds=time.perf_counter() - start, graph=gm, vision=vision,
+        cost=attention_cost(out_args, context or min(DEFAULT_CONTEXT, positions or DEFAULT_CONTEXT), blocks=blocks),
+        seconds=time.perf_counter() - start, graph=gm, vision=vision,
         added_nodes={n.name for n in gm.graph.nodes} - names_before,
     )
 
@@ -344,8 +360,11 @@ def render(report: InspectReport) -> list:
     for name in names[:16]:
         ops.add_row(name, str(report.ops_before.get(name, 0)), str(report.ops_after.get(name, 0)))
     out.append(ops)
+    k = c["blocks_per_query"]
+    budget = "" if k is None else (f", {k:g} blocks per query" + (" (the adaptive budget's ceiling; --blocks for "
+                                                                   "what eval measured)" if c["adaptive"] else ""))
     cost = Table(title=f"attention cost per token at context {c['context']:,} ({c['msa_layers']} MSA of "
-                       f"{c['layers']} layers)")
+                       f"{c['layers']} layers{budget})")
     cost.add_column("figure")
     cost.add_column("dense", justify="right")
     cost.add_column("MSA", justify="right")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from m3compile.config import parse_dtype
+from m3compile.config import check_size, max_positions, parse_dtype
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.graph.tracing import trace
 from m3compile.data import load_tokens, windows
@@ -39,7 +39,7 @@ from m3compile.io.load import load, load_meta, weights_by_layer
 from m3compile.outputs import atomic_output_dir, check_output_dir, output_lock, signals_recorded
 from m3compile.export.remote_code import remote_config, write_modeling_file
 from m3compile.io.shards import CheckpointWriter, SafetensorsWriter
-from m3compile.io.tensor_names import to_release_names
+from m3compile.io.tensor_names import checkpoint_names, written_together
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import lowering, scope
@@ -85,15 +85,18 @@ class DistillConfig:
     holdout_tokens: int | None = None
     # the learning rate per step (lr_at): a linear ramp from lr / lr_warmup_steps over the first lr_warmup_steps
     # steps, then "constant" at lr or "cosine" from lr down to lr_min x lr at step lr_decay_steps (None: `steps`; a run
-    # grown by --resume names it, or the curve would change under it) and lr_min x lr after it
+    # grown by --resume names it, or the curve would change under it) and lr_min x lr after it (None: 0.1). The
+    # cosine's two settings cannot apply to the constant schedule, and are refused with it
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     lr_decay_steps: int | None = None
-    lr_min: float = 0.1
+    lr_min: float | None = None
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "loss_coeff", "block_loss", "lr_min"):
             value = getattr(self, name, 0.0)
+            if name == "lr_min" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise M3CompileError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.cuda_graph, bool):
@@ -101,16 +104,24 @@ class DistillConfig:
         for name in ("steps", "seq_len", "batch", "checkpoint_every", "warmup_steps", "seed", "lr_warmup_steps"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise M3CompileError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("steps", "seq_len", "batch", "checkpoint_every"):
+        for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise M3CompileError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.seq_len, "seq_len")
+        check_size(self.batch, "batch", "batch")
         if self.warmup_steps < 0:
             raise M3CompileError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise M3CompileError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.lr_warmup_steps < 0:
             raise M3CompileError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if not 0 <= self.lr_min <= 1:
+        if self.lr_schedule == "constant":
+            given = [n for n in ("lr_decay_steps", "lr_min") if getattr(self, n) is not None]
+            if given:
+                raise M3CompileError(f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the cosine "
+                                     f"schedule and cannot apply to the constant one (set lr_schedule cosine, or "
+                                     f"leave {'them' if len(given) > 1 else 'it'} out)")
+        if not 0 <= self.lr_floor <= 1:
             raise M3CompileError(f"lr_min is a fraction of lr, in [0, 1], got {self.lr_min}")
         if self.lr_decay_steps is not None and (isinstance(self.lr_decay_steps, bool)
                                                 or not isinstance(self.lr_decay_steps, int)
@@ -145,6 +156,11 @@ class DistillConfig:
         return "warmup" if step < self.warmup_steps else "sparse"
 
     @property
+    def lr_floor(self) -> float:
+        """The cosine's floor as a fraction of lr (lr_min, 0.1 unless set)."""
+        return 0.1 if self.lr_min is None else self.lr_min
+
+    @property
     def lr_varies(self) -> bool:
         return self.lr_schedule != "constant" or self.lr_warmup_steps > 0
 
@@ -158,7 +174,7 @@ class DistillConfig:
         if end <= self.lr_warmup_steps:  # the whole run is the ramp
             return self.lr
         t = min(1.0, (step - self.lr_warmup_steps) / (end - self.lr_warmup_steps))
-        return self.lr * (self.lr_min + (1 - self.lr_min) * 0.5 * (1 + math.cos(math.pi * t)))
+        return self.lr * (self.lr_floor + (1 - self.lr_floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def fingerprint(self, world_size: int) -> dict:
         """What a resumed run must share with the run it continues (steps may grow). `block_loss` only when set, so
@@ -172,7 +188,7 @@ class DistillConfig:
             curve = {"schedule": self.lr_schedule, "warmup_steps": self.lr_warmup_steps}
             if self.lr_schedule == "cosine":
                 curve |= {"decay_steps": self.steps if self.lr_decay_steps is None else self.lr_decay_steps,
-                          "min": self.lr_min}
+                          "min": self.lr_floor}
             out["lr_schedule"] = curve
         return out
 
@@ -539,7 +555,8 @@ class _Run:
         report = DistillReport(str(self.model_dir), str(out), start, cfg.steps, self.world, history=history,
                                sharded=sharded, param_bytes_per_rank=self._gather_ints(local_bytes(gm)))
         self.holdout = None if held is None else HeldOut(held, model, cfg, self.device, self.training, self.rank,
-                                                         self.world, (state or {}).get("holdout"))
+                                                         self.world, (state or {}).get("holdout"),
+                                                         max_positions(read_config(self.model_dir)), sharded)
         self.kept, self.kept_step, self.holdout_seconds = {}, None, 0.0
         t0 = time.perf_counter()  # report.seconds: the steps' time (the evaluations' is report.holdout["seconds"])
         if self.holdout is not None:
@@ -763,20 +780,26 @@ class _Run:
         state = model.state_dict()
         if model.args.tie_embeddings:
             state.pop("lm_head.weight", None)
-        release = {name: to_release_names({name: torch.empty(t.shape, dtype=dtype, device="meta")})
-                   for name, t in state.items()}  # MoE experts: one tensor of ours -> one per expert
+        config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
+        # the checkpoint's names (checkpoint_names): MoE experts one tensor of ours -> one per expert, or a gate and up
+        # pair -> one; written a group at a time, so no rank holds more than its shards plus one group
+        groups = written_together(list(state), config)
+        plan = [checkpoint_names({n: torch.empty(state[n].shape, dtype=dtype, device="meta") for n in g}, config)
+                for g in groups]
         writer = None
         if tmp is not None:
-            writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for r in release.values() for n, t in r.items()])
+            writer = CheckpointWriter(tmp, [(n, tuple(t.shape), dtype) for out in plan for n, t in out.items()])
         instead = self._kept_instead(step)
         try:
-            for name, t in state.items():
-                if name in instead:  # the kept (best held-out) state's tensor, not this step's; rank 0 holds it
-                    whole = self.kept.get(name)
-                else:
-                    whole = full_tensor(t).detach().to("cpu", dtype)
+            for group in groups:
+                wholes = {}
+                for name in group:
+                    if name in instead:  # the kept (best held-out) state's tensor, not this step's; rank 0 holds it
+                        wholes[name] = self.kept.get(name)
+                    else:
+                        wholes[name] = full_tensor(state[name]).detach().to("cpu", dtype)
                 if writer is not None:
-                    for n, piece in to_release_names({name: whole}).items():
+                    for n, piece in checkpoint_names(wholes, config).items():
                         writer.write(n, piece)
         except BaseException:
             if writer is not None:
@@ -785,7 +808,6 @@ class _Run:
         folder = None
         if tmp is not None:
             writer.close()
-            config = remote_config(model.source_config)  # a checkpoint transformers runs (remote code)
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             write_modeling_file(tmp, config)
             copy_tokenizer_files(self.model_dir, tmp)

@@ -276,3 +276,21 @@ def test_distill_breakdown_books_each_kernel_once():
             "outside_ranges_ms": 0.0, "unattributed_ms": 0.0}
     assert {k: got[k] for k in want} == want
     assert got["gpu_work_ms"] == got["gpu_busy_ms"] == 0.061 and got["host_wait_ms"] == round(0.5 - 0.061, 3)
+
+
+def test_the_kernel_bench_smoke_test_runs_on_a_cpu_as_is(tmp_path):
+    """m3c bench kernels --device cpu, the smoke test its help names, in a fresh process with TRITON_INTERPRET unset
+    (as a reader types it): Triton's interpreter is turned on for the CPU, so the tiny shapes run and the results
+    are written."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "from m3compile.entry import main; main()", "bench", "kernels",
+                           "--device", "cpu", "--prefill-lengths", "64", "--decode-lengths", "", "--heads", "2",
+                           "--kv-heads", "1", "--head-dim", "16", "--index-dim", "16", "--block", "16", "--topk", "2",
+                           "--rep-ms", "1", "--no-flex", "--selection", "shared", "--out", str(tmp_path / "b")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["prefill"]

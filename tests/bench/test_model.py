@@ -1,12 +1,15 @@
 """m3c bench model: the whole-model bench's JSON on a small checkpoint (CPU, timings meaningless), its
 extrapolation laws, the per-stage attribution (synthetic profiler events and a real CPU run), the decode batch that
 fits in memory, and its outputs."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 from click.testing import CliRunner
 
+from m3compile import M3CompileError
 from m3compile.cli import main
 from m3compile.kernels import _common as kernel_common
 from m3compile.models.decoder import PRESETS, MSALayerArgs
@@ -164,7 +167,7 @@ def test_model_bench_refuses_bad_input(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     r = CliRunner().invoke(main, ["bench", "model", str(model_dir), "--device", "cpu", "--out", str(model_dir / "b")])
-    assert r.exit_code == 2 and "inside the model directory" in r.output
+    assert r.exit_code == 2 and "is inside the input" in r.output
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
     r = CliRunner().invoke(main, ["bench", "model", "m3-tiny", "--device", "cpu", "--steps", "0",
                                   "--out", str(tmp_path / "o")])
@@ -451,3 +454,17 @@ def test_model_bench_chunked_prefill_fp8_cache_and_byte_floor(tmp_path, monkeypa
         assert floor["ms"] == round(want.total / 2e9, 4)
         assert floor["share"] == round(want.total / 2e9 / dec[name]["eager_ms"], 3)
     assert "byte floor" in r.output and "in chunks of 24 tokens" in r.output
+
+
+def test_a_converted_model_records_the_block_it_ran(byte_msa, monkeypatch):
+    """A converted model runs at its own block size and top-k, and the result's config says so (not the defaults for
+    a dense model's conversion); another --block or --topk cannot apply and is refused before anything is built."""
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)  # torch references on CPU
+    cfg = ModelBenchConfig(str(byte_msa), prefill_lengths=(), decode_lengths=(32,), batch=1, dtype="float32",
+                           decode_steps=1, device="cpu")
+    result = run_model_bench(cfg, log=lambda m: None)
+    assert (result["config"]["block"], result["config"]["topk"]) == (16, 4) == (result["msa"]["block_size"],
+                                                                                result["msa"]["topk"])
+    for asked in (dict(block=32), dict(topk=2)):
+        with pytest.raises(M3CompileError, match="cannot apply to it"):
+            run_model_bench(dataclasses.replace(cfg, **asked), log=lambda m: None)

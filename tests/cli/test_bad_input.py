@@ -468,7 +468,7 @@ CASES.update({
     "option-shard-negative": (lambda b, t: (["convert", b / "dense", t / "o", "--max-shard-size", "-5GB"], t / "o"), "expected a positive size"),
     "option-seed-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--temperature", 1, "--seed", 2**64], None), "seed must be an integer in"),
     "option-seed-distill": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--seed", 2**64, *_TRAIN], t / "o"), "seed must be in"),
-    "option-max-new-tokens-huge": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", 10**9], None), "past the model's 512 positions"),
+    "option-max-new-tokens-huge": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", 10**6], None), "past the model's 512 positions"),
     "option-prompt-not-utf8": (lambda b, t: (["generate", b / "msa", "--prompt", "def \udcff x"], None), "--prompt is not UTF-8 text"),
     # a converted config.json whose MSA settings or layer lists cannot be
     "config-local-over-topk": (_cfg("msa", _sparse(sparse_local_block=3), "eval"), "exceed sparse_attention_config.sparse_topk_blocks (2)"),
@@ -504,13 +504,80 @@ CASES.update({
     "context-train": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", 513], t / "o"), "past the model's 512 positions"),
     "context-calibration": (lambda b, t: (["convert", b / "dense", t / "o", "--calib", _ids(t, "c.npy", 1000), "--calib-seq-len", 600], t / "o"), "calibration windows of 600 tokens are past the model's 512"),
     "context-map": (lambda b, t: (["attention-map", b / "msa", "--data", _ids(t, "long.npy", 1000), "--layer", 1, "--seq-len", 600, "--out", t / "m.png"], t / "m.png"), "past the model's 512 positions"),
-    "context-generate-no-positions": (lambda b, t: (["generate", _without_positions(_model(b, t)), "--prompt", "def x", "--max-new-tokens", 10**9], None), "GB free; it would fit with at most"),
+    "context-inspect": (lambda b, t: (["inspect", b / "dense", "--context", 600], None), "--context 600 is past the model's 512 positions"),
     "context-generate": (lambda b, t: (["generate", b / "msa", "--prompt", "def x ( ) :", "--max-new-tokens", 510], None), "past the model's 512 positions"),
     # what used to escape the command line's handler as a traceback
     "generation-config-garbage": (_generation_config(b"{bad"), "generation_config.json: not valid JSON"),
     "generation-config-not-utf8": (_generation_config(b"\xff\xfe"), "generation_config.json: not valid JSON"),
     "retrieval-tokenizer-garbage": (_tokenizer_file(lambda p: p.write_text("{not a tokenizer")), "cannot read tokenizer"),
     "retrieval-tokenizer-out-of-vocab": (_tokenizer_file(_wide_tokenizer), "token id 900"),
+})
+
+def _text(t: Path, name: str = "hay.txt") -> Path:
+    (t / name).write_text(" ".join(WORDS * 50) + "\n")
+    return t / name
+
+
+_RULER = ["--samples", 1, "--tasks", "niah_single_1"]
+
+
+def _chat(name: str, content: str | bytes):
+    """eval ruler on a copy of the converted model whose file `name` holds `content`."""
+    def case(b, t):
+        d = _model(b, t)
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        return ["eval", "ruler", d, "--data", _text(t), *_RULER], None
+    return case
+
+# Every path the product writes goes through the one output guard; sizes are parsed and bounded in one place; chat
+# templates are checked as the model opens; options that cannot apply are refused: each case as in CASES
+CASES.update({
+    # eval ruler --plot and m3c bench --out: the output guard, before any work
+    "plot-is-data": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t, "hay.png"), "--plot", t / "hay.png", *_RULER], None), "is the input"),
+    "plot-into-model": (lambda b, t: (["eval", "ruler", (m := _model(b, t)), "--data", _text(t), "--plot", m / "ruler.png", *_RULER], m / "ruler.png"), "inside the input"),
+    "plot-is-dir": (lambda b, t: ((t / "p.png").mkdir(), ["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "p.png", *_RULER])[1:] + (None,), "is a directory"),
+    "plot-parent-is-file": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "hay.txt" / "p.png", *_RULER], None), "inside the input"),
+    "plot-not-png": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--plot", t / "p.jpg", *_RULER], t / "p.jpg"), "name the file *.png"),
+    "bench-distill-out-into-model": (lambda b, t: (["bench", "distill", (m := _model(b, t)), "--device", "cpu", "--out", m / "bo"], m / "bo"), "inside the input"),
+    "bench-model-out-into-model": (lambda b, t: (["bench", "model", (m := _model(b, t)), "--device", "cpu", "--out", m / "bo"], m / "bo"), "inside the input"),
+    "bench-kernels-out-is-file": (lambda b, t: ((t / "f").write_text("x"), ["bench", "kernels", "--device", "cpu", "--out", t / "f"])[1:] + (None,), "is a file, not a directory"),
+    "bench-vision-out-parent-is-file": (lambda b, t: ((t / "f").write_text("x"), ["bench", "vision", "--device", "cpu", "--out", t / "f" / "o"])[1:] + (None,), "is not a directory"),
+    # one parser and one ceiling for sizes, before any allocation
+    "size-lengths-inf": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", "inf"], None), "--lengths inf is past the ceiling of 16,777,216 tokens"),
+    "size-lengths-nan": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", "nanK"], None), "expected a size such as"),
+    "size-samples-huge": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--samples", 10**9], None), "--samples 1000000000 is past the ceiling of 10,000 samples"),
+    "size-ruler-batch-huge": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--batch", 10**9], None), "past the ceiling of 1,024 sequences"),
+    "size-prefill-chunk-inf": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--prefill-chunk", "inf"], None), "--prefill-chunk inf is past the ceiling"),
+    "size-max-new-tokens-1e12": (lambda b, t: (["generate", b / "msa", "--prompt", "def x", "--max-new-tokens", "1e12"], None), "past the ceiling of 16,777,216 tokens"),
+    "size-eval-seq-len-fraction": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", "1.5"], None), "is not a whole number of tokens"),
+    "size-eval-batch-huge": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--batch", "1e9"], None), "past the ceiling of 1,024 sequences"),
+    "size-probes-huge": (lambda b, t: (["eval", "retrieval", b / "msa", "--data", b / "d.npy", "--probes", 10**7], None), "past the ceiling of 10,000 samples"),
+    "size-distill-seq-len-inf": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--steps", 1, "--seq-len", "inf"], t / "o"), "--seq-len inf is past the ceiling"),
+    "size-bench-decode-lengths": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--decode-lengths", "1e12", "--out", t / "o"], t / "o"), "--decode-lengths 1e12 is past the ceiling of 16,777,216 tokens"),
+    "size-bench-decode-steps": (lambda b, t: (["bench", "model", "m3-tiny", "--device", "cpu", "--decode-steps", 10**9, "--out", t / "o"], t / "o"), "past the ceiling of 65,536 steps"),
+    "size-bench-distill-seq-len": (lambda b, t: (["bench", "distill", "m3-tiny", "--device", "cpu", "--seq-len", "inf", "--out", t / "o"], t / "o"), "--seq-len inf is past the ceiling"),
+    "bench-rep-ms-negative": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--rep-ms", -1, "--out", t / "o"], t / "o"), "rep_ms must be >= 1"),
+    "bench-no-lengths": (lambda b, t: (["bench", "kernels", "--device", "cpu", "--prefill-lengths", "", "--decode-lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
+    "bench-backward-no-lengths": (lambda b, t: (["bench", "backward", "--device", "cpu", "--lengths", "", "--out", t / "o"], t / "o"), "nothing to run"),
+    # chat templates: checked as the model opens, every failure one line naming the file
+    "chat-template-type-error": (_chat("chat_template.jinja", "{{ messages[0]['content'] + 1 }}"), "chat_template.jinja: cannot render the chat template (TypeError"),
+    "chat-template-range": (_chat("chat_template.jinja", "{% for i in range(10**6) %}{% endfor %}"), "chat_template.jinja: cannot render the chat template (OverflowError"),
+    "chat-template-not-utf8": (_chat("chat_template.jinja", b"{{ messages }} \xff\xfe"), "chat_template.jinja: not UTF-8 text"),
+    "chat-template-syntax": (_chat("chat_template.jinja", "{% for %}"), "chat_template.jinja: cannot read the chat template"),
+    "chat-template-raises": (_chat("chat_template.jinja", "{{ raise_exception('no user turns') }}"), "refused the prompt: no user turns"),
+    "chat-tokenizer-config-list": (_chat("tokenizer_config.json", "[1, 2]"), "tokenizer_config.json: expected a JSON object, got list"),
+    "chat-template-number": (_chat("tokenizer_config.json", json.dumps({"chat_template": 42})), "tokenizer_config.json: chat_template must be text"),
+    # the RULER-style suite: what a task needs from the data, before any work
+    "ruler-keys-from-few-words": (lambda b, t: (["eval", "ruler", b / "msa", "--data", _text(t), "--lengths", 512, "--samples", 1, "--tasks", "niah_multikey_1"], None), "holds 2 distinct words"),
+    # options that cannot apply
+    "option-index-cache-dense": (lambda b, t: (["generate", b / "dense", "--prompt", "def x", "--index-cache", "fp8"], None), "--index-cache fp8 applies to the index keys of MSA layers"),
+    "option-lr-min-constant": (lambda b, t: (["distill", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-min", 0.2, *_TRAIN], t / "o"), "lr_min shapes the cosine schedule"),
+    "option-lr-decay-constant": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-decay-steps", 5, *_TRAIN], t / "o"), "lr_decay_steps shapes the cosine schedule"),
+    "option-dense-layers-all": (lambda b, t: (["convert", b / "dense", t / "o", "--dense-layers", "0,1,2"], t / "o"), "the output would have no MSA layer"),
+    "option-bench-block-converted": (lambda b, t: (["bench", "model", b / "msa", "--device", "cpu", "--block", 32, "--out", t / "o"], t / "o"), "already converted with block 8: --block 32 cannot apply"),
+    "option-bench-topk-converted": (lambda b, t: (["bench", "distill", b / "msa", "--device", "cpu", "--topk", 4, "--out", t / "o"], t / "o"), "already converted with topk 2: --topk 4 cannot apply"),
+    "option-index-dtype-dense-ruler": (lambda b, t: (["eval", "ruler", b / "dense", "--data", _text(t), "--index-dtype", "fp8", *_RULER], None), "applies to MSA layers"),
+    "option-kv-cache-batch": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--kv-cache", "fp8", "--batch", 2], None), "--batch 2 cannot apply"),
 })
 
 if torch.cuda.is_available():  # the CUDA cases need a machine without it
@@ -860,3 +927,239 @@ def test_the_default_calibration_window_fits_the_model(base, tmp_path):
     assert code == 0, output
     init = json.loads(output)["index_init"]
     assert (init["seq_len"], init["windows"]) == (512, 2)
+
+
+def _leaf_commands(group, path=()):
+    """(argv prefix, command) of every command m3c runs, subcommands of every group included."""
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _leaf_commands(command, path + (name,))
+        else:
+            yield path + (name,), command
+
+
+def _argv_for(command, tmp: Path, output, value) -> list[str]:
+    """Arguments that parse for `command`: `value` for the parameter `output`, an existing model directory for every
+    path it reads (arguments and required options), 1 or a first choice for what else it needs."""
+    import click
+
+    from m3compile.commands.common import InputPath, OutputPath
+
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    args, opts = [], []
+    for p in command.params:
+        if p is output:
+            given = str(value)
+        elif isinstance(p.type, InputPath) and (isinstance(p, click.Argument) or p.required):
+            given = str(model)
+        elif isinstance(p.type, OutputPath) and (isinstance(p, click.Argument) or p.required):
+            given = str(tmp / f"other-{p.name}")
+        elif p.required:
+            given = p.type.choices[0] if isinstance(p.type, click.Choice) else "1"
+        else:
+            continue
+        if isinstance(p, click.Argument):
+            args.append(given)
+        else:
+            opts += [p.opts[0], given]
+    return args + opts
+
+
+def test_every_written_path_goes_through_the_output_guard(tmp_path, monkeypatch):
+    """Every click parameter of type Path in m3c is declared as read (InputPath) or written (OutputPath), and every
+    written one passes the output guard before the command runs: a parent that is a file, and (where the command
+    reads paths) a place inside what it reads, are refused as one line, with the command never called."""
+    import click
+
+    from m3compile.commands.common import Command, InputPath, OutputPath
+
+    outputs = []
+    for words, command in _leaf_commands(cli.main):
+        assert isinstance(command, Command), f"m3c {' '.join(words)} is not an m3c Command (no output guard)"
+        for p in command.params:
+            if isinstance(p.type, click.Path):
+                assert isinstance(p.type, (InputPath, OutputPath)), f"m3c {' '.join(words)} {p.name}: read or written?"
+            if isinstance(p.type, OutputPath):
+                outputs.append((words, command, p))
+    assert len(outputs) >= 12  # convert (2), attention-map, inspect, export-onnx, eval ruler, distill, train, bench (5)
+    for words, command, p in outputs:
+        reached = []
+        monkeypatch.setattr(command, "callback", lambda **kw: reached.append(kw))
+        t = tmp_path / "-".join(words + (p.name,))
+        (t / "model").mkdir(parents=True)
+        (t / "f").write_text("a file")
+        name = "o" + (p.type.suffix or "")
+        places = [(t / "f" / name, "is not a directory")]
+        if any(isinstance(q.type, InputPath) and (isinstance(q, click.Argument) or q.required) for q in command.params):
+            places.append((t / "model" / name, "inside the input"))
+        for place, needle in places:
+            before = _tree(t)
+            code, output, stderr, _ = _invoke(*words, *_argv_for(command, t, p, place))
+            assert (code, reached) == (2, []) and stderr.startswith("error: ") and needle in stderr, \
+                (words, p.name, place, output)
+            assert len(stderr.splitlines()) == 1 and _tree(t) == before, (words, p.name, stderr)
+
+
+def test_a_generation_past_memory_is_refused_before_any_allocation(base, tmp_path, monkeypatch):
+    """A model that does not say its positions, asked for more tokens than its caches can hold in the memory there
+    is (here 1 MB): one line with the numbers and what would fit, nothing allocated."""
+    from m3compile import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1e6)
+    code, output, stderr, _ = _invoke("generate", _without_positions(_model(base, tmp_path)), "--prompt", "def x",
+                                      "--max-new-tokens", 10**6)
+    assert code == 2 and len(stderr.splitlines()) == 1 and "MB free; it would fit with at most" in stderr, stderr
+
+
+def test_the_default_held_out_slice_never_takes_the_data_a_run_needs(base, tmp_path):
+    """Data of exactly two sequences and no --holdout-tokens: the default holds out at most a tenth of the data, as
+    its help says (here none), so the run trains on both; a --holdout-tokens that leaves no sequence is refused by its
+    name, the only option the error names."""
+    data = _ids(tmp_path, "two.npy", 2 * 16 + 1)
+    code, output, stderr, _ = _invoke("distill", base / "msa", "--data", data, "--out", tmp_path / "o", "--steps", 1,
+                                      "--seq-len", 16, "--json")
+    assert code == 0, (output, stderr)
+    assert json.loads(output)["holdout"] is None
+    code, output, stderr, _ = _invoke("distill", base / "msa", "--data", data, "--out", tmp_path / "p", "--steps", 1,
+                                      "--seq-len", 16, "--holdout-tokens", 16)
+    assert code == 2 and stderr.startswith("error: holding out 16 tokens") and "--holdout-tokens" in stderr
+    assert "--" not in stderr.replace("--holdout-tokens", "") and not (tmp_path / "p").exists()
+
+
+_NOISY = """
+import logging, sys, warnings
+from m3compile import cli
+from m3compile.errors import M3CompileError
+
+def noisy(**kwargs):  # a library that warns, and logs through a handler it makes as it loads (as torch.onnx does)
+    warnings.warn("a library's FutureWarning", FutureWarning)
+    logging.getLogger("somelib").addHandler(logging.StreamHandler())
+    logging.getLogger("somelib").warning("somelib: torchvision is not installed")
+    raise M3CompileError("not enough room for the weights")
+
+cli.main.commands["passes"].callback = noisy
+from m3compile.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_library_warnings_go_to_the_log_and_the_error_stays_one_line(tmp_path, verbose):
+    """What libraries print on stderr while a command runs (Python warnings, their loggers' lines) goes to the log
+    ($M3C_LOG), and the error is the terminal's one line; with --verbose the terminal shows them too."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "m3c.log"
+    proc = subprocess.run([sys.executable, "-c", _NOISY, *(["--verbose"] if verbose else []), "passes"],
+                          capture_output=True, text=True, env={**os.environ, "M3C_LOG": str(log)}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.endswith("error: not enough room for the weights\n"), proc.stderr
+    if verbose:
+        assert "FutureWarning" in proc.stderr and "torchvision is not installed" in proc.stderr and not log.exists()
+    else:
+        assert proc.stderr == "error: not enough room for the weights\n"
+        text = log.read_text()
+        assert text.startswith("--- ") and " m3c passes\n" in text.splitlines()[0] + "\n"
+        assert "a library's FutureWarning" in text and "somelib: torchvision is not installed" in text
+
+
+_FINISHED_THEN_SIGTERM = """
+import os, signal, sys, time
+from pathlib import Path
+from m3compile import cli
+from m3compile.outputs import COMMITTED
+
+class SlowTeardown:  # a module torn down slowly as the interpreter shuts down (torch's take long): SIGTERM meanwhile
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+SLOW = SlowTeardown()
+
+def done(**kwargs):
+    COMMITTED.append(Path("out"))
+    print("wrote out")
+
+cli.main.commands["passes"].callback = done
+from m3compile.entry import main
+main()
+"""
+
+
+def test_a_signal_after_the_command_finished_is_not_a_silent_kill():
+    """A finished command's process ends at once with its status, its SIGTERM handler in place to the end: the
+    interpreter's shutdown (which puts the default handlers back before it tears the modules down) never runs, so a
+    SIGTERM then cannot kill it silently (-15, no line)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FINISHED_THEN_SIGTERM, "passes"], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "wrote out\n", "")
+
+
+def test_outputs_get_the_modes_the_umask_gives(base, tmp_path):
+    """What the atomic writers put in place (a directory from its private temporary directory, safetensors shards
+    however the writer made them, a single file) has the modes a process creates under its umask (here 027)."""
+    import stat
+
+    previous = os.umask(0o027)
+    try:
+        for argv in (["convert", "--preset", "m3-tiny", "--out", tmp_path / "tiny"], ["convert", base / "dense", tmp_path / "o"],
+                     ["inspect", base / "dense", "--format", "json", "--out", tmp_path / "r.json"]):
+            code, output, _, _ = _invoke(*argv)
+            assert code == 0, output
+    finally:
+        os.umask(previous)
+    written = [p for root in (tmp_path / "tiny", tmp_path / "o") for p in [root, *root.rglob("*")]] + [tmp_path / "r.json"]
+    assert any(p.name == "model.safetensors" for p in written)
+    for p in written:
+        want = 0o750 if p.is_dir() else 0o640
+        assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+
+
+def test_every_ruler_length_and_task_pair_is_checked_before_any_work(base, tmp_path, monkeypatch):
+    """--lengths that one of the tasks cannot fill (niah_single_2's smallest prompt is past 512 tokens here): refused
+    before the first prompt is generated, not after the tasks before it ran (which dropped their scores)."""
+    from m3compile.evaluation import ruler as ruler_mod
+
+    ran = []
+    monkeypatch.setattr(ruler_mod, "run_samples", lambda *a, **k: ran.append(a) or [1.0])
+    code, output, stderr, _ = _invoke("eval", "ruler", base / "msa", "--data", _text(tmp_path), "--lengths", 512,
+                                      "--samples", 1, "--tasks", "niah_single_1,niah_single_2")
+    assert code == 2 and stderr.startswith("error: length 512 is too short for niah_single_2") and ran == [], stderr
+
+
+def test_eval_shows_windows_done_and_left(base, monkeypatch):
+    """m3c eval loss counts its windows from the start (evaluate reports 0 of them before the first): done of all,
+    how many are left, and the time left."""
+    import io
+
+    from rich.console import Console
+
+    import m3compile
+    from m3compile.commands import eval as eval_cmd
+    from m3compile.data import load_tokens
+
+    calls = []
+    model = m3compile.load(base / "msa", dtype="float32")
+    m3compile.evaluate(model, load_tokens(base / "d.npy", 256), 16, 3, oracle=False, progress=lambda *a: calls.append(a))
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+
+    screen = io.StringIO()
+    monkeypatch.setattr(eval_cmd, "stdout_console", lambda: Console(file=screen, force_terminal=True, color_system=None,
+                                                                          width=100))
+    code, output, _, _ = _invoke("eval", "loss", base / "msa", "--data", base / "d.npy", "--seq-len", 16,
+                                 "--max-windows", 3, "--no-oracle")
+    assert code == 0, output
+    shown = screen.getvalue()
+    assert "3/3 windows, 0 left" in shown, shown  # (the bar's last refresh; the ones before depend on timing)
+
+
+def test_inspect_costs_at_the_model_s_own_context_by_default(base):
+    """Without --context the cost figures are at 131,072 tokens, or at the model's positions if fewer (512 here)."""
+    code, output, _, _ = _invoke("inspect", base / "dense", "--format", "json")
+    assert code == 0 and json.loads(output)["cost"]["context"] == 512, output

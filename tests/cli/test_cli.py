@@ -188,8 +188,9 @@ def test_each_eval_subcommand_takes_only_its_own_options(sub, option, tmp_path):
 
 
 def test_eval_subcommands_list_their_own_options():
-    shared = {"--data", "--dtype", "--index-dtype", "--device", "--json"}
+    shared = {"--data", "--dtype", "--index-dtype", "--device", "--json", "--topk", "--top-p", "--min-blocks"}
     own = {"loss": {"--seq-len", "--max-windows", "--batch", "--no-oracle", "--kv-cache"},
+           "layers": {"--seq-len", "--max-windows", "--selections"},
            "retrieval": {"--seq-len", "--distances", "--probes", "--seed"},
            "ruler": {"--lengths", "--tasks", "--samples", "--seed", "--batch", "--selections", "--plot", "--kv-cache"}}
     for sub, options in own.items():

@@ -254,6 +254,12 @@ def test_ruler_cli_json_table_and_heatmap(qwen_like, tmp_path, monkeypatch):
     report = RulerReport([1024], ["vt"], ["dense", "recent"], 1, 0, False, scores={"vt": {"dense": {1024: 80.0},
                                                                                           "recent": {1024: 0.0}}})
     assert report.to_dict()["average"] == {"dense": {"1024": 80.0, "all": 80.0}, "recent": {"1024": 0.0, "all": 0.0}}
+    for sel, by_len in d["stderr"].items():  # a standard error wherever an average (here: tasks the dense model fails)
+        assert all((v is None) == (d["average"][sel][n] is None) and (v is None or v >= 0) for n, v in by_len.items())
+    two = RulerReport([1024, 2048], ["a", "b"], ["dense"], 10, 0, False,
+                      scores={"a": {"dense": {1024: 90.0, 2048: 70.0}}, "b": {"dense": {1024: 60.0, 2048: 50.0}}},
+                      variances={"a": {"dense": {1024: 9.0, 2048: 21.0}}, "b": {"dense": {1024: 16.0, 2048: 24.0}}})
+    assert two.stderr("dense", 1024) == pytest.approx(5.0 / 2) and two.stderr("dense") == pytest.approx(70**0.5 / 4)
     code, out, err = _invoke(*args[:-1], "niah_single_1", "--samples", 1, "--selections", "dense,recent")
     assert code == 0 and "niah_single_1 (excluded)" in out and "dense / recent" in out, err
     assert "excluded from the averages (dense below 50 at 1K): niah_single_1" in " ".join(out.split())

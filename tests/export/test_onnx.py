@@ -5,6 +5,7 @@ input (not converted, no room, too large for one file, a provider that cannot ru
 nothing."""
 import errno
 import os
+import shutil
 from collections import namedtuple
 
 import numpy as np
@@ -98,6 +99,29 @@ def test_onnxruntime_matches_pytorch(exported, batch, length):
         assert np.abs(want - dense).max() > 1e-2  # selection really dropped blocks
 
 
+def test_adaptive_budget_exports_and_matches_pytorch(small, tmp_path):
+    """A model converted with an adaptive budget (top-p 0.5 of 2-8 blocks): the MSA node carries top_p and
+    min_blocks, and onnxruntime keeps the blocks PyTorch keeps (at 150 tokens: 10 blocks, the ceiling 8)."""
+    convert_checkpoint(small / "src", tmp_path / "msa", MSAConfig(block_size=16, topk=8, dense_layers=(0,), top_p=0.5,
+                                                                  min_blocks=2))
+    code, output = run("export-onnx", tmp_path / "msa", tmp_path / "onnx")
+    assert code == 0, output
+    model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
+    (node,) = [n for n in model.graph.node if n.domain == "m3compile"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["top_p"] == pytest.approx(0.5) and attrs["min_blocks"] == 2 and attrs["topk"] == 8
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    ours = load(tmp_path / "msa", dtype="float32")
+    x = torch.randint(0, 97, (2, 150))
+    (got,) = session.run(None, {"input_ids": x.numpy()})
+    with torch.no_grad():
+        want = ours(x).numpy()
+        ours.set_budget(top_p=1.0)  # the same model at its fixed ceiling
+        fixed = ours(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(want - fixed).max() > 1e-3
+
+
 def test_onnxruntime_matches_the_checkpoint_loaded_in_its_own_dtype(exported):
     """The bf16 checkpoint loaded as is, then cast with .float(), is the exported model: its RoPE frequencies
     stay fp32 (rounded to bf16, the logits differed from the export by 8 at 150 tokens)."""
@@ -159,7 +183,9 @@ def test_missing_kernels_names_the_operators_without_a_cuda_bf16_kernel():
 
 
 def test_dense_only_model_uses_no_custom_domain(small, tmp_path):
-    convert_checkpoint(small / "src", tmp_path / "dense", MSAConfig(dense_layers=(0, 1)))
+    """A checkpoint marked converted (its conversion_report.json) whose layers are all dense."""
+    shutil.copytree(small / "src", tmp_path / "dense")
+    (tmp_path / "dense" / "conversion_report.json").write_text("{}")
     code, output = run("export-onnx", tmp_path / "dense", tmp_path / "onnx")
     assert code == 0, output
     model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))

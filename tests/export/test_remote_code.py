@@ -96,6 +96,23 @@ def test_dense_llama_byte_block64_top8_matches_m3compile(llama_byte):
     assert_same_model(llama_byte, text[None], text[:600].tolist(), 5)  # 600 tokens = 10 blocks > top-8
 
 
+def test_adaptive_budget_matches_m3compile(tmp_path):
+    """A model converted with an adaptive budget (top-p 0.7 of 2-8 blocks of 8 tokens): transformers' logits and
+    greedy tokens are m3compile's, on its torch path and through m3compile's kernels."""
+    src = tiny_source("qwen2-bias-tied", tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "msa", MSAConfig(block_size=8, topk=8, dense_layers=(0,), top_p=0.7,
+                                                         min_blocks=2))
+    x = torch.randint(0, 256, (2, 90))
+    hf, ours = assert_same_model(tmp_path / "msa", x, x[0, :70].tolist(), 5)
+    with torch.no_grad():
+        want = hf(x).logits
+        hf.model.msa_backend = "m3compile"
+        torch.testing.assert_close(hf(x).logits, want, rtol=1e-4, atol=1e-4)
+        hf.model.layers[1].self_attn.s.top_p = 1.0  # the layers' shared settings: the fixed top-8 instead
+        assert (hf(x).logits - want).abs().max() > 1e-3
+    assert ours.args.msa.top_p == 0.7
+
+
 def test_left_padded_batch_generates_each_prompt_as_alone(tiny):
     hf = hf_load(tiny["qwen3-qknorm"])
     a, b = torch.randint(0, 256, (30,)).tolist(), torch.randint(0, 256, (19,)).tolist()
@@ -219,3 +236,36 @@ def test_older_checkpoints_load_and_distill_train_outputs_run_in_transformers(ti
         cfg = json.loads((tmp_path / out / "config.json").read_text())
         assert cfg["model_type"] == REMOTE_MODEL_TYPE and cfg["source_model_type"] == "llama"
         assert_same_model(tmp_path / out, x, x[0, :30].tolist(), 3)
+
+
+def test_every_output_rewrites_the_fields_that_name_code(tiny, tmp_path):
+    """A converted model whose config.json names other code (auto_map to evil.Evil, custom_pipelines) distils, trains,
+    re-converts and saves into outputs whose auto_map, architectures and model_type are the product's own: each
+    loads in transformers as the MSA model beside its modeling file, and none names the source's code."""
+    from m3compile.conversion.save import save
+
+    src = tmp_path / "tampered"
+    src.mkdir()
+    for f in tiny["qwen3-qknorm"].iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"},
+               custom_pipelines={"evil": {"impl": "evil.Pipeline"}}, architectures=["Evil"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    m3compile.distill(src, CALIB_DATA, tmp_path / "distilled", DistillConfig(steps=1, seq_len=16, holdout_tokens=0))
+    m3compile.train(src, CALIB_DATA, tmp_path / "trained", TrainConfig(steps=1, seq_len=16, holdout_tokens=0))
+    convert_checkpoint(src, tmp_path / "converted", None)
+    model = m3compile.load(src, dtype="float32")
+    gm, report = m3compile.convert(model, TINY_MSA)
+    save(gm, report, tmp_path / "saved", source_config=model.source_config)
+    x = torch.randint(0, 256, (1, 20))
+    for out in ("distilled", "trained", "converted", "saved"):
+        written = json.loads((tmp_path / out / "config.json").read_text())
+        assert written["auto_map"] == {"AutoConfig": "modeling_m3compile.M3CompileConfig",
+                                       "AutoModelForCausalLM": "modeling_m3compile.M3CompileForCausalLM"}, out
+        assert (written["model_type"], written["source_model_type"]) == (REMOTE_MODEL_TYPE, "qwen3"), out
+        assert written["architectures"] == ["M3CompileForCausalLM"] and "custom_pipelines" not in written, out
+        with torch.no_grad():
+            torch.testing.assert_close(hf_load(tmp_path / out)(x).logits,
+                                       m3compile.load(tmp_path / out, dtype="float32")(x), rtol=1e-4, atol=1e-4)

@@ -9,8 +9,11 @@ from m3compile.kernels import naive_common
 from m3compile.kernels.indexer import naive
 
 
-def brute_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks):
-    """Per (b, h, t): the set of selected blocks, straight from the spec, one query at a time."""
+def brute_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks, top_p=None, min_blocks=0):
+    """Per (b, h, t): the set of selected blocks, straight from the spec, one query at a time. top_p: the adaptive
+    budget of docs/msa.md 2.8 (the forced blocks, then the candidates best first until their softmax probability over
+    every candidate sums to at least top_p, then more while fewer than min_blocks blocks are kept, never more than
+    topk); None: the fixed top-k."""
     B, H, T, D = q_idx.shape
     out = {}
     for b in range(B):
@@ -23,7 +26,17 @@ def brute_select(q_idx, k_idx, block_size, topk, init_blocks, local_blocks):
                     scores[blk] = max(float(q_idx[b, h, t] @ k_idx[b, j]) / math.sqrt(D) for j in keys)
                 forced = {blk for blk in range(qb + 1) if blk > qb - local_blocks or blk < init_blocks}
                 rest = sorted((blk for blk in scores if blk not in forced), key=lambda x: -scores[x])
-                out[b, h, t] = forced | set(rest[: topk - len(forced)])
+                if top_p is None:
+                    out[b, h, t] = forced | set(rest[: topk - len(forced)])
+                    continue
+                z = sum(math.exp(scores[c]) for c in rest)
+                kept, mass = set(forced), 0.0
+                for c in rest:
+                    if len(kept) >= topk or (mass >= top_p and len(kept) >= min_blocks):
+                        break
+                    kept.add(c)
+                    mass += math.exp(scores[c]) / z
+                out[b, h, t] = kept
     return out
 
 
@@ -99,3 +112,46 @@ def test_fp8_selection_keeps_clear_winners():
     got = naive.select_blocks(q_idx, k_idx, block_size=bs, topk=k, fp8=True)
     assert (want == -1).any() and not torch.equal(want[:, 0], want[:, 1])
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+ADAPTIVE_CASES = [
+    # B, H, T, D, block, topk (ceiling), init, local, top_p, min_blocks
+    (1, 1, 1, 4, 4, 3, 0, 1, 0.5, 2),  # one token: only its own block, whatever the floor
+    (2, 3, 37, 8, 4, 6, 0, 1, 0.6, 0),  # T not a multiple of the block, 3 index heads
+    (1, 2, 41, 5, 4, 5, 1, 1, 0.9, 3),  # init block forced, a floor of 3
+    (1, 1, 50, 6, 4, 4, 0, 2, 0.3, 0),  # two local blocks, a low p
+    (1, 2, 64, 8, 4, 32, 0, 1, 0.8, 4),  # the ceiling above the block count: -1 slots
+]
+
+
+@pytest.mark.parametrize("B,H,T,D,bs,topk,init,local,p,floor", ADAPTIVE_CASES, ids=[str(c) for c in ADAPTIVE_CASES])
+def test_adaptive_budget_matches_spec(B, H, T, D, bs, topk, init, local, p, floor):
+    q_idx, k_idx = torch.randn(B, H, T, D) * 2, torch.randn(B, T, D)
+    blocks = naive.select_blocks(q_idx, k_idx, block_size=bs, topk=topk, init_blocks=init, local_blocks=local,
+                                 top_p=p, min_blocks=floor)
+    fixed = naive.select_blocks(q_idx, k_idx, block_size=bs, topk=topk, init_blocks=init, local_blocks=local)
+    assert blocks.shape == (B, H, T, topk)
+    expected = brute_select(q_idx, k_idx, bs, topk, init, local, p, floor)
+    for (b, h, t), want in expected.items():
+        row = blocks[b, h, t].tolist()
+        got = [x for x in row if x >= 0]
+        assert len(got) == len(set(got)) and set(got) == want, (b, h, t, row, want)
+        assert set(got) <= set(fixed[b, h, t].tolist())  # a subset of the fixed top-k, in its slots
+    if T > 8 * bs:  # enough candidates for the budget to bite somewhere
+        assert (blocks >= 0).sum() < (fixed >= 0).sum()
+
+
+def test_top_p_of_one_is_the_fixed_top_k():
+    q_idx, k_idx = torch.randn(2, 2, 70, 8), torch.randn(2, 70, 8)
+    fixed = naive.select_blocks(q_idx, k_idx, block_size=8, topk=5, init_blocks=1)
+    assert torch.equal(naive.select_blocks(q_idx, k_idx, block_size=8, topk=5, init_blocks=1, top_p=1.0,
+                                           min_blocks=3), fixed)
+
+
+def test_adaptive_keep_keeps_forced_slots_and_the_order():
+    blocks = torch.tensor([[4, 0, 2, 3, -1]])
+    logits = torch.tensor([[float("inf"), 1.0, 3.0, 2.0, float("-inf")]])
+    lse = torch.logsumexp(torch.tensor([1.0, 3.0, 2.0]), 0)[None]
+    assert naive.adaptive_keep(blocks, logits, lse, 0.5, 0).tolist() == [[4, -1, 2, -1, -1]]  # 0.67 >= 0.5
+    assert naive.adaptive_keep(blocks, logits, lse, 0.7, 0).tolist() == [[4, -1, 2, 3, -1]]  # 0.67 + 0.24
+    assert naive.adaptive_keep(blocks, logits, lse, 0.1, 4).tolist() == [[4, 0, 2, 3, -1]]  # the floor

@@ -68,6 +68,53 @@ def test_indexer_matches_reference(case):
     assert torch.equal((got >= 0).sum(-1), n_visible.clamp(max=k).expand(B, H, T).int())
 
 
+def assert_same_adaptive(got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor, top_p: float, tol=1e-4):
+    """Adaptive selections equal as sets per row, except where the reference's kept mass sits within `tol` of
+    top_p (rounding may then keep one block more or fewer). logits [..., NB]: the reference's block logits of the
+    rows' candidates and forced blocks alike."""
+    g, w = got.long().sort(-1).values, want.long().sort(-1).values
+    for row in (g != w).any(-1).nonzero():
+        r = tuple(row)
+        a, b = {x for x in g[r].tolist() if x >= 0}, {x for x in w[r].tolist() if x >= 0}
+        assert abs(len(a) - len(b)) == 1 and (a < b or b < a), f"row {row.tolist()}: {sorted(a)} vs {sorted(b)}"
+        z = torch.logsumexp(logits[r][[x for x in range(logits.shape[-1]) if logits[r][x] > float("-inf")]], 0)
+        mass = sum(torch.exp(logits[r][x] - z).item() for x in b)
+        assert abs(mass - top_p) < tol or mass < top_p + tol, f"row {row.tolist()}: {sorted(a)} vs {sorted(b)}"
+
+
+ADAPTIVE_CASES = [  # B, T, Hi, Di, block, topk (ceiling), init, local, top_p, min_blocks
+    (1, 1, 2, 16, 16, 4, 0, 1, 0.5, 2),  # one token
+    (2, 70, 3, 24, 8, 6, 1, 1, 0.6, 0),  # ragged tail, Di not a power of two, an init block
+    (1, 129, 2, 16, 8, 12, 0, 2, 0.9, 4),  # a floor, two local blocks
+    (2, 53, 1, 16, 4, 32, 0, 1, 0.3, 0),  # a ceiling above the block count: -1 slots
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("case", ADAPTIVE_CASES,
+                         ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}-p{}-min{}".format(*c))
+def test_indexer_adaptive_budget_matches_reference(case, fp8):
+    """The kernel's slot logits and candidate log-sum-exp (fp8: the query row's own scale applied) cut the
+    selection where the reference's adaptive budget does."""
+    B, T, H, D, bs, k, init, local, p, floor = case
+    q_idx, k_idx = torch.randn(B, T, H, D) * 2, torch.randn(B, T, D)
+    scale = None
+    if fp8:
+        k_idx, scale = indexer.quantize_index_keys(k_idx, bs)
+    kw = dict(block_size=bs, topk=k, init_blocks=init, local_blocks=local, k_scale=scale, top_p=p, min_blocks=floor)
+    got = indexer.select_blocks(q_idx, k_idx, backend="triton", **kw)
+    want = indexer.select_blocks_reference(q_idx, k_idx, **kw)
+    keys = indexer.dequantize_index_keys(k_idx, scale, bs) if fp8 else k_idx
+    logits = naive.block_scores((fp8_round(q_idx) if fp8 else q_idx).transpose(1, 2), keys, bs)
+    assert got.shape == (B, H, T, k) and got.dtype == torch.int32
+    assert_same_adaptive(got, want, logits, p)
+    fixed = indexer.select_blocks_reference(q_idx, k_idx, block_size=bs, topk=k, init_blocks=init,
+                                            local_blocks=local, k_scale=scale)
+    assert (got >= 0).sum() <= (fixed >= 0).sum()
+    if T > 8 * bs:
+        assert (got >= 0).sum() < (fixed >= 0).sum()
+
+
 FP8_CASES = [  # B, T, Hi, Di, block, topk, init, local, query dtype
     (1, 1, 1, 16, 16, 4, 0, 1, torch.float32),  # one token, one index head
     (2, 5, 3, 16, 16, 4, 0, 1, torch.float32),  # T < one block, 3 heads
@@ -395,6 +442,27 @@ def test_paged_decode_fp8_index_cache():
     got = dk.paged_select(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale, backend="triton")
     want = dk.paged_select_reference(q_idx, idx8, table, seq_lens, topk=4, idx_scale=scale)
     assert_same_selection(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp16", "fp8"])
+def test_paged_select_adaptive_budget(fp8):
+    """Decode's adaptive budget: the kernels' block scores turned into the index logits (1/sqrt(Di); fp8: the query
+    row's scale) cut the selection where the reference's budget does, sequences of 1 token to 15 pages."""
+    lens, bs, Di, k, p, floor = [1, 57, 30], 4, 16, 8, 0.7, 3
+    _, _, idx_cache, table, seq_lens = _paged(lens, bs, 1, 16, Di, dtype=torch.float16)
+    scale = None
+    if fp8:
+        idx_cache, scale = dk.quantize_pages(idx_cache)
+    q_idx = torch.randn(3, 2, Di, dtype=torch.float16) * 2
+    kw = dict(topk=k, init_blocks=1, local_blocks=1, idx_scale=scale, top_p=p, min_blocks=floor)
+    got = dk.paged_select(q_idx, idx_cache, table, seq_lens, backend="triton", **kw)
+    want = dk.paged_select_reference(q_idx, idx_cache, table, seq_lens, **kw)
+    logits = dk.paged_block_scores_reference(q_idx, idx_cache, table, seq_lens, scale)  # fp8: the e4m3 query rows
+    logits = logits * dk.index_logit_scale(q_idx, fp8) * Di**0.5
+    assert_same_adaptive(got, want, logits, p, tol=1e-2)
+    fixed = dk.paged_select_reference(q_idx, idx_cache, table, seq_lens, topk=k, init_blocks=1, idx_scale=scale)
+    kept = (got >= 0).sum(-1)
+    assert (kept[0] == 1).all() and (kept[1:] >= floor).all() and kept.sum() < (fixed >= 0).sum()
 
 
 TOP_BLOCKS_CASES = [  # chunk, lens, block, index heads, topk, init, local, scores

@@ -202,3 +202,25 @@ def test_m3_narrow_index_head_on_every_path(tmp_path):
     outputs["onnx"] = torch.from_numpy(session.run(None, {"input_ids": x.numpy()})[0])
     for name, got in outputs.items():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_converted_m3_tiny_preset_loads_in_transformers_whole(tiny_msa):
+    """The m3-tiny preset as `m3c convert` writes it (here block 8 / top-2, fp32) loads in transformers' own class
+    for its model type with every tensor in place (none missing, none unexpected, no token id outside the
+    vocabulary) and gives m3compile.load's logits, MSA layers selecting."""
+    import warnings
+
+    config = json.loads((tiny_msa / "config.json").read_text())
+    assert config["model_type"] == "minimax_m3_vl_text"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. a bos_token_id outside the vocabulary
+        hf, info = transformers.MiniMaxM3VLForCausalLM.from_pretrained(tiny_msa, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set()), info
+    assert hf.config.layer_types == ["full_attention"] + ["minimax_m3_sparse"] * 3
+    ids = (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id, hf.generation_config.bos_token_id)
+    assert all(i is None or 0 <= i < 256 for i in ids), ids
+    ours = m3compile.load(tiny_msa, dtype="float32")
+    x = torch.randint(0, 256, (2, 41))  # 6 blocks of 8, top-2: really sparse
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(x).logits, ours(x), rtol=1e-4, atol=1e-4)

@@ -220,16 +220,16 @@ def test_held_out_evaluation_reads_the_weights_a_fused_step_left(byte_msa):
     data = windows(load_tokens(EVAL_DATA, 256), 256, 1)  # 16 blocks, top-4: the index weights decide the blocks
     held = HeldOut(data, model, DistillConfig(steps=1, seq_len=256), "cpu", trains_backbone=False)
     with torch.no_grad():
-        before = held._loss(SimpleNamespace(sharded=False), sparse=True)
+        before = held._loss(SimpleNamespace(sharded=False), sparse=True, wins=data)
     opt = torch.optim.AdamW([wq, wk], lr=0.1, fused=True)
     wq.grad, wk.grad = torch.ones_like(wq), torch.ones_like(wk)
     opt.step()
     fresh = load(byte_msa, dtype="float32")
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
-        after = held._loss(SimpleNamespace(sharded=False), sparse=True)
+        after = held._loss(SimpleNamespace(sharded=False), sparse=True, wins=data)
         want = HeldOut(data, fresh, DistillConfig(steps=1, seq_len=256), "cpu", trains_backbone=False)._loss(
-            SimpleNamespace(sharded=False), sparse=True)
+            SimpleNamespace(sharded=False), sparse=True, wins=data)
     assert after != before and after == want
 
 
@@ -243,9 +243,11 @@ def test_learning_rate_curves():
     assert cos.lr_at(0) == 1e-3 and cos.lr_at(25) == pytest.approx(6e-4) and cos.lr_at(50) == pytest.approx(2e-4)
     assert cos.lr_at(99) == pytest.approx(2e-4)
     assert cos.fingerprint(1)["lr_schedule"] == {"schedule": "cosine", "warmup_steps": 0, "decay_steps": 50, "min": 0.2}
-    for bad, message in [(dict(lr_schedule="linear"), "lr_schedule must be"), (dict(lr_min=1.5), "lr_min"),
-                         (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
-                         (dict(lr_warmup_steps=5, lr_decay_steps=5), "lr_decay_steps must be")]:
+    for bad, message in [(dict(lr_schedule="linear"), "lr_schedule must be"),
+                         (dict(lr_schedule="cosine", lr_min=1.5), "lr_min"), (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
+                         (dict(lr_schedule="cosine", lr_warmup_steps=5, lr_decay_steps=5), "lr_decay_steps must be"),
+                         (dict(lr_min=0.2), "lr_min shapes the cosine schedule and cannot apply to the constant one"),
+                         (dict(lr_decay_steps=5, lr_min=0.2), "lr_decay_steps and lr_min shape the cosine")]:
         with pytest.raises(M3CompileError, match=message):
             DistillConfig(steps=10, **bad)
 
@@ -348,3 +350,43 @@ def test_existing_output_and_mismatched_resume_leave_it_untouched(byte_msa, tmp_
     plain.mkdir()
     code, output = distill_cli(byte_msa, CALIB_DATA, plain, "--resume")
     assert code == 2 and "no distillation state" in output
+
+
+def test_distillation_keeps_an_adaptive_budget(tmp_path):
+    """A model with an adaptive budget distils on the blocks it keeps (the sparse KL over its support, the block
+    loss over every candidate, whose distribution the budget's cut reads), and the output keeps the budget."""
+    from m3compile import MSAConfig, convert_checkpoint
+
+    src = tmp_path / "msa"
+    convert_checkpoint(LLAMA_BYTE, src, MSAConfig(block_size=16, topk=6, dense_layers=(0,), top_p=0.6, min_blocks=2))
+    report = distill(src, CALIB_DATA, tmp_path / "out", DistillConfig(steps=3, seq_len=256, batch=1, lr=1e-2,
+                                                                     warmup_steps=1, holdout_tokens=0))
+    assert report.steps == 3 and all(np.isfinite(h["kl"]) for h in report.history)
+    assert report.history[-1]["mode"] == "sparse" and report.history[-1]["recall"] < 1.0
+    sparse = json.loads((tmp_path / "out" / "config.json").read_text())["sparse_attention_config"]
+    assert sparse["sparse_top_p"] == 0.6 and sparse["sparse_min_blocks"] == 2
+
+
+def test_a_state_worse_at_a_longer_length_is_not_kept(byte_msa, tmp_path):
+    """The held-out tokens are judged at the training length and at 2x and 4x it (within the model's positions): a
+    state better at the training length but worse at 2x it is not kept, and a distillation records every length."""
+    from m3compile.train.holdout import HeldOut, summary
+
+    data = windows(load_tokens(EVAL_DATA, 256), 64, 4)
+    held = HeldOut(data, None, DistillConfig(steps=1, seq_len=64), "cpu", trains_backbone=False, max_len=200)
+    assert held.lengths == [64, 128]  # 256 tokens, but the positions end at 200
+    def entry(step, a, b):
+        lengths = {str(n): {"loss": x, "dense_loss": 1.0, "gap": x - 1} for n, x in ((64, a), (128, b))}
+        return {"step": step, **lengths["64"], "lengths": lengths}
+
+    held.history = [entry(0, 1.10, 1.20), entry(1, 1.05, 1.21),  # step 1: better at 64, worse at 128
+                    entry(2, 1.08, 1.19)]
+    assert held.best["step"] == 2
+    held.history = held.history[:2]
+    assert held.best["step"] == 0
+    line = summary({**held.to_dict(1), "windows": 4, "tokens": 256})
+    assert "judged at 64, 128 tokens" in line and "keeps the start" in line
+    report = distill(byte_msa, CALIB_DATA, tmp_path / "out", DistillConfig(steps=1, seq_len=64, lr=1e-2,
+                                                                          holdout_tokens=256, block_loss=0))
+    assert report.holdout["lengths"] == [64, 128, 256]
+    assert all(set(h["lengths"]) == {"64", "128", "256"} for h in report.holdout["evaluations"])
