@@ -77,17 +77,17 @@ def _sparse_attention_gathered(qg, k, v, blocks, block_size, scale, ct, out, chu
 # 50 of a 1K window's 61 s of attention
 MASKED_REACH = 4
 # queries per chunk of the masked pass at most: each chunk scores only the keys up to its last query, so smaller
-# chunks skip more of the causally masked half
+# chunks skip more of the causally masked half; on a 2-core CPU a 1K-token prompt (the byte model's shapes, block 64
+# / top-8) took 40 ms a layer in chunks of 256 against 170 ms in one
 MASKED_CHUNK = 256
 
 
 def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk):
     """sparse_attention as causal attention over every key with the unselected blocks masked out, for selections
-    that reach much of the sequence (as at CPU eval lengths): one SDPA call per chunk of queries over all the keys up
-    to its last query, with an additive mask instead of gathering K * block keys per query, the same softmax. A block
-    in n slots weighs n times (log n added to its scores), as the gathered form and the kernels count it; -1 slots
-    add nothing. qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]. On a 2-core CPU a 1K-token prompt of the byte model
-    (block 64 / top-8) takes 10 ms a layer, against 150 ms as einsum and softmax over all the keys in one chunk."""
+    that reach much of the sequence (as at CPU eval lengths): matmuls over all T keys instead of gathering K * block
+    keys per query, the same softmax. A block in n slots weighs n times (log n added to its scores, block by block),
+    as the gathered form and the kernels count it; -1 slots add nothing. qg [B, Hkv, G, T, D] -> out
+    [B, Hkv, G, T, D]."""
     B, Hkv, G, T, D = qg.shape
     Tk = k.shape[2]
     off = Tk - T  # position of query row 0
@@ -97,19 +97,16 @@ def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk
     chunk = chunk or min(MASKED_CHUNK, query_chunk(B * Hkv * G, Tk))
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
-        C, nb = end - start, -(-(end + off) // block_size)  # the chunk's queries; blocks up to its last query
+        nb = -(-(end + off) // block_size)  # blocks up to the chunk's last query
         idx = blocks[:, :, start:end].long()  # [B, Hkv, C, K]
         count = torch.zeros(*idx.shape[:3], nb + 1, dtype=ct, device=qg.device)
         count.scatter_add_(-1, torch.where(idx >= 0, idx, nb), torch.ones_like(idx, dtype=ct))
-        bias = count[..., :nb, None].log().expand(B, Hkv, C, nb, block_size).reshape(B, Hkv, C, nb * block_size)
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), kb[:, :, :nb * block_size]) * scale
+        s.view(*s.shape[:4], nb, block_size).add_(count[:, :, None, :, :nb, None].log())  # log n, -inf unselected
         causal = torch.arange(nb * block_size, device=qg.device) > torch.arange(start + off, end + off,
                                                                                  device=qg.device)[:, None]
-        bias = bias.masked_fill(causal, float("-inf"))  # [B, Hkv, C, keys]: log n, -inf unselected or ahead
-        mask = bias[:, :, None].expand(B, Hkv, G, C, nb * block_size).reshape(B, Hkv, G * C, nb * block_size)
-        o = F.scaled_dot_product_attention(qg[:, :, :, start:end].to(ct).reshape(B, Hkv, G * C, D),
-                                           kb[:, :, :nb * block_size], vb[:, :, :nb * block_size], attn_mask=mask,
-                                           scale=scale)
-        out[:, :, :, start:end] = o.view(B, Hkv, G, C, D)
+        p = torch.softmax(s.masked_fill_(causal, float("-inf")), dim=-1)
+        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, vb[:, :, :nb * block_size])
 
 
 def dense_attention(
