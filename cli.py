@@ -4,8 +4,9 @@ This module holds the group (its one-line errors, exit statuses and signal handl
 the groups of several subcommands each have a module of m3compile/commands/ (eval, bench; distill and train share
 theirs). Every command imports the library modules it runs inside its function, when it runs: the command line is
 the one place of the package that imports so (tests/test_architecture.py, LAZY_BY_DESIGN), and its module tops
-import only torch-free names, so `m3c --help`, a command's help and a usage error answer without loading torch, and
-each command loads only the layers it runs (generate: no tracing, passes, ONNX or plotting).
+import only torch-free names and no rich (the commands that draw tables and progress bars import it), so `m3c --help`,
+a command's help and a usage error answer without loading torch, and each command loads only the layers it runs
+(generate: no rich, tracing, passes, ONNX, evaluation, training or plotting; tests/test_architecture.py runs it).
 """
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
 from m3compile.config import INDEX_CACHE_DTYPES, INDEX_DTYPES, SIZE_LIMITS
 from m3compile.errors import DistillInterrupted, M3CompileError
@@ -222,6 +221,11 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dens
     attention is rewritten from per-frame into 3D windows of --vision-window temporal steps
     (vision_config.vit_3d_window in OUT/config.json).
     """
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+    from rich.table import Table
+
     from m3compile.config import MSAConfig
     from m3compile.conversion.checkpoint import convert_checkpoint
     from m3compile.evaluation.loss import dense_layers_by_cost
@@ -315,6 +319,8 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     outlines enclose, for every query row, the key blocks the index branch selected. Mass outside the outlines is
     what MSA drops. The right panel is the block recall of every MSA layer on the same window.
     """
+    from rich.table import Table
+
     from m3compile.data import load_tokens
     from m3compile.tools.attention_map import attention_map, check_map_output, draw_attention_map
 
@@ -616,6 +622,10 @@ def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):
         import onnxscript  # noqa: F401
     except ImportError:
         fail("export-onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime")
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
     from m3compile.export.onnx import export_onnx
 
     columns = (TextColumn("[bold]export-onnx"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -632,6 +642,8 @@ def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):
 @main.command()
 def passes():
     """List the graph passes with their stage and what each does, and the pipelines that run them."""
+    from rich.table import Table
+
     from m3compile.graph.pass_manager import PASSES
     from m3compile.pipelines import PIPELINES  # imports (so registers) every pass
 
