@@ -459,20 +459,21 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     """Continue one prompt or a batch of prompts with MODEL_DIR (dense or converted).
 
     Give the prompts one way: --prompt TEXT, --prompt-file FILE (repeat it for several), or --prompts-jsonl FILE
-    (one JSON string per line, e.g. "def f(x):\\n"). One prompt is streamed: its text is printed as it is
-    generated. Several are prefilled one by one and decoded together, one batched step per new token, and printed
-    when all are done, each after a line naming it:
+    (one JSON string per line). One prompt is streamed: its text is printed as it is generated. Several are
+    prefilled one by one and decoded together, one batched step per new token, and printed when all are done, in
+    order, each after a line with its number and its source (the file, or FILE:LINE of the JSON-lines file):
 
     \b
-    --- prompt 1 (a.py) ---
-    <the continuation of a.py>
-    --- prompt 2 (b.py) ---
+    --- prompt 1 (prompts.jsonl:1) ---
+    <its continuation>
+    --- prompt 2 (prompts.jsonl:2) ---
     ...
 
-    (a JSON-lines prompt is named FILE:LINE). --json prints instead one JSON line per prompt, in order, for
-    scripts. Greedy continuations are the same in a batch as alone; a sampled batch (--temperature) draws for all
-    its prompts at once, so --seed repeats a batch, not each prompt alone. Each prompt stops at --max-new-tokens
-    or at the end-of-sequence token of generation_config.json / config.json.
+    --json prints instead one JSON line per prompt (prompt_index, source, prompt_tokens, tokens, text, finish): the
+    form for scripts, as a continuation may hold a line like a header. Greedy continuations are the same in a batch
+    as alone; a sampled batch (--temperature) draws for all its prompts at once, so --seed repeats a batch, not each
+    prompt alone. Each prompt stops at --max-new-tokens or at the end-of-sequence token of generation_config.json /
+    config.json.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
     without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec. The
