@@ -4,8 +4,9 @@ This module holds the group (its one-line errors, exit statuses and signal handl
 the groups of several subcommands each have a module of m3compile/commands/ (eval, bench; distill and train share
 theirs). Every command imports the library modules it runs inside its function, when it runs: the command line is
 the one place of the package that imports so (tests/test_architecture.py, LAZY_BY_DESIGN), and its module tops
-import only torch-free names, so `m3c --help`, a command's help and a usage error answer without loading torch, and
-each command loads only the layers it runs (generate: no tracing, passes, ONNX or plotting).
+import only torch-free names and no rich (the commands that draw tables and progress bars import it), so `m3c --help`,
+a command's help and a usage error answer without loading torch, and each command loads only the layers it runs
+(generate: no rich, tracing, passes, ONNX, evaluation, training or plotting; tests/test_architecture.py runs it).
 """
 from __future__ import annotations
 
@@ -21,10 +22,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
-from m3compile.config import INDEX_CACHE_DTYPES, INDEX_DTYPES
+from m3compile.config import INDEX_CACHE_DTYPES, INDEX_DTYPES, SIZE_LIMITS
 from m3compile.errors import DistillInterrupted, M3CompileError
 from m3compile.export.onnx_providers import DTYPES as ONNX_DTYPES, EXTERNAL_DATA, PROVIDERS as ONNX_PROVIDERS
 from m3compile.outputs import COMMITTED
@@ -148,7 +147,7 @@ def main(verbose):
     m3c distill MODEL ...  train the index branch with KL (resumable, torchrun-ready)
     m3c train MODEL ...    continued training with sparse attention: LM loss + coeff x KL
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
-    m3c generate MODEL ... text from a prompt, streamed (greedy, or sampled with --temperature)
+    m3c generate MODEL ... text from a prompt, streamed, or from a batch of prompts (greedy, or sampled)
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
     m3c bench kernels      Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
@@ -222,6 +221,11 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dens
     attention is rewritten from per-frame into 3D windows of --vision-window temporal steps
     (vision_config.vit_3d_window in OUT/config.json).
     """
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+    from rich.table import Table
+
     from m3compile.config import MSAConfig
     from m3compile.conversion.checkpoint import convert_checkpoint
     from m3compile.evaluation.loss import dense_layers_by_cost
@@ -315,6 +319,8 @@ def attention_map(model_dir, data, layer, group, out, seq_len, offset, dtype, de
     outlines enclose, for every query row, the key blocks the index branch selected. Mass outside the outlines is
     what MSA drops. The right panel is the block recall of every MSA layer on the same window.
     """
+    from rich.table import Table
+
     from m3compile.data import load_tokens
     from m3compile.tools.attention_map import attention_map, check_map_output, draw_attention_map
 
@@ -343,11 +349,89 @@ _prefill_chunk_option = click.option(
          "else the largest chunk that does.")
 
 
+_JSON_KINDS = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number",
+               type(None): "null"}
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A file of `what` (the prompt, the prompts) as UTF-8 text; a file that cannot be read or is not UTF-8 ends the
+    command with one line naming it."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        fail(f"{path}: cannot read {what} ({e.strerror})")
+    except UnicodeDecodeError as e:
+        fail(f"{path}: not UTF-8 text (invalid byte at offset {e.start})")
+
+
+def _jsonl_prompts(path: Path) -> list[tuple[str, str]]:
+    """(source "FILE:LINE", text) for each line of a JSON-lines file of prompts: every line one JSON string (the
+    newline that ends the last line is not a line of its own). A blank line, a line that is not JSON or whose value is
+    not a string, and a file with no line are one-line errors naming the file and the line."""
+    text = _read_text(path, "the prompts")
+    lines = text.split("\n")  # not splitlines(): U+2028 and the like may stand unescaped inside a JSON string
+    if lines[-1] == "":
+        lines.pop()
+    if not lines:
+        fail(f"{path}: no prompts (the file is empty; expected one JSON string per line)")
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            fail(f"{path} line {n}: a blank line (expected one JSON string per line, a prompt)")
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(f"{path} line {n}: not valid JSON ({e.msg}: column {e.colno}); expected one JSON string per line")
+        if not isinstance(value, str):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            fail(f"{path} line {n}: expected a JSON string (a prompt), got {_JSON_KINDS[type(value)]} ({shown})")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can escape a lone surrogate ("\\ud800"), which is no text
+            fail(f"{path} line {n}: the string holds a lone surrogate (\\u{ord(value[e.start]):04x}), which is not "
+                 f"text")
+        out.append((f"{path}:{n}", value))
+    return out
+
+
+def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: tuple[Path, ...]) \
+        -> list[tuple[str, str]]:
+    """(source, text) of every prompt of `m3c generate`, from its one source: --prompt, --prompt-file (one or
+    more) or --prompts-jsonl; read and checked whole before the model loads."""
+    given = [name for name, value in (("--prompt", prompt is not None), ("--prompt-file", prompt_files),
+                                      ("--prompts-jsonl", prompts_jsonl)) if value]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one source of prompts: --prompt, --prompt-file (one or more) or "
+                               "--prompts-jsonl" + (f", not {' and '.join(given)}" if given else ""))
+    if len(prompts_jsonl) > 1:
+        raise click.UsageError("give --prompts-jsonl once (one file of prompts, one per line)")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+            fail(f"--prompt is not UTF-8 text (invalid byte at offset "
+                 f"{len(prompt[:e.start].encode('utf-8', 'replace'))})")
+        return [("--prompt", prompt)]
+    if prompt_files:
+        prompts = [(str(path), _read_text(path, "the prompt")) for path in prompt_files]
+    else:
+        prompts = _jsonl_prompts(prompts_jsonl[0])
+    limit, n = SIZE_LIMITS["batch"], len(prompts)
+    if n > limit:
+        fail(f"{f'{prompts_jsonl[0]}: {n:,} prompts' if prompts_jsonl else f'{n:,} --prompt-file prompts'}, past the "
+             f"ceiling of {limit:,} sequences in one batch")
+    return prompts
+
+
 @main.command()
 @click.argument("model_dir", type=InputPath())
 @click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=InputPath(), default=None, help="Read the prompt from this UTF-8 file.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=Size(), help="Tokens to generate at most.")
+@click.option("--prompt-file", "prompt_files", type=InputPath(), multiple=True,
+              help="Read a prompt from this UTF-8 file; repeat for a batch (one prompt per file).")
+@click.option("--prompts-jsonl", type=InputPath(), multiple=True,
+              help="A batch of prompts: a JSON-lines file, each line one JSON string (a prompt); no blank lines.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=Size(), help="Tokens to generate at most, per prompt.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples from softmax(logits / T).")
 @click.option("--top-p", default=1.0, show_default=True, help="With --temperature: sample from the smallest set of tokens holding this probability.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible output).")
@@ -357,41 +441,50 @@ _prefill_chunk_option = click.option(
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--eager", is_flag=True,
               help="Decode step by step (on a GPU the step is otherwise replayed as a CUDA graph).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON line per prompt, after generation: prompt_index (from 1), source, prompt_tokens, "
+                   "tokens (the new token ids), text and finish (eos or length).")
 @click.option("--timings", is_flag=True,
-              help="After the text, print one JSON object of seconds on stderr: import (from the command's start), "
+              help="After the text, print one JSON object on stderr: seconds of import (from the command's start), "
                    "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
                    "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants); CUDA "
-                   "is synchronised between phases.")
+                   "is synchronised between phases; and batch, new_tokens and new_tokens_per_s (every prompt's new "
+                   "tokens over the decode seconds, to compare a batch with one prompt).")
 @kv_cache_option()
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
               help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")
 @_prefill_chunk_option
-def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p, seed, dtype, device, eager, timings,
-             kv_cache, index_cache, prefill_chunk):
-    """Continue a prompt with MODEL_DIR (dense or converted), streaming the text as it is generated.
+def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, temperature, top_p, seed, dtype, device,
+             eager, as_json, timings, kv_cache, index_cache, prefill_chunk):
+    """Continue one prompt or a batch of prompts with MODEL_DIR (dense or converted).
+
+    Give the prompts one way: --prompt TEXT, --prompt-file FILE (repeat it for several), or --prompts-jsonl FILE
+    (one JSON string per line). One prompt is streamed: its text is printed as it is generated. Several are
+    prefilled one by one and decoded together, one batched step per new token, and printed when all are done, in
+    order, each after a line with its number and its source (the file, or FILE:LINE of the JSON-lines file):
+
+    \b
+    --- prompt 1 (prompts.jsonl:1) ---
+    <its continuation>
+    --- prompt 2 (prompts.jsonl:2) ---
+    ...
+
+    --json prints instead one JSON line per prompt (prompt_index, source, prompt_tokens, tokens, text, finish): the
+    form for scripts, as a continuation may hold a line like a header. Greedy continuations are the same in a batch
+    as alone; a sampled batch (--temperature) draws for all its prompts at once, so --seed repeats a batch, not each
+    prompt alone. Each prompt stops at --max-new-tokens or at the end-of-sequence token of generation_config.json /
+    config.json.
 
     Text goes through the checkpoint's tokenizer.json, or as raw UTF-8 bytes for a byte-level (vocab 256) model
-    without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec.
-    Stops at --max-new-tokens or the end-of-sequence token of generation_config.json / config.json. A context
-    whose caches do not fit in memory stops before anything is allocated, saying what would fit.
+    without one. Generation uses m3compile.generate: paged KV caches, MSA layers select blocks as in the spec. The
+    caches hold every prompt at the longest one's length plus --max-new-tokens; what does not fit in memory stops
+    before anything is allocated, saying what would (how many of these prompts at once, how many positions).
 
     On a GPU the Triton kernels run the tiles recorded from the H200's tuning (M3C_AUTOTUNE=0 unless set: a
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
     (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
     """
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_bytes().decode("utf-8")
-        except OSError as e:
-            fail(f"{prompt_file}: cannot read the prompt ({e.strerror})")
-        except UnicodeDecodeError as e:
-            fail(f"{prompt_file}: not UTF-8 text (invalid byte at offset {e.start})")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
-        fail(f"--prompt is not UTF-8 text (invalid byte at offset {len(prompt[:e.start].encode('utf-8', 'replace'))})")
+    prompts = _prompts(prompt, prompt_files, prompts_jsonl)
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, next
     from m3compile.io.tokenizer import TextCodec, eos_token_id
     from m3compile.runtime.generate import generate
@@ -405,9 +498,12 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
     if timings:
         clock.mark("tokenize")
     codec = TextCodec(model_dir, model.args.vocab_size)
-    ids = codec.encode(prompt)
-    if not ids:
-        fail("the prompt is empty (no tokens)")
+    ids = [codec.encode(text) for _, text in prompts]
+    for i, ((source, _), p) in enumerate(zip(prompts, ids), 1):
+        if not p:
+            fail("the prompt is empty (no tokens)" if len(prompts) == 1 else
+                 f"prompt {i} ({source}) is empty (no tokens)")
+    streamed = len(prompts) == 1 and not as_json
     stream = codec.stream()
     if timings:
         clock.stop()
@@ -418,11 +514,23 @@ def generate(model_dir, prompt, prompt_file, max_new_tokens, temperature, top_p,
             click.echo(text, nl=False)
             sys.stdout.flush()
 
-    result = generate(model, [ids], max_new_tokens, eos_token_id=eos_token_id(model.source_config, model_dir),
-                      temperature=temperature, top_p=top_p, seed=seed, on_token=show,
-                      cuda_graph=False if eager else None, timings=timings, kv_cache_dtype=kv_cache,
-                      index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
-    click.echo()
+    eos = eos_token_id(model.source_config, model_dir)
+    result = generate(model, ids, max_new_tokens, eos_token_id=eos, temperature=temperature, top_p=top_p, seed=seed,
+                      on_token=show if streamed else None, cuda_graph=False if eager else None, timings=timings,
+                      kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
+    if streamed:
+        click.echo()
+    else:
+        for i, ((source, _), p, new) in enumerate(zip(prompts, ids, result.tokens), 1):
+            decode = codec.stream()
+            text = "".join(decode(t) for t in new)  # the text streaming shows
+            if as_json:
+                finish = "eos" if eos is not None and new and new[-1] == eos else "length"
+                click.echo(json.dumps({"prompt_index": i, "source": source, "prompt_tokens": len(p), "tokens": new,
+                                       "text": text, "finish": finish}))
+            else:
+                click.echo(f"--- prompt {i} ({source}) ---")
+                click.echo(text)
     if timings:
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
         click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
@@ -515,6 +623,10 @@ def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):
         import onnxscript  # noqa: F401
     except ImportError:
         fail("export-onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime")
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
     from m3compile.export.onnx import export_onnx
 
     columns = (TextColumn("[bold]export-onnx"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -531,6 +643,8 @@ def export_onnx(model_dir, out_dir, dtype, external_data, provider, force):
 @main.command()
 def passes():
     """List the graph passes with their stage and what each does, and the pipelines that run them."""
+    from rich.table import Table
+
     from m3compile.graph.pass_manager import PASSES
     from m3compile.pipelines import PIPELINES  # imports (so registers) every pass
 

@@ -76,8 +76,8 @@ fi
 
 last_steps=0  # the cosine ends at the last stage: every stage's call names the same curve
 for spec in $TOKENS; do last_steps=$(steps_of "$spec"); done
-schedule=(--lr-schedule $LR_SCHEDULE --lr-warmup $LR_WARMUP --lr-min $LR_MIN)
-if [ "$LR_SCHEDULE" = cosine ]; then schedule+=(--lr-decay-steps $last_steps); fi
+schedule=(--lr-schedule $LR_SCHEDULE --lr-warmup $LR_WARMUP)  # the floor and the decay shape the cosine alone
+if [ "$LR_SCHEDULE" = cosine ]; then schedule+=(--lr-min $LR_MIN --lr-decay-steps $last_steps); fi
 
 for spec in $TOKENS; do
   steps=$(steps_of "$spec")

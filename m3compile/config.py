@@ -13,8 +13,8 @@ from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
            "check_msa_ranges", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES", "SELECTIONS",
-           "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS",
-           "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
+           "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM",
+           "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -37,6 +37,10 @@ SELECTIONS = ("index", "oracle", "dense", "recent")
 # scores its index in fp8) or "fp8"
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "int8")
 INDEX_CACHE_DTYPES = ("auto", "fp8")
+# The RULER-style suite's tasks, in its order (m3compile.evaluation.ruler_tasks.TASKS builds them): named here so that
+# the command line lists them without building the suite
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
 # The largest MSA settings accepted (M3: block 128, top-16, 4 index heads of 128): far past any model, well short of
 # what would exhaust memory or overflow the kernels' offsets

@@ -218,10 +218,12 @@ def available_bytes(device) -> float | None:
         return None
 
 
-def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device", auto_chunk: bool = False) -> None:
+def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device", auto_chunk: bool = False,
+                 batch_of: str | None = None) -> None:
     """Raise M3CompileError with the numbers, and the options that would fit, when `plan` does not fit in `free`
     bytes (None: unknown, nothing checked). auto_chunk: the plan's prefill chunk was chosen by `prefill_chunk`
-    (no option set it), so each option gets its own."""
+    (no option set it), so each option gets its own. batch_of: what the batch's sequences are, when they are given
+    one by one rather than by a batch size ("prompts": the smaller batch is then "2 of these 3 prompts at once")."""
     if free is None or plan.need <= free:
         return
 
@@ -257,7 +259,8 @@ def check_memory(plan: MemoryPlan, free: float | None, where: str = "the device"
     for batch in range(plan.batch - 1, 0, -1):
         p = fitting(batch=batch)
         if p is not None:
-            options.append(f"a batch of {batch}{chunk_note(p)} ({size(p.need)})")
+            fewer = f"{batch} of these {plan.batch} {batch_of} at once" if batch_of else f"a batch of {batch}"
+            options.append(f"{fewer}{chunk_note(p)} ({size(p.need)})")
             break
     lo, hi = 0, plan.tokens  # the longest context that fits as asked otherwise
     while lo < hi:

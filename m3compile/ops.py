@@ -434,7 +434,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, style: st
 @_lowers(add_rms_norm)
 def add_rms_norm_triton(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float,
                         style: str = "rms") -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the norm in one kernel where no gradient is needed (the same values)."""
+    """The residual add and the norm in one kernel where no gradient is needed (the same values). x and d of two
+    dtypes (an fp32 residual stream beside bf16 autocast outputs) go in as torch's sum would take them: both in the
+    promoted dtype, an exact cast."""
+    if x.dtype != d.dtype:
+        ct = torch.promote_types(x.dtype, d.dtype)
+        x, d = x.to(ct), d.to(ct)
     return norm_rope.add_rms_norm(x, d, weight, eps=eps, style=style)
 
 

@@ -178,12 +178,12 @@ def test_bare_names_do_not_import(tmp_path, name):
 
 def test_the_command_line_starts_without_torch():
     """`import m3compile`, `m3c --help`, a command's help and a usage error import no torch, Triton, numpy,
-    networkx or matplotlib: the package's public names and each command's modules load when first used."""
+    networkx, matplotlib or rich: the package's public names and each command's modules load when first used."""
     code = ("import sys\nfrom m3compile.cli import main\n"
             "for args in (['--help'], ['generate', '--help'], ['bench', 'model', '--help'], ['convert', '--bogus'],\n"
             "             ['eval', 'ruler', '--help'], ['eval', 'M', '--task', 'ruler'], ['eval', 'loss', 'M']):\n"
             "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
-            "heavy = ('torch', 'triton', 'numpy', 'networkx', 'matplotlib', 'onnx', 'tokenizers')\n"
+            "heavy = ('torch', 'triton', 'numpy', 'networkx', 'matplotlib', 'onnx', 'tokenizers', 'rich')\n"
             "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -198,3 +198,35 @@ def test_generate_imports_no_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_generate_imports_only_what_it_runs(tmp_path):
+    """`m3c generate` on the CPU, prompts streamed and batched: no rich (it draws nothing), no ONNX, networkx,
+    transformers, matplotlib or Triton, and none of the library's tracing, passes, conversion, evaluation, training,
+    tools or bench modules."""
+    (tmp_path / "p.jsonl").write_text('"def f(x):"\n"import os"\n')
+    code = ("import sys\nfrom m3compile.cli import main\n"
+            f"for args in (['--prompt', 'def f(x):'], ['--prompts-jsonl', {str(tmp_path / 'p.jsonl')!r}, '--json']):\n"
+            f"    try:\n        main(['generate', {str(ROOT / 'checkpoints' / 'byte-llama')!r}, *args, "
+            "'--max-new-tokens', '2'])\n"
+            "    except SystemExit as e:\n        assert not e.code, e.code\n"
+            "print(sorted(sys.modules), file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as on a user's CPU
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stderr.strip().splitlines()[-1])
+    assert '"prompt_index": 1' in out.stdout and '"prompt_index": 2' in out.stdout  # the batch ran
+    foreign = ("rich", "onnx", "onnxscript", "onnxruntime", "networkx", "transformers", "matplotlib", "triton")
+    library = ("m3compile.graph", "m3compile.passes", "m3compile.pipelines", "m3compile.conversion",
+               "m3compile.evaluation", "m3compile.train", "m3compile.tools", "m3compile.bench", "m3compile.export.onnx")
+    assert "torch" in loaded and "m3compile.runtime.generate" in loaded
+    assert [m for m in loaded if m.split(".")[0] in foreign or any(m == p or m.startswith(p + ".") for p in library)] \
+        == []
+
+
+def test_the_command_line_names_the_ruler_tasks_it_does_not_import():
+    """`m3c eval ruler --help` lists the tasks from m3compile.config, which names them in the suite's order."""
+    from m3compile.config import RULER_TASKS
+    from m3compile.evaluation.ruler_tasks import TASKS
+
+    assert RULER_TASKS == tuple(TASKS)

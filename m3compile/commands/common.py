@@ -3,8 +3,9 @@ the terminal (in the log unless --verbose), the console, the paths a command rea
 the one output guard before the command runs), the parsing of sizes and name lists, the --kv-cache and
 selection-budget options, loading a model as the commands do.
 
-Like every module of the command line, it imports the library's torch-bound modules inside the functions that use
-them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a usage error load no torch.
+Like every module of the command line, it imports the library's torch-bound modules, and rich, inside the functions
+that use them (tests/test_architecture.py's LAZY_BY_DESIGN), so that `m3c --help` and a usage error load no torch,
+and a command that draws nothing (generate) no rich.
 """
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 
 from m3compile.config import KV_CACHE_DTYPES, parse_size, parse_sizes
 from m3compile.errors import M3CompileError
 from m3compile.outputs import OUTPUT_KINDS, check_output
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console",
            "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "split_names", "stacked", "load_model",
@@ -109,6 +113,8 @@ def libraries_to_log(verbose: bool, argv: list[str]):
 
 def stdout_console() -> Console:
     """The console a command prints its tables and lines to (stdout)."""
+    from rich.console import Console
+
     return Console(stderr=False)
 
 

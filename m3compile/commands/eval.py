@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from m3compile.config import INDEX_DTYPES, SELECTIONS
-from m3compile.evaluation.ruler_tasks import TASKS as RULER_TASKS
+from m3compile.config import INDEX_DTYPES, RULER_TASKS, SELECTIONS
 from m3compile.commands.common import (
     Group, InputPath, OutputPath, Size, budget_options, fail, kv_cache_option, load_model, split_names, stacked,
     stdout_console,
@@ -95,6 +92,9 @@ def eval_loss(model_dir, data, seq_len, max_windows, batch, no_oracle, kv_cache,
     twice, e.g. --kv-cache bf16 --json and --kv-cache fp8 --json, and compare the losses (the JSON's kv_cache names
     the dtype).
     """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
     from m3compile.config import EvalConfig
     from m3compile.data import load_tokens
     from m3compile.evaluation.loss import evaluate
@@ -160,6 +160,9 @@ def eval_layers(model_dir, data, seq_len, max_windows, selections, dtype, index_
     are the converted model's. The costliest layers are the ones to keep dense (m3c convert --dense-costliest N
     measures the oracle's on calibration data before converting). One forward per window, layer and selection.
     """
+    from rich.progress import Progress
+    from rich.table import Table
+
     from m3compile.data import load_tokens
     from m3compile.evaluation.loss import layer_costs
 
@@ -202,6 +205,9 @@ def eval_retrieval(model_dir, data, seq_len, distances, probes, seed, dtype, ind
     tokens later; it scores the greedy copy (exact) and its log-probability, with dense attention and with the MSA
     selection, in the model's own forward (no K/V cache).
     """
+    from rich.progress import Progress
+    from rich.table import Table
+
     from m3compile.config import EvalConfig
     from m3compile.data import load_tokens
     from m3compile.evaluation.retrieval import retrieval, text_encoder
@@ -259,6 +265,9 @@ def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections
     length is reported and kept out of the averages. --kv-cache bf16|fp8|int8 generates over a K/V cache of that
     dtype.
     """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
     from m3compile.evaluation.ruler import draw_heatmap, read_text, ruler
     from m3compile.io.tokenizer import PromptCodec
 

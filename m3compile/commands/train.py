@@ -6,7 +6,6 @@ import json
 import os
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from m3compile.commands.common import Command, InputPath, OutputPath, Size, stacked, stdout_console
 
@@ -125,6 +124,8 @@ _METRICS = {
 def _training(verb: str, run, config, params: dict) -> None:
     """`run` (m3compile.distill or .train) with `config` and the command's `params` (MODEL_DIR, --data, --out,
     --device, --resume, --force, --shard, --json): the progress bar and the closing summary (rank 0 prints)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     from m3compile.train.holdout import summary
 
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -247,7 +247,7 @@ def _fwe(alpha: float = 2.0, letters: int = 6):
 
 FWE = Task("fwe", "freq_words", 50, _fwe(), min_units=64)
 _CODE = dict(capacity=lambda hay: len(hay.lines), unit="lines")
-TASKS: dict[str, Task] = {t.name: t for t in [
+TASKS: dict[str, Task] = {t.name: t for t in [  # the names and order of m3compile.config.RULER_TASKS
     Task("niah_single_1", "niah", 128, _niah("noise")),
     Task("niah_single_2", "niah", 128, _niah("code"), **_CODE),
     Task("niah_single_3", "niah", 128, _niah("code", value_kind="uuids"), **_CODE),

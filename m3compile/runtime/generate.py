@@ -77,7 +77,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     fit beside the caches, else the largest chunk that does (m3compile.memory.prefill_chunk).
     Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
     the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
-    and what would fit (an fp8 KV cache, a smaller batch or chunk, fewer positions).
+    and what would fit (an fp8 KV cache, how many of these prompts at once, a smaller chunk, fewer positions). The
+    caches hold every sequence at the longest prompt's length plus max_new_tokens.
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
@@ -87,7 +88,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     CUDA device (lowering_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
     timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
     decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
-    launched (runtime/timings.py); CUDA is synchronised at each phase boundary, so only when asked. Generation
+    launched (runtime/timings.py), with the batch, its new tokens and new_tokens_per_s (every sequence's new tokens
+    over the decode seconds); CUDA is synchronised at each phase boundary, so only when asked. Generation
     traces nothing and runs no pass: it calls the Decoder's forward over the caches (runtime.forward), and the
     model's projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
     index q/k, one for gate/up; the same parameters and state dict, no memory added).
@@ -132,9 +134,10 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     kv_dtype = resolve_kv_cache(kv_cache_dtype, dtype, device)
     B = len(prompts)
     longest = max(len(p) for p in prompts)  # the last new token is never fed: positions up to longest + new - 2
+    which = "" if B == 1 else f"prompt {[len(p) for p in prompts].index(longest) + 1} of {B}: "
     check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
-                    f"{longest:,} prompt tokens + {max_new_tokens:,} new tokens ({longest + max_new_tokens - 1:,} "
-                    f"positions)")
+                    f"{which}{longest:,} prompt tokens + {max_new_tokens:,} new tokens "
+                    f"({longest + max_new_tokens - 1:,} positions)")
     max_len = longest + max_new_tokens
     chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
     if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
@@ -186,6 +189,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     timer.add("prompt_tokens", sum(map(len, prompts)))
     timer.add("decode_steps", len(step_logits))
+    timer.add("batch", B)
+    timer.add("new_tokens", sum(map(len, out)))
     return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
@@ -232,5 +237,5 @@ def _memory_checked_chunk(model: Decoder, batch: int, max_len: int, longest: int
     plan = memory.fitted_plan(memory.ModelShape.from_args(model.args), batch, max_len, longest, free,
                               kv_dtype=kv_dtype, index_dtype=index_dtype, model_dtype=p0.dtype, chunk=chunk,
                               page=page, weights=memory.weight_bytes(model))
-    memory.check_memory(plan, free, str(p0.device), auto_chunk=chunk is None)
+    memory.check_memory(plan, free, str(p0.device), auto_chunk=chunk is None, batch_of="prompts")
     return plan.chunk

@@ -223,7 +223,8 @@ class Timings:
 
     def to_dict(self) -> dict:
         """{phase: s}, "compile": s in all, "compile_<phase>": s where a phase compiled, "compiles", the census'
-        "kernel_variants" and per kernel, and the added figures."""
+        "kernel_variants" and per kernel, the added figures, and what follows from them: "decode_per_token" (decode
+        seconds over "decode_steps") and "new_tokens_per_s" ("new_tokens" over decode seconds)."""
         out = {k: round(v, 4) for k, v in self.seconds.items()}
         out["compile"] = round(sum(self.compile_seconds.values()), 4)
         out.update({f"compile_{k}": round(v, 4) for k, v in self.compile_seconds.items() if v})
@@ -234,6 +235,8 @@ class Timings:
         out.update(self.extra)
         if out.get("decode_steps") and "decode" in out:
             out["decode_per_token"] = round(out["decode"] / out["decode_steps"], 5)
+        if out.get("new_tokens") and out.get("decode", 0) > 0:  # a batch's throughput: all its sequences' tokens
+            out["new_tokens_per_s"] = round(out["new_tokens"] / out["decode"], 2)
         return out
 
 

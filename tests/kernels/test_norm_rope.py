@@ -95,6 +95,14 @@ def test_add_rms_norm_is_the_add_and_the_norm(style, shape):
         with lowering():
             got = norm(x, residual=d)
         assert torch.equal(got[0], want[0]) and (got[1] - want[1]).abs().max().item() < 1e-6
+        # an fp32 residual stream beside a bf16 branch output (a frozen fp32 backbone under bf16 autocast, as the
+        # distillation runs it): the lowering adds them as torch's sum promotes them
+        d16 = d.bfloat16()
+        want = norm(x, residual=d16)
+        with lowering():
+            got = norm(x, residual=d16)
+        assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0])
+        assert (got[1] - want[1]).abs().max().item() < 1e-6
     with pytest.raises(ValueError, match="one shape and dtype"):
         nr.add_rms_norm(x, d[..., :-1], norm.weight, eps=1e-5)
 

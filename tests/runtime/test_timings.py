@@ -64,8 +64,22 @@ def test_generate_reports_its_phases_and_changes_nothing():
     t = timed.timings
     assert all(t[p] >= 0 for p in PHASES) and t["prefill"] > 0 and t["decode"] > 0
     assert t["prompt_tokens"] == 6 and t["decode_steps"] == 3 and t["decode_per_token"] == round(t["decode"] / 3, 5)
+    assert t["batch"] == 1 and t["new_tokens"] == 4 and t["new_tokens_per_s"] == round(4 / t["decode"], 2)
     assert t["compiles"] == 0 and t["compile"] == 0  # the interpreter compiles nothing
     assert t["kernel_variants"] == sum(t["kernel_variants_per_kernel"].values()) > 0  # the decode kernels ran
+
+
+def test_a_batch_reports_its_size_and_the_tokens_of_all_its_sequences():
+    """new_tokens_per_s counts every sequence's new tokens over the decode seconds, so a batch compares with one
+    prompt; a sequence that stops at its end-of-sequence token adds only the tokens it made."""
+    model = tiny_msa()
+    free = m3compile.generate(model, [[3, 1, 4], [1, 5, 9, 2, 6], [5]], 5, timings=True)
+    t = free.timings
+    assert t["batch"] == 3 and t["new_tokens"] == 15 and t["decode_steps"] == 4
+    assert t["new_tokens_per_s"] == round(15 / t["decode"], 2)
+    eos = free.tokens[1][1]  # the second sequence stops at its second token
+    stopped = m3compile.generate(model, [[3, 1, 4], [1, 5, 9, 2, 6], [5]], 5, eos_token_id=eos, timings=True)
+    assert stopped.timings["new_tokens"] == sum(map(len, stopped.tokens)) < 15
 
 
 def test_a_phase_excludes_the_compiles_inside_it():
@@ -85,5 +99,6 @@ def test_cli_timings_print_one_json_object_on_stderr():
     t = json.loads(r.stderr.strip().splitlines()[-1])
     assert all(t[p] >= 0 for p in ("import", "load", "tokenize") + PHASES)
     assert t["decode_steps"] == 2 and t["prompt_tokens"] == 9
+    assert t["batch"] == 1 and t["new_tokens"] == 3 and t["new_tokens_per_s"] > 0
     assert t["total"] >= t["import"] + t["load"] + t["prefill"] + t["decode"]
     assert "{" not in r.stdout and "import" not in r.stdout  # the text alone on stdout

@@ -30,13 +30,17 @@ pytestmark = pytest.mark.xdist_group("shard")
 @pytest.fixture(scope="module")
 def sharded(byte_msa, tmp_path_factory):
     """The worker's outputs (see tests/train/shard_worker.py) of one launch of 2 gloo processes."""
-    out = tmp_path_factory.mktemp("sharded")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "train" / "shard_worker.py"), str(byte_msa), str(CALIB_DATA), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    def launch():
+        out = tmp_path_factory.mktemp("sharded")  # a fresh folder: the worker refuses to write over a run's outputs
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / "train" / "shard_worker.py"), str(byte_msa), str(CALIB_DATA), str(out)]
+        return out, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    out, done = launch()
     if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # see test_distill
+        out, done = launch()  # see test_distill
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
