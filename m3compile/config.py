@@ -14,7 +14,7 @@ from m3compile.errors import M3CompileError
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
            "check_msa_ranges", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES", "SELECTIONS",
            "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM",
-           "MAX_INDEX_HEADS"]
+           "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -49,6 +49,11 @@ MAX_TOPK = 1 << 16
 MAX_INDEX_DIM = 1024
 MAX_INDEX_HEADS = 1024
 
+# The format of what a converted config.json's sparse_attention_config means, written under FORMAT_VERSION_KEY (a key
+# of m3compile's, beside M3's own). A reader refuses a version newer than its own, whose keys it could misread; a
+# config without the key (written before it existed, or M3's own) is version 1. Raise it when a key's meaning changes.
+FORMAT_VERSION = 1
+FORMAT_VERSION_KEY = "m3compile_format_version"
 # The ceilings of sizes: every size a command takes (a length, a chunk, a number of samples, a batch, decode steps) is
 # parsed by parse_size and checked against its kind's ceiling before anything is allocated. Far past any real run,
 # short of a request that would exhaust memory before a later check could see it
@@ -223,8 +228,10 @@ class MSAConfig:
                   index_rope: str = "m3") -> dict:
         """`sparse_attention_config` with M3's own key names (plus sparse_index_dtype for fp8 scoring,
         sparse_index_rope for an index head narrower than the rotary width, sparse_top_p and sparse_min_blocks for an
-        adaptive budget: not M3 keys, written only when set)."""
+        adaptive budget: not M3 keys, written only when set) and the format version it is written in
+        (FORMAT_VERSION_KEY)."""
         out = {
+            FORMAT_VERSION_KEY: FORMAT_VERSION,
             "use_sparse_attention": True,
             "sparse_num_index_heads": index_heads,
             "sparse_index_dim": index_dim,

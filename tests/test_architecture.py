@@ -1,7 +1,8 @@
 """The package's shape: one import name, and imports that point one way through the pipeline's layers.
 
-    cli -> commands -> bench -> api -> evaluation / train / tools -> runtime -> conversion -> export -> io -> pipelines
-    -> passes -> graph -> models, ops -> config, errors, memory, data, outputs -> kernels (a leaf that knows no torch.fx)
+    cli -> commands -> bench -> api -> evaluation / train / tools -> vllm -> runtime -> conversion -> export -> io
+    -> pipelines -> passes -> graph -> models, ops -> config, errors, memory, data, outputs -> kernels (a leaf that
+    knows no torch.fx)
 
 A module may import from its own layer or any layer below it, never above; no cycles; no private name
 (`_x`) imported from another module; an import inside a function only for a module that needs an optional
@@ -29,6 +30,7 @@ LAYERS = [  # bottom to top
     ("export", ("m3compile.export",)),
     ("conversion", ("m3compile.conversion",)),
     ("runtime", ("m3compile.runtime",)),
+    ("vllm", ("m3compile.vllm",)),  # the vLLM plugin: only vLLM imports it (its entry point)
     ("evaluation / train / tools", ("m3compile.evaluation", "m3compile.train", "m3compile.tools")),
     ("api", ("m3compile.api", "m3compile")),
     ("bench", ("m3compile.bench",)),  # above the library: only the command line and the tests import it
@@ -40,7 +42,7 @@ LAYERS = [  # bottom to top
 # each command imports the library modules it runs inside its function, so --help and a usage error load no torch
 LAZY_BY_DESIGN = {"m3compile.entry", "m3compile.cli", "m3compile.commands.common", "m3compile.commands.eval",
                   "m3compile.commands.train", "m3compile.commands.bench"}
-OPTIONAL = {"triton", "onnx", "onnxscript", "onnxruntime"}  # may be missing: modules that need them load lazily
+OPTIONAL = {"triton", "onnx", "onnxscript", "onnxruntime", "vllm"}  # may be missing: modules that need them load lazily
 
 
 def _modules() -> dict[str, Path]:

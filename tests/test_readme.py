@@ -9,10 +9,13 @@ checkpoints/ and scripts/, so commands run as a reader runs them from the reposi
     other bash blocks        a command whose comment says `# error: MESSAGE` runs and must fail with exit status 2
                              and that message (up to a "..."); every other `m3c` command (also after
                              `torchrun ... -m m3compile.cli` or `$(which m3c)`) is parsed by click as it would be
-                             run, options and value types included, without running; scripts named must exist.
+                             run, options and value types included, without running; scripts named must exist;
+                             serving commands (`pip install` of the extras, which must exist, vLLM's server, curl):
+                             tests/vllm/test_server.py sends README's requests to a real server.
     python blocks            executed in order in one namespace, with the paths and sizes of python_inputs swapped
                              for tiny models (and cuda for the CPU); the names a block leaves to the reader
-                             (input_ids, frames, ...) are given tiny values.
+                             (input_ids, frames, ...) are given tiny values. A block with an OpenAI client (a
+                             server's) is compiled here and runs against a real server in tests/vllm/test_server.py.
     blocks without a language (the layout tree, config excerpts) are not code.
 
 Also: every relative link of the pages resolves, and README's Layout names every top-level folder and every
@@ -140,6 +143,16 @@ def check_setup(words: list[str]) -> None:
         raise AssertionError(f"README set-up command not covered: {' '.join(words)}")
 
 
+def serving_command(words: list[str]) -> bool:
+    """A command of serving with vLLM: pip (an install's extras must exist), vLLM's server (`vllm serve`, or the
+    module behind it), curl. tests/vllm/test_server.py runs README's requests against a real server."""
+    if words[:2] == ["pip", "install"]:
+        check_setup(words)
+        return True
+    return words[:2] in (["pip", "uninstall"], ["vllm", "serve"]) or words[0] == "curl" \
+        or words[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def small(args: list[str]) -> list[str]:
     return [SIZES[args[i - 1]] if i and args[i - 1] in SIZES else a for i, a in enumerate(args)]
 
@@ -210,6 +223,8 @@ def test_every_code_block_runs(tmp_path, monkeypatch):
                 continue
             if lang == "bash":
                 run_bash(page, section, code, ran)
+            elif lang == "python" and "OpenAI(" in code:
+                compile(code, f"{page.name} ({section})", "exec")
             elif lang == "python":
                 subs, names = python_inputs(code, tmp_path)
                 for old, new in subs:
@@ -249,6 +264,8 @@ def run_bash(page: Path, section: str, code: str, ran: dict) -> None:
         elif args is not None:
             dry_parse(args)
             ran["parsed"] += 1
+        elif serving_command(words):
+            continue
         else:
             script = next((w for w in words if w.startswith(("benchmarks/", "scripts/"))), None)
             assert script and (ROOT / script).is_file(), f"{page.name}: command not covered: {' '.join(words)}"

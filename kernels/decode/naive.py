@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of the paged decode ops of kernels/decode/ (one sequence at a time, fp32), and the
+"""Plain-PyTorch reference of the paged decode ops of kernels/decode/ (every sequence at once, fp32), and the
 quantisations the fp8 caches hold: index-key pages (one scale per page) and K/V rows (one scale per token and head).
 """
 from __future__ import annotations
@@ -17,29 +17,20 @@ __all__ = ["paged_block_scores_reference", "paged_select_reference", "top_blocks
            "paged_oracle_select", "paged_recent_select", "paged_attention_reference", "quantize_pages", "paged_index_write_reference", "quantize_kv", "dequantize_kv", "paged_kv_write_reference"]
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of sequence b, contiguous: [length, ...]."""
-    bs = cache.shape[1]
-    pages = block_table[b, : -(-length // bs)].long()
-    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
-
-
 def paged_block_scores_reference(q_idx, idx_cache, block_table, seq_lens, idx_scale=None):
-    """Block scores [B, Hi, max_pages] (-inf past each sequence's last page) of the newest token of each sequence."""
+    """Block scores [B, Hi, max_pages] (-inf past each sequence's last page) of the newest token of each sequence:
+    every page of the block table gathered at once (entries past a sequence's pages read a valid page, then masked)."""
     B, H, D = q_idx.shape
     bs = idx_cache.shape[1]
-    out = torch.full((B, H, block_table.shape[1]), float("-inf"), device=q_idx.device)
     if idx_scale is not None:  # fp8 mode: the query is quantized too (its per-head scale cannot change the order)
         q_idx = quantize_index_keys(q_idx)[0].float()
-    for b in range(B):
-        L = int(seq_lens[b])
-        keys = _gather(idx_cache, block_table, b, L).float()
-        if idx_scale is not None:
-            keys = keys * _gather(idx_scale, block_table, b, L).float()[:, None]
-        s = q_idx[b].float() @ keys.T / math.sqrt(D)  # [H, L]
-        n_blocks = -(-L // bs)
-        out[b, :, :n_blocks] = F.pad(s, (0, n_blocks * bs - L), value=float("-inf")).view(H, n_blocks, bs).amax(-1)
-    return out
+    pages = block_table.long().clamp(0, idx_cache.shape[0] - 1)  # [B, max_pages]
+    keys = idx_cache[pages].float()  # [B, max_pages, BS, Di]
+    if idx_scale is not None:
+        keys = keys * idx_scale[pages].float()[..., None]
+    s = torch.einsum("bhd,bptd->bhpt", q_idx.float(), keys) / math.sqrt(D)  # [B, H, max_pages, BS]
+    pos = torch.arange(pages.shape[1] * bs, device=q_idx.device).view(pages.shape[1], bs)
+    return s.masked_fill(pos >= seq_lens.long()[:, None, None, None], float("-inf")).amax(-1)
 
 
 def paged_select_reference(q_idx, idx_cache, block_table, seq_lens, *, topk, init_blocks=0, local_blocks=1,
@@ -83,19 +74,17 @@ def adaptive_decode(blocks: torch.Tensor, logits: torch.Tensor, seq_lens: torch.
 
 def top_blocks_reference(scores, seq_lens, *, block_size, topk, init_blocks=0, local_blocks=1):
     """Plain-torch `top_blocks`: per sequence, its row of block scores [B, Hi, max_pages] (its first
-    ceil(seq_len / block_size) pages) with the forced blocks as the prefill's selection keeps them (local: +inf, init:
-    FLT_MAX), in a stable descending sort: best first, equal scores (forced blocks too) to the lower page
-    -> [B, Hi, topk] int32, -1 past the sequence's blocks."""
+    ceil(seq_len / block_size) pages; the rest are not read) with the forced blocks as the prefill's selection keeps
+    them (local: +inf, init: FLT_MAX), in a stable descending sort: best first, equal scores (forced blocks too) to the
+    lower page -> [B, Hi, topk] int32, -1 past the sequence's blocks."""
     out = torch.full((*scores.shape[:2], topk), -1, dtype=torch.int32, device=scores.device)
-    for b in range(scores.shape[0]):
-        n_blocks = -(-int(seq_lens[b]) // block_size)
-        t_pos = torch.tensor([int(seq_lens[b]) - 1], device=scores.device)
-        visible, local, init = block_masks(t_pos, n_blocks, block_size, init_blocks, local_blocks)  # [1, n_blocks]
-        s = scores[b, :, :n_blocks].float().masked_fill(~visible, float("-inf"))
-        s = s.masked_fill(init, FORCED).masked_fill(local, float("inf"))
-        top = s.sort(dim=-1, descending=True, stable=True)
-        k = min(topk, n_blocks)
-        out[b, :, :k] = top.indices[:, :k].masked_fill(top.values[:, :k] == float("-inf"), -1).int()
+    t_pos = seq_lens.long() - 1  # each sequence's newest token
+    visible, local, init = block_masks(t_pos, scores.shape[-1], block_size, init_blocks, local_blocks)  # [B, pages]
+    s = scores.float().masked_fill(~visible[:, None], float("-inf"))
+    s = s.masked_fill(init[:, None], FORCED).masked_fill(local[:, None], float("inf"))
+    top = s.sort(dim=-1, descending=True, stable=True)
+    k = min(topk, s.shape[-1])
+    out[..., :k] = top.indices[..., :k].masked_fill(top.values[..., :k] == float("-inf"), -1).int()
     return out
 
 
@@ -147,33 +136,32 @@ def paged_recent_select(block_table: torch.Tensor, seq_lens: torch.Tensor, n_kv:
 
 def paged_attention_reference(q, k_cache, v_cache, blocks, block_table, seq_lens, *, scale=None, k_scale=None,
                               v_scale=None, rotation=None):
-    """Plain-torch `paged_attention`: per sequence, softmax over the tokens of its selected (valid) blocks. fp8
-    and int8 caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first. rotation [D, D]:
-    the cache holds rows times it; the queries go in times it (rounded to their dtype, as the kernel does) and the
-    output comes back times its transpose."""
+    """Plain-torch `paged_attention`: per sequence and KV group, softmax over the tokens of its selected (valid)
+    blocks, each block once, every sequence at once (the selected pages gathered [B, Hkv, K, BS, D]). fp8 and int8
+    caches: K and V dequantised with their scales [P, BS, Hkv] (`dequantize_kv`) first. rotation [D, D]: the cache
+    holds rows times it; the queries go in times it (rounded to their dtype, as the kernel does) and the output comes
+    back times its transpose."""
     if rotation is not None:
         q = (q.float() @ rotation).to(q.dtype)
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    for b in range(B):
-        L = int(seq_lens[b])
-        k = _gather(k_cache, block_table, b, L).float()  # [L, Hkv, D]
-        v = _gather(v_cache, block_table, b, L).float()
-        if k_scale is not None:
-            k = dequantize_kv(k, _gather(k_scale, block_table, b, L))
-            v = dequantize_kv(v, _gather(v_scale, block_table, b, L))
-        chosen = torch.zeros(Hkv, -(-L // bs) + 1, dtype=torch.bool, device=q.device)
-        blk = blocks[b].long()
-        chosen.scatter_(1, torch.where(blk >= 0, blk, chosen.shape[1] - 1), True)
-        visible = chosen[:, :-1].repeat_interleave(bs, dim=1)[:, :L]  # [Hkv, L]
-        s = torch.einsum("hgd,lhd->hgl", q[b].float().view(Hkv, G, D), k) * scale
-        p = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), -1)
-        o = torch.einsum("hgl,lhd->hgd", p, v).reshape(Hq, D)
-        out[b] = (o if rotation is None else o @ rotation.T).to(q.dtype)
-    return out
+    blk = blocks.long()  # [B, Hkv, K]
+    slot = blk.clamp(min=0)
+    pages = block_table.long().gather(1, slot.flatten(1)).view_as(blk).clamp(0, k_cache.shape[0] - 1)
+    heads = torch.arange(Hkv, device=q.device)[None, :, None]
+    k, v = k_cache[pages, :, heads].float(), v_cache[pages, :, heads].float()  # [B, Hkv, K, BS, D]
+    if k_scale is not None:
+        k = dequantize_kv(k, k_scale[pages, :, heads])
+        v = dequantize_kv(v, v_scale[pages, :, heads])
+    again = (blk[..., :, None] == blk[..., None, :]).tril(-1).any(-1)  # a block chosen in an earlier slot too
+    pos = slot[..., None] * bs + torch.arange(bs, device=q.device)  # [B, Hkv, K, BS]
+    visible = ((blk >= 0) & ~again)[..., None] & (pos < seq_lens.long()[:, None, None, None])
+    s = torch.einsum("bhgd,bhktd->bhgkt", q.float().view(B, Hkv, G, D), k) * scale
+    p = torch.softmax(s.masked_fill(~visible[:, :, None], float("-inf")).flatten(-2), -1).view_as(s)
+    o = torch.einsum("bhgkt,bhktd->bhgd", p, v).reshape(B, Hq, D)
+    return (o if rotation is None else o @ rotation.T).to(q.dtype)
 
 
 def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,11 +12,15 @@ import torch.nn.functional as F
 from m3compile.kernels.naive_common import check_index_inputs, fp8_round, query_chunk
 
 __all__ = ["block_scores", "block_masks", "select_from_scores", "select_blocks", "recent_blocks", "adaptive_keep",
-           "candidate_lse", "FORCED"]
+           "candidate_lse", "FORCED", "SELECT_CHUNK"]
 
 # the score a forced block enters the selection with (local blocks +inf; init blocks the largest fp32, so that local
 # ones win when forced blocks outnumber the slots): a slot whose score is at least this is forced
 FORCED = torch.finfo(torch.float32).max
+# queries per chunk of select_blocks at most: each chunk scores only the keys up to its last query, so smaller chunks
+# skip more of the causally masked half; on a 2-core CPU a 1K-token prompt (2 index heads of 24) took 8 ms in chunks
+# of 256 against 29 ms in one
+SELECT_CHUNK = 256
 
 def block_scores(
     q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, start: int = 0, end: int | None = None
@@ -141,7 +145,7 @@ def select_blocks(
     B, Hi, T, _ = q_idx.shape
     off = k_idx.shape[1] - T
     out = torch.empty(B, Hi, T, topk, dtype=torch.long, device=q_idx.device)
-    chunk = chunk or query_chunk(B * Hi, T + off)
+    chunk = chunk or min(SELECT_CHUNK, query_chunk(B * Hi, T + off))
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         scores = block_scores(q_idx, k_idx, block_size, start, end)

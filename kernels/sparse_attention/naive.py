@@ -76,31 +76,37 @@ def _sparse_attention_gathered(qg, k, v, blocks, block_size, scale, ct, out, chu
 # MASKED_REACH * K * block >= T: on a 2-core CPU at 8K tokens (SmolLM2 shapes, block 128 / top-16) the gathers took
 # 50 of a 1K window's 61 s of attention
 MASKED_REACH = 4
+# queries per chunk of the masked pass at most: each chunk scores only the keys up to its last query, so smaller
+# chunks skip more of the causally masked half; on a 2-core CPU a 1K-token prompt (the byte model's shapes, block 64
+# / top-8) took 40 ms a layer in chunks of 256 against 170 ms in one
+MASKED_CHUNK = 256
 
 
 def _sparse_attention_masked(qg, k, v, blocks, block_size, scale, ct, out, chunk):
     """sparse_attention as causal attention over every key with the unselected blocks masked out, for selections
     that reach much of the sequence (as at CPU eval lengths): matmuls over all T keys instead of gathering K * block
-    keys per query, the same softmax. A block in n slots weighs n times (log n added to its scores), as the gathered
-    form and the kernels count it; -1 slots add nothing. qg [B, Hkv, G, T, D] -> out [B, Hkv, G, T, D]."""
+    keys per query, the same softmax. A block in n slots weighs n times (log n added to its scores, block by block),
+    as the gathered form and the kernels count it; -1 slots add nothing. qg [B, Hkv, G, T, D] -> out
+    [B, Hkv, G, T, D]."""
     B, Hkv, G, T, D = qg.shape
     Tk = k.shape[2]
     off = Tk - T  # position of query row 0
     n_blocks = -(-Tk // block_size)
-    key_block = torch.arange(Tk, device=qg.device) // block_size
-    chunk = chunk or query_chunk(B * Hkv * G, Tk)
+    pad = (0, 0, 0, n_blocks * block_size - Tk)
+    kb, vb = F.pad(k.to(ct), pad), F.pad(v.to(ct), pad)  # keys as whole blocks (the padding is causally masked)
+    chunk = chunk or min(MASKED_CHUNK, query_chunk(B * Hkv * G, Tk))
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
-        last = end + off  # keys up to the chunk's last query
+        nb = -(-(end + off) // block_size)  # blocks up to the chunk's last query
         idx = blocks[:, :, start:end].long()  # [B, Hkv, C, K]
-        count = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=ct, device=qg.device)
-        count.scatter_add_(-1, torch.where(idx >= 0, idx, n_blocks), torch.ones_like(idx, dtype=ct))
-        bias = count[..., :n_blocks].log()[..., key_block[:last]]  # [B, Hkv, C, last]: log n, -inf where unselected
-        causal = torch.arange(last, device=qg.device) > torch.arange(start + off, last, device=qg.device)[:, None]
-        bias = bias.masked_fill(causal, float("-inf"))
-        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), k[:, :, :last].to(ct)) * scale
-        p = torch.softmax(s + bias[:, :, None], dim=-1)
-        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, v[:, :, :last].to(ct))
+        count = torch.zeros(*idx.shape[:3], nb + 1, dtype=ct, device=qg.device)
+        count.scatter_add_(-1, torch.where(idx >= 0, idx, nb), torch.ones_like(idx, dtype=ct))
+        s = torch.einsum("bhgcd,bhjd->bhgcj", qg[:, :, :, start:end].to(ct), kb[:, :, :nb * block_size]) * scale
+        s.view(*s.shape[:4], nb, block_size).add_(count[:, :, None, :, :nb, None].log())  # log n, -inf unselected
+        causal = torch.arange(nb * block_size, device=qg.device) > torch.arange(start + off, end + off,
+                                                                                 device=qg.device)[:, None]
+        p = torch.softmax(s.masked_fill_(causal, float("-inf")), dim=-1)
+        out[:, :, :, start:end] = torch.einsum("bhgcj,bhjd->bhgcd", p, vb[:, :, :nb * block_size])
 
 
 def dense_attention(

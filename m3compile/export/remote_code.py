@@ -27,10 +27,10 @@ from pathlib import Path
 
 from m3compile.io.hf_config import REMOTE_MODEL_TYPE, REMOTE_SOURCE_TYPES, source_config
 
-__all__ = ["MODELING_FILE", "remote_config", "write_modeling_file"]
+__all__ = ["MODELING_FILE", "ARCHITECTURE", "remote_config", "write_modeling_file"]
 
 MODELING_FILE = "modeling_m3compile.py"
-_ARCHITECTURE = "M3CompileForCausalLM"
+ARCHITECTURE = "M3CompileForCausalLM"
 _AUTO_MAP = {"AutoConfig": "modeling_m3compile.M3CompileConfig",
              "AutoModelForCausalLM": "modeling_m3compile.M3CompileForCausalLM"}
 # transformers' own class of each source type, for a dense output
@@ -56,7 +56,7 @@ def remote_config(config: dict) -> dict:
         return out
     if not _has_msa_layers(out):
         return dict(out, model_type=kind, architectures=[_DENSE_ARCHITECTURES[kind]])
-    return dict(out, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[_ARCHITECTURE],
+    return dict(out, model_type=REMOTE_MODEL_TYPE, source_model_type=kind, architectures=[ARCHITECTURE],
                 auto_map=dict(_AUTO_MAP))
 
 

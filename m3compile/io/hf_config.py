@@ -12,7 +12,8 @@ import math
 import os
 from pathlib import Path
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES, check_msa_ranges, max_positions
+from m3compile.config import (FORMAT_VERSION, FORMAT_VERSION_KEY, INDEX_DTYPES, INDEX_ROPES, check_msa_ranges,
+                              max_positions)
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
@@ -63,6 +64,7 @@ _SPARSE_TYPES = (
     ("sparse_num_index_heads", int, 1), ("sparse_index_dim", int, 1), ("sparse_block_size", int, 1),
     ("sparse_topk_blocks", int, 1), ("sparse_init_block", int, 0), ("sparse_local_block", int, 0),
     ("sparse_min_blocks", int, 0), ("sparse_top_p", float, 0), ("use_sparse_attention", bool, None),
+    (FORMAT_VERSION_KEY, int, 1),
 )
 
 
@@ -100,6 +102,10 @@ def check_config_types(cfg: dict, where: str = "") -> None:
     for key, kind, minimum in _SPARSE_TYPES:
         if key in sparse:
             _check_value(f"{where}sparse_attention_config.", key, sparse[key], kind, minimum)
+    if sparse.get(FORMAT_VERSION_KEY, FORMAT_VERSION) > FORMAT_VERSION:
+        raise M3CompileError(f"config.json {where}sparse_attention_config.{FORMAT_VERSION_KEY} is "
+                             f"{sparse[FORMAT_VERSION_KEY]}, a newer format than this m3compile reads "
+                             f"({FORMAT_VERSION}): update m3compile")
     if "sparse_index_dtype" in sparse and sparse["sparse_index_dtype"] not in INDEX_DTYPES:
         raise M3CompileError(f"config.json {where}sparse_attention_config.sparse_index_dtype must be one of "
                              f"{', '.join(map(json.dumps, INDEX_DTYPES))}, got {json.dumps(sparse['sparse_index_dtype'])}")

@@ -125,8 +125,9 @@ class PagedCache:
         return q if self.rotation is None else (q.float() @ self.rotation).to(q.dtype)
 
 
-    def _rows(self, t: torch.Tensor, b: int, length: int) -> torch.Tensor:
-        """Sequence b's first `length` rows of a per-layer tensor [P, page, ...] -> [length, ...], a view."""
+    def sequence_rows(self, t: torch.Tensor, b: int, length: int) -> torch.Tensor:
+        """Sequence b's first `length` rows of a per-layer tensor [P, page, ...] -> [length, ...], a view (its
+        pages are consecutive; a cache whose pages lie anywhere gathers them through its block table)."""
         per_seq = self.block_table.shape[1]
         return t[b * per_seq:(b + 1) * per_seq].flatten(0, 1)[:length]
 
@@ -138,9 +139,9 @@ class PagedCache:
         and so does a selection ranking a query's scores; an int8 cache's rows rotated back (times rotation^T)."""
         out = []
         for cache, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            x = self._rows(cache[layer], b, length)
+            x = self.sequence_rows(cache[layer], b, length)
             if scale[layer] is not None:
-                s, x8 = self._rows(scale[layer], b, length), x
+                s, x8 = self.sequence_rows(scale[layer], b, length), x
                 x = torch.empty(x8.shape, dtype=self.model_dtype, device=x8.device)
                 for t0 in range(0, length, DEQUANTIZE_ROWS):
                     rows = paged.dequantize_kv(x8[t0:t0 + DEQUANTIZE_ROWS], s[t0:t0 + DEQUANTIZE_ROWS])
@@ -153,10 +154,10 @@ class PagedCache:
     def index_keys(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequence b's first `length` index keys as the selection reads them: ([1, length, Di] view, the fp8 keys'
         scales [1, ceil(length / page)] (one per page = key block) or None)."""
-        keys = self._rows(self.idx[layer], b, length)[None]
+        keys = self.sequence_rows(self.idx[layer], b, length)[None]
         if self.idx_scale[layer] is None:
             return keys, None
-        return keys, self._rows(self.idx_scale[layer], b, length)[:: self.page][None]
+        return keys, self.sequence_rows(self.idx_scale[layer], b, length)[:: self.page][None]
 
     def prompt(self, b: int, start: int, length: int, selection: str = "index") -> "PromptView":
         """The view a pass of `length` prompt tokens of sequence b at positions start .. start + length - 1 attends

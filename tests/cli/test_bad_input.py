@@ -475,6 +475,8 @@ CASES.update({
     "config-init-over-topk": (_cfg("msa", _sparse(sparse_init_block=2), "eval"), "exceed"),
     "config-block-size-huge": (_cfg("msa", _sparse(sparse_block_size=10**9), "eval"), "past any sensible setting"),
     "config-freq-two": (_cfg("msa", _sparse(sparse_attention_freq=[0, 2, 1]), "eval"), "entries must be 0 or 1"),
+    "config-format-newer": (_cfg("msa", _sparse(m3compile_format_version=2), "eval"), "m3compile_format_version is 2, a newer format than this m3compile reads (1)"),
+    "config-format-string": (_cfg("msa", _sparse(m3compile_format_version="1"), "eval"), "m3compile_format_version must be"),
     "config-freq-string": (_cfg("msa", _sparse(sparse_attention_freq=[0, "1", 1]), "eval"), "entries must be 0 or 1"),
     "config-freq-null": (_cfg("msa", _sparse(sparse_attention_freq=[0, None, 1]), "eval"), "entries must be 0 or 1"),
     "config-moe-freq": (_cfg("dense", lambda c: c.update(moe_layer_freq=[0, 3, 0]), "convert"), "entries must be 0 or 1"),

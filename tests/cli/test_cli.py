@@ -47,6 +47,7 @@ def test_convert_then_eval(small_ckpt, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "conversion_report.json", "generation_config.json",
                                                      "graph", "model.safetensors", "modeling_m3compile.py"]
     # generation_config.json: copied; modeling_m3compile.py: the model for transformers (remote code)
+    assert json.loads((out / "config.json").read_text())["sparse_attention_config"]["m3compile_format_version"] == 1
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.randint(0, 256, size=200).astype(np.int32))
     code, output = run("eval", "loss", out, "--data", data, "--seq-len", 64, "--json")

@@ -35,9 +35,9 @@ def hf_load(path, **kwargs):
                                                              **kwargs).eval()
 
 
-def tiny_source(case, path):
-    cls, extra = TINY[case]
-    model = transformers.AutoModelForCausalLM.from_config(cls(**BASE, **extra))
+def tiny_source(case, path, shapes=TINY):
+    cls, extra = shapes[case]
+    model = transformers.AutoModelForCausalLM.from_config(cls(**dict(BASE, **extra)))
     with torch.no_grad():  # non-trivial norms and biases
         for name, p in model.named_parameters():
             if "norm" in name:
