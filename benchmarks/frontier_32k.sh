@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The quality-speed frontier on the real 32K model: one row per selection budget of one converted (and distilled)
+# Qwen2.5-Coder-0.5B, each with its quality (the 32K loss eval with the oracle row and the blocks each token kept, and
+# the RULER-style suite with the index selection) and the speed of the same budget on the llama3-8b preset at 128K
+# (whole-model prefill and a decode step at batch 8, at the top-k nearest the mean blocks the real model kept: a
+# budget measured, not assumed). Dense once, as the suite's reference row. Then benchmarks/plot_frontier.py OUT
+# writes OUT/frontier.md (the table) and OUT/frontier.png (RULER average against decode speed-up).
+#
+#   benchmarks/frontier_32k.sh MODEL_DIR LONG_CODE_DIR OUT_DIR
+#   MODEL_DIR: e.g. OUT/b128k16/distill of benchmarks/distill_recipe_32k.sh (a model with extra dense layers:
+#              `m3c convert --dense-costliest N`, then distilled the same way, into another OUT_DIR)
+#   LONG_CODE_DIR: what `python3 scripts/long_code.py DIR` writes (long_code_eval.txt: the held-out haystacks)
+#   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
+#        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
+#        LOSS_WINDOWS (4), SPEED (1; 0 skips the bench), BATCH (8), M3C (m3c), DEVICE (cuda)
+# Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget>/loss.json, ruler.json, speed.json.
+# A file that exists is not made again, so the same command called again continues where the last call stopped.
+set -euo pipefail
+MODEL=$1; LONG=$2; OUT=$3
+M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; SAMPLES=${SAMPLES:-25}; LENGTHS=${LENGTHS:-4K,8K,16K,32K}
+BUDGETS=${BUDGETS:-k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64}; LOSS_WINDOWS=${LOSS_WINDOWS:-4}
+SPEED=${SPEED:-1}; BATCH=${BATCH:-8}
+export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
+HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$OUT"
+t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:3}" >&2; }
+to_json() { local file=$1; shift; "$@" >"$file.part" && mv "$file.part" "$file"; }  # no JSON from a killed run
+options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 -> --top-p 0.95 --min-blocks 16 --topk 64
+  case $1 in
+    k*) echo "--topk ${1#k} --top-p 1" ;;
+    p*) local spec=${1#p}; IFS=: read -r p floor ceiling <<<"$spec"
+        echo "--top-p $p --min-blocks ${floor:-0} --topk ${ceiling:?$1: give the ceiling, pP:FLOOR:CEILING}" ;;
+    *) echo "error: a budget is kN or pP:FLOOR:CEILING, got $1" >&2; exit 2 ;;
+  esac
+}
+for budget in $BUDGETS; do options "$budget" >/dev/null; done  # every budget checked before any work
+
+ruler() { $M3C eval ruler "$MODEL" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" --samples $SAMPLES \
+  --dtype bfloat16 --device "$DEVICE" --json "$@"; }
+[ -f "$OUT/ruler_dense.json" ] || t to_json "$OUT/ruler_dense.json" ruler --selections dense
+for budget in $BUDGETS; do
+  B=$OUT/$budget; mkdir -p "$B"
+  read -r -a opts <<<"$(options "$budget")"
+  echo "== $budget: ${opts[*]}" >&2
+  [ -f "$B/loss.json" ] || t to_json "$B/loss.json" $M3C eval loss "$MODEL" --data "$LONG/long_code_eval.txt" \
+    --seq-len 32768 --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
+  [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}"
+  if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ]; then
+    topk=$(python3 -c "import json, math, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \
+      "$B/loss.json")
+    t $M3C bench model llama3-8b --index-dim 64 --index-dtype fp8 --kv-cache fp8 --topk "$topk" \
+      --prefill-lengths 128K --decode-lengths 128K --batch $BATCH --steps 3 --profile-max 8K --out "$B/bench" >&2
+    cp "$B/bench/llama3-8b.json" "$B/speed.json"
+  fi
+done
+python3 "$HERE/plot_frontier.py" "$OUT"
