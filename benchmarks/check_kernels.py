@@ -343,6 +343,33 @@ def check_lowered_distill(T, mode, block_loss=False):
            **{f"rel_err_{n}": f"{e:.2e}" for n, e in zip(names, errs)})
 
 
+def check_distill_autocast():
+    """`m3c distill` as users run it on a GPU: an fp32 backbone under bf16 autocast through the lowered kernels (the
+    fused residual add + norm then meets an fp32 residual and a bf16 branch output). Its first step's KL against
+    the same step with autocast off (fp32 throughout), and every step finite."""
+    import math
+    import tempfile
+
+    import m3compile
+
+    src = Path(__file__).resolve().parents[1] / "checkpoints" / "byte-llama"
+    tmp = Path(tempfile.mkdtemp())
+    m3compile.convert_checkpoint(src, tmp / "msa", m3compile.MSAConfig(block_size=64, topk=4, dense_layers=(0,)))
+    data = tmp / "code.bin"
+    data.write_bytes(Path(os.__file__).read_bytes()[:200_000])
+    kl = {}
+    for autocast in ("auto", "none"):
+        report_ = m3compile.distill(tmp / "msa", data, tmp / f"d-{autocast}",
+                                    m3compile.DistillConfig(steps=2, seq_len=2048, autocast=autocast, holdout_tokens=0),
+                                    device="cuda")
+        kl[autocast] = [h["kl"] for h in report_.history]
+    finite = all(math.isfinite(x) for xs in kl.values() for x in xs)
+    err = abs(kl["auto"][0] - kl["none"][0]) / max(abs(kl["none"][0]), 1e-12)
+    report("distillation byte-llama (block 64, top-4), 2 steps of 2,048: bf16 autocast vs fp32, first step's KL",
+           finite and err < 2e-2, kl_autocast=[f"{x:.4f}" for x in kl["auto"]], kl_fp32=[f"{x:.4f}" for x in kl["none"]],
+           rel_err=f"{err:.2e}")
+
+
 def check_varlen(steps, grid, window, H, D, dtype):
     cu = va.window_segments([[t, grid, grid] for t in steps], window, device="cuda")
     N = int(cu[-1])
@@ -575,6 +602,7 @@ def main():
         check_norm_rope(1, 1000, 4, 128, 64, fp32)
         for mode in ("sparse", "warmup"):
             check_lowered_distill(2048, mode)
+        check_distill_autocast()
     if run("oracle"):  # the oracle selection of m3c eval and of the runtime's prefill: Qwen2.5-Coder's group 7 first
         check_oracle(1, 14, 2, 32768, 64, 128, 16, bf16)
         check_oracle(1, 14, 2, 5000, 64, 128, 16, bf16)
