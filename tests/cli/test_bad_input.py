@@ -38,7 +38,8 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """dense: a small Llama with a tokenizer; msa: it converted; distilled: msa after one distillation step."""
+    """dense: a small Llama with a tokenizer; msa: it converted; distilled: msa after one distillation step;
+    trained: msa after one step of training (m3c train)."""
     root = tmp_path_factory.mktemp("base")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).save_pretrained(root / "dense")
@@ -47,6 +48,9 @@ def base(tmp_path_factory):
     np.save(root / "d.npy", np.random.default_rng(0).integers(0, 256, 400).astype(np.int64))
     (root / "d.txt").write_text(" ".join(WORDS * 20))
     code, out = _invoke("distill", root / "msa", "--data", root / "d.npy", "--out", root / "distilled", "--steps", 1,
+                        "--seq-len", 16)[:2]
+    assert code == 0, out
+    code, out = _invoke("train", root / "msa", "--data", root / "d.npy", "--out", root / "trained", "--steps", 1,
                         "--seq-len", 16)[:2]
     assert code == 0, out
     return root
@@ -307,6 +311,14 @@ def _resume(model=None, data=None, mutate=None):
     return case
 
 
+def _train_resume(model):
+    """train --resume of a copy of the trained run with another model."""
+    def case(b, t):
+        out = _copy(b / "trained", t / "run")
+        return ["train", model(b, t), "--data", b / "d.npy", "--out", out, "--steps", 3, "--seq-len", 16, "--resume"], None
+    return case
+
+
 def _other_weights(part):
     """A copy of the converted model with one tensor's values changed in place: every file keeps its size and the
     config its bytes (what the names-and-sizes fingerprint saw)."""
@@ -447,6 +459,8 @@ CASES.update({
     "resume-other-index-weights": (_resume(model=_other_weights("index_q_proj")), "other weights"),
     "resume-other-backbone-weights": (_resume(model=_other_weights("o_proj")), "other weights"),
     "resume-other-tokens": (_resume(data=lambda b, t: _ids(t, "d.npy", 400, seed=7)), "other tokens"),
+    "train-resume-other-backbone-weights": (_train_resume(_other_weights("o_proj")), "other weights"),
+    "train-resume-other-index-weights": (_train_resume(_other_weights("index_q_proj")), "other weights"),
     "resume-garbage-report": (_resume(mutate=lambda o: (o / "distill_report.json").write_text("{bad")), "not a valid run report"),
     "resume-report-not-object": (_resume(mutate=lambda o: (o / "distill_report.json").write_text("[1, 2]")), "not a valid run report"),
     "resume-report-not-utf8": (_resume(mutate=lambda o: (o / "distill_report.json").write_bytes(b'{"history": "\xff"}')), "not a valid run report"),
