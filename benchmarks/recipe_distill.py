@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The Python steps of benchmarks/distill_recipe_32k.sh: the token files, and one stage of distillation that
-records its speed and peak memory.
+"""The Python steps of benchmarks/distill_recipe_32k.sh and benchmarks/train_recipe_32k.sh: the token files, and
+one stage of distillation or of continued training that records its speed and peak memory.
 
     python3 benchmarks/recipe_distill.py prepare TOKENIZER_DIR CALIB_TXT EVAL_TXT OUT_DIR [--calib-chars N]
         [--train-chars N]
@@ -16,6 +16,10 @@ records its speed and peak memory.
         excluded, as the run report counts them), tokens/s, peak GPU memory, and the held-out figures. SIGINT or
         SIGTERM (`timeout -s INT`) stops it after the step in flight with the state saved: exit 3, call again to
         continue. A stage that is reached prints the run report's summary (no per-step history) as JSON.
+
+    python3 benchmarks/recipe_distill.py train MODEL_DIR DATA OUT_DIR --steps N --record RUNS.jsonl [options]
+        The same with m3compile.train (every parameter through the sparse attention, plus --loss-coeff x the index
+        KL; lr 1e-5 and no block loss unless given); its state is OUT_DIR/train_state.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from m3compile import DistillConfig, DistillInterrupted, M3CompileError, distill
+from m3compile import DistillConfig, DistillInterrupted, M3CompileError, TrainConfig, distill, train
 from m3compile.data import load_tokens
 
 EXIT_STOPPED = 3
@@ -62,11 +66,13 @@ def _save(path: Path, ids: np.ndarray) -> None:
 
 def run_stage(a) -> int:
     out = Path(a.out_dir)
-    resume = (out / "distill_state" / "state.json").is_file()
-    config = DistillConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, warmup_steps=a.warmup_steps,
-                           checkpoint_every=a.checkpoint_every, dtype=a.dtype, block_loss=a.block_loss,
-                           holdout_tokens=a.holdout_tokens, cuda_graph=a.cuda_graph, lr_schedule=a.lr_schedule,
-                           lr_warmup_steps=a.lr_warmup, lr_decay_steps=a.lr_decay_steps, lr_min=a.lr_min)
+    training = a.cmd == "train"
+    resume = (out / ("train_state" if training else "distill_state") / "state.json").is_file()
+    common = dict(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, warmup_steps=a.warmup_steps,
+                  checkpoint_every=a.checkpoint_every, dtype=a.dtype, block_loss=a.block_loss,
+                  holdout_tokens=a.holdout_tokens, cuda_graph=a.cuda_graph, lr_schedule=a.lr_schedule,
+                  lr_warmup_steps=a.lr_warmup, lr_decay_steps=a.lr_decay_steps, lr_min=a.lr_min)
+    config = TrainConfig(**common, loss_coeff=a.loss_coeff) if training else DistillConfig(**common)
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -75,18 +81,20 @@ def run_stage(a) -> int:
     def progress(step: int, total: int, m: dict) -> None:
         if step % a.log_every == 0 or step == total or time.perf_counter() - last[0] > 60:
             last[0] = time.perf_counter()
-            print(f"  step {step}/{total}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
+            lm = f"  LM {m['lm']:.4f}" if "lm" in m else ""
+            print(f"  step {step}/{total}{lm}  KL {m['kl']:.4f}  recall {m['recall']:.3f}  "
                   f"{m['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
 
     stopped = False
     try:
-        distill(a.model_dir, a.data, out, config, device=a.device, resume=resume, progress=progress)
+        (train if training else distill)(a.model_dir, a.data, out, config, device=a.device, resume=resume,
+                                         progress=progress)
     except DistillInterrupted:
         stopped = True
     except M3CompileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = json.loads((out / "distill_report.json").read_text())
+    report = json.loads((out / ("train_report.json" if training else "distill_report.json")).read_text())
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     reserved = torch.cuda.max_memory_reserved() / 1e9 if cuda else None
     end = report["history"][-1]["step"] if report["history"] else report["start_step"]
@@ -104,7 +112,7 @@ def run_stage(a) -> int:
         return EXIT_STOPPED
     summary = {k: v for k, v in report.items() if k != "history"}
     last_step = report["history"][-1] if report["history"] else {}
-    summary["final"] = {k: last_step.get(k) for k in ("step", "mode", "kl", "recall", "block")}
+    summary["final"] = {k: last_step.get(k) for k in ("step", "mode", "lm", "kl", "recall", "block")}
     summary["peak_gb"], summary["peak_reserved_gb"] = record["peak_gb"], record["peak_reserved_gb"]
     print(json.dumps(summary, indent=2))
     return 0
@@ -120,7 +128,16 @@ def main() -> int:
     p.add_argument("out_dir")
     p.add_argument("--calib-chars", type=int, default=4_000_000)
     p.add_argument("--train-chars", type=int, default=0, help="0: the whole file")
-    d = sub.add_parser("distill", help="one stage of distillation")
+    for name, what in (("distill", "one stage of distillation"), ("train", "one stage of continued training")):
+        _stage_options(sub.add_parser(name, help=what), training=name == "train")
+    a = ap.parse_args()
+    if a.cmd == "prepare":
+        prepare(a)
+        return 0
+    return run_stage(a)
+
+
+def _stage_options(d: argparse.ArgumentParser, training: bool) -> None:
     d.add_argument("model_dir")
     d.add_argument("data")
     d.add_argument("out_dir")
@@ -128,7 +145,7 @@ def main() -> int:
     d.add_argument("--record", required=True)
     d.add_argument("--seq-len", type=int, default=32768)
     d.add_argument("--batch", type=int, default=1)
-    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--lr", type=float, default=1e-5 if training else 1e-3)
     d.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     d.add_argument("--lr-warmup", type=int, default=0)
     d.add_argument("--lr-decay-steps", type=int, default=None)
@@ -136,16 +153,13 @@ def main() -> int:
     d.add_argument("--warmup-steps", type=int, default=0)
     d.add_argument("--checkpoint-every", type=int, default=250)
     d.add_argument("--holdout-tokens", type=int, default=None)
-    d.add_argument("--block-loss", type=float, default=1.0)
+    d.add_argument("--block-loss", type=float, default=0.0 if training else 1.0)
+    if training:
+        d.add_argument("--loss-coeff", type=float, default=1.0, help="weight of the index KL beside the LM loss")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cuda")
     d.add_argument("--cuda-graph", action="store_true")
     d.add_argument("--log-every", type=int, default=50)
-    a = ap.parse_args()
-    if a.cmd == "prepare":
-        prepare(a)
-        return 0
-    return run_stage(a)
 
 
 if __name__ == "__main__":
