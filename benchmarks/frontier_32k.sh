@@ -12,14 +12,16 @@
 #   LONG_CODE_DIR: what `python3 scripts/long_code.py DIR` writes (long_code_eval.txt: the held-out haystacks)
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
-#        LOSS_WINDOWS (4), SPEED (1; 0 skips the bench), BATCH (8), M3C (m3c), DEVICE (cuda)
-# Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget>/loss.json, ruler.json, speed.json.
+#        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
+#        M3C (m3c), DEVICE (cuda)
+# Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget, ':' as '-'>/loss.json, ruler.json,
+# speed.json.
 # A file that exists is not made again, so the same command called again continues where the last call stopped.
 set -euo pipefail
 MODEL=$1; LONG=$2; OUT=$3
 M3C=${M3C:-m3c}; DEVICE=${DEVICE:-cuda}; SAMPLES=${SAMPLES:-25}; LENGTHS=${LENGTHS:-4K,8K,16K,32K}
 BUDGETS=${BUDGETS:-k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64}; LOSS_WINDOWS=${LOSS_WINDOWS:-4}
-SPEED=${SPEED:-1}; BATCH=${BATCH:-8}
+SPEED=${SPEED:-1}; BATCH=${BATCH:-8}; SEQ_LEN=${SEQ_LEN:-32768}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
@@ -39,11 +41,11 @@ ruler() { $M3C eval ruler "$MODEL" --data "$LONG/long_code_eval.txt" --lengths "
   --dtype bfloat16 --device "$DEVICE" --json "$@"; }
 [ -f "$OUT/ruler_dense.json" ] || t to_json "$OUT/ruler_dense.json" ruler --selections dense
 for budget in $BUDGETS; do
-  B=$OUT/$budget; mkdir -p "$B"
+  B=$OUT/${budget//:/-}; mkdir -p "$B"  # p0.95:16:64 -> OUT/p0.95-16-64 (names a device's file copy takes)
   read -r -a opts <<<"$(options "$budget")"
   echo "== $budget: ${opts[*]}" >&2
   [ -f "$B/loss.json" ] || t to_json "$B/loss.json" $M3C eval loss "$MODEL" --data "$LONG/long_code_eval.txt" \
-    --seq-len 32768 --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
+    --seq-len $SEQ_LEN --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
   [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}"
   if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ]; then
     topk=$(python3 -c "import json, math, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \

@@ -28,15 +28,15 @@ def test_the_frontier_table_has_dense_then_one_row_per_budget(tmp_path):
     main = runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]  # its functions, not its command
     out = tmp_path / "out"
     (out / "k16").mkdir(parents=True)
-    (out / "p0.95:16:64").mkdir()
+    (out / "p0.95-16-64").mkdir()
     qwen = RESULTS / "2026-12-07-h100-adaptive-budget-qwen32k"
     shutil.copy(qwen / "loss32k_k16.json", out / "k16" / "loss.json")
-    shutil.copy(qwen / "loss32k_p95.json", out / "p0.95:16:64" / "loss.json")
+    shutil.copy(qwen / "loss32k_p95.json", out / "p0.95-16-64" / "loss.json")
     shutil.copy(RESULTS / "2026-12-07-h100-one-forward-parity" / "llama3-8b_128k_b4.json", out / "k16" / "speed.json")
     tasks = {"niah_single_1": [100, 100], "niah_multikey_3": [50, 40], "cwe": [10, 5]}
     (out / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", tasks, excluded=["cwe"])))
     (out / "k16" / "ruler.json").write_text(json.dumps(ruler_json("index", {**tasks, "niah_multikey_3": [0, 20]})))
-    (out / "p0.95:16:64" / "ruler.json").write_text(json.dumps(ruler_json("index", tasks, excluded=["cwe"])))
+    (out / "p0.95-16-64" / "ruler.json").write_text(json.dumps(ruler_json("index", tasks, excluded=["cwe"])))
     main([str(out)])
     lines = (out / "frontier.md").read_text().splitlines()
     assert lines[0].startswith("| budget |") and "| 16K | 32K |" in lines[0]
@@ -45,7 +45,7 @@ def test_the_frontier_table_has_dense_then_one_row_per_budget(tmp_path):
     assert lines[3] == ("| k16 | 15.5 (16), 15.5 | +2.047%, +1.498% | 50.0 | 60.0 | 55.0 | 2.42x (top-16) | "
                         "2.77x (top-16) |")
     # the same tasks as dense: the run's standard errors; no bench yet
-    assert lines[4] == "| p0.95:16:64 | 45.1 (64), 38.1 | +0.155%, +0.118% | 75.0 ± 1.5 | 70.0 ± 2.5 | 72.5 ± 1.4 |  |  |"
+    assert lines[4] == "| p0.95-16-64 | 45.1 (64), 38.1 | +0.155%, +0.118% | 75.0 ± 1.5 | 70.0 ± 2.5 | 72.5 ± 1.4 |  |  |"
     assert (out / "frontier.png").stat().st_size > 0
 
 
