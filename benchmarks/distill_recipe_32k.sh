@@ -44,23 +44,14 @@ INDEX_DIM=${INDEX_DIM:-128}; TRAIN_CHARS=${TRAIN_CHARS:-0}; DEADLINE=${DEADLINE:
 SAVE_MARGIN=${SAVE_MARGIN:-30}; EST_LOSS=${EST_LOSS:-45}; EST_RULER=${EST_RULER:-120}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/_recipe.sh"  # t, to_json, steps_of, wants_ruler
 B=$OUT/b${BLOCK}k${TOPK}${TAG:+-$TAG}
 mkdir -p "$B"
 
 left() { [ -n "$DEADLINE" ] && echo $((DEADLINE - SECONDS)) || echo 999999; }
 stop_for_time() { echo "== out of time ($(left) s left of DEADLINE $DEADLINE): call again to continue at $1" >&2; exit 0; }
-t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:3}" >&2; }
-# write a command's stdout to FILE only when it succeeds (a killed eval leaves no JSON that would be skipped later)
-to_json() { local file=$1; shift; "$@" >"$file.part" && mv "$file.part" "$file"; }
-tokens_of() {  # 4M -> 4000000 (K / M / G: 1e3 / 1e6 / 1e9)
-  local v=$1 m=1
-  case $v in *K|*k) m=1000; v=${v%?};; *M|*m) m=1000000; v=${v%?};; *G|*g) m=1000000000; v=${v%?};; esac
-  $PY -c "import math, sys; print(math.ceil(float(sys.argv[1]) * int(sys.argv[2])))" "$v" "$m"
-}
 state_step() { [ -f "$B/distill/distill_state/state.json" ] && $PY -c \
   "import json, sys; print(json.load(open(sys.argv[1]))['step'])" "$B/distill/distill_state/state.json" || echo 0; }
-steps_of() { echo $(( ($(tokens_of "$1") + SEQ_LEN * BATCH - 1) / (SEQ_LEN * BATCH) )); }  # whole steps
-wants_ruler() { local x; for x in $RULER_AT; do [ "$x" = "$1" ] && return 0; done; return 1; }
 
 # the token files, once per OUT (shared by the budgets)
 if [ ! -f "$OUT/eval_ids.npy" ]; then

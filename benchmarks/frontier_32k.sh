@@ -24,9 +24,7 @@ BUDGETS=${BUDGETS:-k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64}; LOSS_WINDOWS
 SPEED=${SPEED:-1}; BATCH=${BATCH:-8}; SEQ_LEN=${SEQ_LEN:-32768}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$OUT"
-t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:3}" >&2; }
-to_json() { local file=$1; shift; "$@" >"$file.part" && mv "$file.part" "$file"; }  # no JSON from a killed run
+. "$HERE/_recipe.sh"  # t, to_json
 options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 -> --top-p 0.95 --min-blocks 16 --topk 64
   case $1 in
     k*) echo "--topk ${1#k} --top-p 1" ;;
@@ -35,7 +33,8 @@ options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 
     *) echo "error: a budget is kN or pP:FLOOR:CEILING, got $1" >&2; exit 2 ;;
   esac
 }
-for budget in $BUDGETS; do options "$budget" >/dev/null; done  # every budget checked before any work
+for budget in $BUDGETS; do options "$budget" >/dev/null; done  # every budget checked before anything is written
+mkdir -p "$OUT"
 
 ruler() { $M3C eval ruler "$MODEL" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" --samples $SAMPLES \
   --dtype bfloat16 --device "$DEVICE" --json "$@"; }

@@ -28,17 +28,9 @@ LR=${LR:-1e-5}; LOSS_COEFF=${LOSS_COEFF:-1.0}; CHECKPOINT_EVERY=${CHECKPOINT_EVE
 LENGTHS=${LENGTHS:-4K,8K,16K,32K}; LOSS_WINDOWS=${LOSS_WINDOWS:-4}; SHORT_WINDOWS=${SHORT_WINDOWS:-64}
 export M3C_AUTOTUNE=${M3C_AUTOTUNE:-0}  # the recorded tile configurations: no sweep per new prompt length
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/_recipe.sh"  # t, to_json, steps_of, wants_ruler
+for spec in $TOKENS; do steps_of "$spec" >/dev/null; done  # every count checked before anything is written
 mkdir -p "$OUT"
-t() { local start=$SECONDS; "$@"; echo "  $((SECONDS - start)) s: ${*:1:3}" >&2; }
-to_json() { local file=$1; shift; "$@" >"$file.part" && mv "$file.part" "$file"; }  # no JSON from a killed run
-steps_of() {  # 5M -> whole steps of BATCH x SEQ_LEN tokens
-  local v=$1 m=1
-  case $v in *K|*k) m=1000; v=${v%?};; *M|*m) m=1000000; v=${v%?};; *G|*g) m=1000000000; v=${v%?};; esac
-  $PY -c "import math, sys; print(math.ceil(float(sys.argv[1]) * int(sys.argv[2]) / int(sys.argv[3])))" \
-    "$v" "$m" $((SEQ_LEN * BATCH))
-}
-wants_ruler() { local x; for x in $RULER_AT; do [ "$x" = "$1" ] && return 0; done; return 1; }
-for spec in $TOKENS; do steps_of "$spec" >/dev/null || { echo "error: TOKENS: not a count: $spec" >&2; exit 2; }; done
 
 if [ ! -f "$OUT/eval_ids.npy" ]; then  # the token files, through the model's tokenizer
   t $PY "$HERE/recipe_distill.py" prepare "$MODEL" "$LONG/long_code_calib.txt" "$LONG/long_code_eval.txt" "$OUT"
