@@ -29,6 +29,8 @@ alone, its first real token at position 0, so the blocks are the same as without
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +48,9 @@ try:  # m3compile's Triton kernels, when installed: a prompt's forward on CUDA u
     from m3compile.kernels import indexer as m3c_indexer
     from m3compile.kernels import sparse_attention as m3c_sparse
     from m3compile import memory as m3c_memory
+    from m3compile.io import kernel_cache as m3c_kernel_cache
 except ImportError:
-    m3c_indexer = m3c_sparse = m3c_memory = None
+    m3c_indexer = m3c_sparse = m3c_memory = m3c_kernel_cache = None
 
 try:  # transformers' fp8 KV cache layer, where this transformers has it (kv_cache="fp8" and "int8" build on it)
     from transformers.cache_utils import BaseQuantizedLayer, Fp8QuantizedLayer, QuantizedCache
@@ -583,7 +586,8 @@ class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
         cache, the model's dtype), "fp8" (transformers' QuantizedCache(backend="fp8") with `Fp8RowLayer`s: e4m3
         keys, index keys and values with one scale per position and head) or "int8" (the same cache with
         `Int8RowLayer`s: integer rows after a rotation, closer to the model's dtype at the same bytes); both where
-        this transformers has QuantizedCache(backend="fp8")."""
+        this transformers has QuantizedCache(backend="fp8"). Where the model's folder holds kernels compiled ahead
+        for this GPU (`m3c compile`: kernel-cache), the prompt's Triton kernels load from there."""
         layers = {"fp8": Fp8RowLayer, "int8": Int8RowLayer}
         if kv_cache not in ("auto", *layers):
             raise ValueError(f"kv_cache must be 'auto', 'fp8' or 'int8', got {kv_cache!r}")
@@ -593,6 +597,9 @@ class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
             cache = QuantizedCache(backend="fp8", config=self.config)
             cache.layers = [layers[kv_cache]() for _ in cache.layers]
             kwargs[CACHE_FIELD] = cache
+        folder = getattr(self.config, "_name_or_path", None)
+        if m3c_kernel_cache is not None and self.device.type == "cuda" and folder and os.path.isdir(folder):
+            m3c_kernel_cache.activate(folder, warn=warnings.warn)  # kernels compiled ahead
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if m3c_memory is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache]

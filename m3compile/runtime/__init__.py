@@ -24,6 +24,8 @@ of the modules' 5-12 elementwise ops each; a decode layer's dispatches, views in
     cuda_graph.py   DecodeStep (the decode step, eager or replayed as a CUDA graph), graph_unavailable
     generate.py     generation for a user: sizes the caches, prefills, decodes, samples, stops
     timings.py      where a generation's time goes (phases, Triton compiles, kernel variants)
+    compile_ahead.py  `m3c compile`: the model's kernel variants compiled once into MODEL/kernel-cache
+                    (io/kernel_cache.py reads and activates it), so a first run loads them instead of compiling
 
 m3compile.runtime.generate drives it (sampling, stopping, text); m3compile.bench.model times it.
 """

@@ -177,13 +177,13 @@ def test_generate_with_an_fp8_cache_and_the_memory_check(tiny, monkeypatch):
 
 
 def test_modeling_file_runs_without_m3compile(tiny, monkeypatch):
-    """The file imports only torch and transformers outside its optional import of m3compile's kernels, and it
-    builds and runs with m3compile unimportable."""
+    """The file imports only torch, transformers and the standard library outside its optional import of
+    m3compile's kernels, and it builds and runs with m3compile unimportable."""
     path = tiny["qwen2-bias-tied"]
     tree = ast.parse((path / MODELING_FILE).read_text())
     top = {(n.module if isinstance(n, ast.ImportFrom) else n.names[0].name).split(".")[0]
            for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
-    assert top == {"__future__", "math", "torch", "transformers"}
+    assert top == {"__future__", "math", "os", "warnings", "torch", "transformers"}
     ours = m3compile.load(path, dtype="float32")
     for name in [m for m in sys.modules if m == "m3compile" or m.startswith("m3compile.")]:
         monkeypatch.setitem(sys.modules, name, None)

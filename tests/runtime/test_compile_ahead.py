@@ -1,0 +1,150 @@
+"""Kernels compiled ahead (io/kernel_cache.py, runtime/compile_ahead.py, m3c compile): the synthetic runs cover the kernel variants of a
+real generation at other sizes, the manifest says what the cache was built for, and a cache built for another model
+or GPU is never used."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import m3compile
+from m3compile import cli
+from m3compile.errors import M3CompileError
+from m3compile.io import kernel_cache as kc
+from m3compile.runtime import compile_ahead as ahead
+from m3compile.runtime.timings import kernel_census
+
+
+@pytest.fixture
+def model(tiny_msa, tmp_path):
+    """A copy of the converted m3-tiny (8-token blocks, top-2) that a test may write its kernel cache into."""
+    out = tmp_path / "msa"
+    shutil.copytree(tiny_msa, out)
+    return out
+
+
+def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
+    """A build under the interpreter runs every synthetic generation in two processes and records the variants they
+    launch; a generation at other prompt lengths and another batch size launches none outside them, so on a GPU it
+    compiles nothing."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    done = []
+    report = ahead.build(model, device="cpu", workers=2, new_tokens=3, progress=lambda d, t: done.append((d, t)))
+    assert done == [(1, 2), (2, 2)] and report.workers == 2
+    manifest = json.loads((model / kc.CACHE_DIR / "manifest.json").read_text())
+    assert {k: manifest[k] for k in kc.identity(model)} == kc.identity(model)
+    assert manifest["runs"] == 7 and manifest["batches"] == [1, 2] and manifest["variants"] == report.variants
+    built = {tuple(v) for v in json.loads((model / kc.CACHE_DIR / "variants.json").read_text())}
+    assert len(built) == report.variants and {name for name, _ in built} >= {"index_topk_kernel", "gather_q_fwd_kernel"}
+    assert kc.status(model) == ("valid", "")
+
+    net = m3compile.load(model)
+    prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (45, 7, 58)]  # lengths not built
+    with kernel_census() as census:
+        m3compile.generate(net, prompts, 5, kernels=True)
+        m3compile.generate(net, prompts[:1], 4, kernels=True, prefill_chunk=24)
+    seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
+    assert seen and seen <= built, sorted(seen - built)[:2]
+
+
+def _fake_cache(model, changes=None):
+    """A kernel-cache folder whose manifest says it was built for identity(model) with `changes`."""
+    folder = model / kc.CACHE_DIR
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps(kc.identity(model) | (changes or {})))
+    return folder
+
+
+def test_a_valid_cache_becomes_tritons_cache(model, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert kc.activate(model).state == "none" and "TRITON_CACHE_DIR" not in os.environ
+    folder = _fake_cache(model)
+    assert kc.activate(model).state == "used"
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder.resolve())
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"gpu": "NVIDIA H200"}, "built for GPU NVIDIA H200, not triton-interpreter"),
+    ({"model": "0123456789abcdef"}, "built for another model (config.json differs)"),
+    ({"triton": "0.0.1"}, "built for Triton 0.0.1, not"),
+])
+def test_a_cache_of_another_model_or_gpu_is_never_used(model, monkeypatch, changes, why):
+    """Not writable or not to be rebuilt: left aside, with one line; else rebuilt before it is used."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    _fake_cache(model, changes)
+    state, reason = kc.status(model)
+    assert state == "stale" and reason.startswith(why)
+    lines = []
+    got = kc.activate(model, warn=lines.append)
+    assert got.state == "stale" and "TRITON_CACHE_DIR" not in os.environ
+    assert len(lines) == 1 and why in lines[0] and "not used" in lines[0]
+
+    built = []
+
+    def rebuild(model_dir, **kwargs):  # what activate asks of build (the build itself: the test above)
+        built.append(kwargs)
+        shutil.rmtree(model_dir / kc.CACHE_DIR)
+        _fake_cache(model_dir)
+    monkeypatch.setattr(ahead, "build", rebuild)
+    got = ahead.activate(model, dtype="float32", kv_cache="fp8", device="cpu", warn=lines.append)
+    assert got.state == "rebuilt" and "rebuilding" in lines[-1]
+    assert built == [{"dtypes": ["float32"], "kv_caches": ["fp8"], "batches": (1, 2), "device": "cpu"}]
+    assert os.environ["TRITON_CACHE_DIR"] == str((model / kc.CACHE_DIR).resolve())
+
+
+def test_a_stale_cache_in_a_read_only_folder_is_not_used(model, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    _fake_cache(model, {"gpu": "NVIDIA H100 80GB HBM3"})
+    monkeypatch.setattr(kc.os, "access", lambda path, mode: False)
+    assert ahead.activate(model).state == "stale" and "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_m3c_compile_bad_input(model, tmp_path, monkeypatch):
+    """One line each, exit status 2, and no kernel-cache folder."""
+    run = CliRunner().invoke
+    r = run(cli.main, ["compile", str(model), "--kv-cache", "fp4"])
+    assert r.exit_code == 2 and "fp4" in r.output
+    r = run(cli.main, ["compile", str(model), "--batch-sizes", "1,x"])
+    assert r.exit_code == 2 and "--batch-sizes" in r.output
+    r = run(cli.main, ["compile", str(model), "--batch-sizes", "0"])
+    assert r.exit_code == 2 and "batch sizes must be whole numbers >= 1, got 0" in r.output
+    r = run(cli.main, ["compile", str(model), "--workers", "0"])
+    assert r.exit_code == 2 and "--workers" in r.output
+    (tmp_path / "empty").mkdir()
+    r = run(cli.main, ["compile", str(tmp_path / "empty")])
+    assert r.exit_code == 2 and "not a model directory (no config.json)" in r.output
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = run(cli.main, ["compile", str(model)])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == \
+        "error: compiling kernels ahead needs a CUDA GPU (or TRITON_INTERPRET=1 to run them on the CPU)"
+    assert not (model / kc.CACHE_DIR).exists() and not list(model.parent.glob(".kernel-cache*"))
+
+
+def test_generate_timings_name_the_cache(model, monkeypatch):
+    """--timings says whether the run loaded kernels compiled ahead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    _fake_cache(model)
+    r = CliRunner().invoke(cli.main, ["generate", str(model), "--prompt", "abc", "--max-new-tokens", "2", "--timings"])
+    assert r.exit_code == 0, r.output
+    timings = json.loads(r.output.strip().splitlines()[-1])
+    assert timings["kernel_cache"] == "used" and timings["kernel_cache_s"] >= 0
+
+
+def test_convert_compiles_only_on_a_gpu(tmp_path, monkeypatch):
+    """Without a GPU convert writes no kernel cache unless asked; asked, the failure names the converted model."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(cli.main, ["convert", "--preset", "m3-tiny", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0 and not (tmp_path / "a" / kc.CACHE_DIR).exists()
+    r = CliRunner().invoke(cli.main, ["convert", "--preset", "m3-tiny", "--out", str(tmp_path / "b"), "--compile"])
+    assert r.exit_code == 2 and "converted, but compiling kernels ahead needs a CUDA GPU" in r.output
+    assert (tmp_path / "b" / "config.json").is_file() and not (tmp_path / "b" / kc.CACHE_DIR).exists()
+    with pytest.raises(M3CompileError, match="not a model directory"):
+        ahead.build(tmp_path / "nothing")
