@@ -37,12 +37,15 @@ __all__ = ["build", "activate", "scenarios", "BuildReport", "NEW_TOKENS"]
 
 NEW_TOKENS = 20  # a synthetic run's new tokens: > 8 (generate's CUDA-graph threshold) and past a multiple of 16
 EAGER_NEW_TOKENS = 6  # <= 8: generate decodes eagerly
+CACHE_CAP = 1 << 18  # the largest cache a synthetic run allocates (positions)
 
 
-def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int = NEW_TOKENS) -> list[dict]:
+def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int = NEW_TOKENS,
+              max_cache: int = CACHE_CAP) -> list[dict]:
     """The synthetic generations whose kernel variants cover a real run's (module docstring): each {"lengths": prompt
-    lengths (one per sequence), "new": new tokens, "chunk": prefill chunk or None}. `args`: the model's ModelArgs.
-    new_tokens: of the CUDA-graph runs (the eager one has at most EAGER_NEW_TOKENS)."""
+    lengths (one per sequence), "new": new tokens, "chunk": prefill chunk or None, "cache": the caches' positions
+    where more than the run needs}. `args`: the model's ModelArgs. new_tokens: of the CUDA-graph runs (the eager one
+    has at most EAGER_NEW_TOKENS). max_cache: the largest cache a run allocates."""
     sparse = args.msa is not None and any(args.is_sparse(i) for i in range(args.n_layers))
     block = args.msa.block_size if sparse else 128
     topk = args.msa.topk if sparse else 1
@@ -57,6 +60,13 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
     for b in batches:
         if b > 1:
             out.append({"lengths": ([odd, 13, even] * b)[:b], "new": new_tokens, "chunk": None})
+    # the decode's top-k is built per power of two of the caches' pages (16 to 1024, then chunked past 256): caches
+    # of each such size, up to the model's positions and max_cache, behind a short prompt
+    pages = 16
+    while pages <= 2048 and pages * block <= min(limit, max_cache):
+        if pages * block > odd + new_tokens:
+            out.append({"lengths": [odd], "new": 3, "chunk": None, "cache": pages * block})
+        pages *= 2
     return out
 
 
@@ -74,7 +84,7 @@ def _run_jobs(model_dir: str, device: str, jobs: list[dict]) -> list[tuple[str, 
                 s = job["scenario"]
                 prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen).tolist() for n in s["lengths"]]
                 generate(model, prompts, s["new"], prefill_chunk=s["chunk"], kv_cache_dtype=job["kv_cache"],
-                         kernels=True if interpreting() else None)
+                         kernels=True if interpreting() else None, cache_len=s.get("cache"))
         seen.update((name, repr(k)) for name, keys in census.variants.items() for k in keys)
         del model
     return sorted(seen)
@@ -94,12 +104,13 @@ def _run_remote(model_dir: str, device: str, job: dict) -> None:
             model(input_ids=ids)
 
 
-def _plan(model_dir: Path, dtypes, kv_caches, batches, new_tokens: int = NEW_TOKENS) -> list[dict]:
+def _plan(model_dir: Path, dtypes, kv_caches, batches, new_tokens: int = NEW_TOKENS,
+          max_cache: int = CACHE_CAP) -> list[dict]:
     """Every (dtype, kv cache, scenario) job of a build."""
 
     config = read_config(model_dir)
     args, _ = args_from_config(config)
-    runs = scenarios(args, max_positions(config), batches, new_tokens)
+    runs = scenarios(args, max_positions(config), batches, new_tokens, max_cache)
     jobs = [{"dtype": d, "kv_cache": kv, "scenario": s} for d in dtypes for kv in kv_caches for s in runs]
     if (model_dir / "modeling_m3compile.py").is_file() and not interpreting() \
             and importlib.util.find_spec("transformers") is not None:  # the remote code's kernels run on CUDA only
@@ -132,13 +143,15 @@ class BuildReport:
 
 
 def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",), batches=(1, 2),
-          device: str = "cuda", workers: int | None = None, new_tokens: int = NEW_TOKENS,
-          progress=None) -> BuildReport:
+          device: str | None = None, workers: int | None = None, new_tokens: int = NEW_TOKENS,
+          max_cache: int = CACHE_CAP, progress=None) -> BuildReport:
     """Compile MODEL's kernel variants into MODEL/kernel-cache (module docstring), `workers` processes side by side
     (default: one per job, at most the CPU count, 8, and what fits the GPU's free memory: _fit_on_gpu).
+    device: default cuda where a GPU is present, else the CPU (under the interpreter).
     progress(done, total) after each worker ends.
-    new_tokens: each synthetic run's (fewer only to test the build quickly under the interpreter)."""
+    new_tokens, max_cache: the synthetic runs' (smaller only to test the build quickly under the interpreter)."""
     model_dir = Path(model_dir).resolve()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # (the CPU: under TRITON_INTERPRET=1)
     if not (model_dir / "config.json").is_file():
         raise M3CompileError(f"{model_dir}: not a model directory (no config.json)")
     if not os.access(model_dir, os.W_OK):
@@ -147,7 +160,7 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
     for b in batches:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise M3CompileError(f"batch sizes must be whole numbers >= 1, got {b!r}")
-    jobs = _plan(model_dir, dtypes, kv_caches, batches, new_tokens)
+    jobs = _plan(model_dir, dtypes, kv_caches, batches, new_tokens, max_cache)
     n = max(1, min(workers or min(os.cpu_count() or 1, 8, _fit_on_gpu(model_dir, device)), len(jobs)))
     groups = [jobs[i::n] for i in range(n)]
     start = time.perf_counter()

@@ -63,7 +63,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
              prefill_chunk: int | None = None, timings: bool = False,
-             selection: str = "index") -> GenerationResult:
+             selection: str = "index", cache_len: int | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -78,7 +78,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     Before anything is allocated the caches and a prefill chunk's activations are counted (m3compile.memory) against
     the device's free memory (a CPU's available memory); what does not fit is an M3CompileError giving the numbers
     and what would fit (an fp8 KV cache, how many of these prompts at once, a smaller chunk, fewer positions). The
-    caches hold every sequence at the longest prompt's length plus max_new_tokens.
+    caches hold every sequence at the longest prompt's length plus max_new_tokens, or at cache_len positions where
+    that is more (the caches a longer run would allocate, with its kernels: m3compile.runtime.compile_ahead).
     page_size: tokens per cache page; MSA models use their block size (required to be equal).
     on_token(sequence, token) is called for every generated token as it is chosen (streaming).
     cuda_graph: replay the decode step as a CUDA graph (DecodeStep). None (default): on a CUDA device when the
@@ -138,7 +139,11 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     check_positions(longest + max_new_tokens - 1, getattr(model, "source_config", None),
                     f"{which}{longest:,} prompt tokens + {max_new_tokens:,} new tokens "
                     f"({longest + max_new_tokens - 1:,} positions)")
-    max_len = longest + max_new_tokens
+    if cache_len is not None and (isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 1):
+        raise M3CompileError(f"cache_len must be a whole number of positions >= 1, got {cache_len!r}")
+    max_len = max(longest + max_new_tokens, cache_len or 0)
+    if max_len > longest + max_new_tokens:
+        check_positions(max_len - 1, getattr(model, "source_config", None), f"a cache of {max_len:,} positions")
     chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
     if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
         chunk = None

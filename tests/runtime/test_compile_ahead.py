@@ -27,15 +27,16 @@ def model(tiny_msa, tmp_path):
 
 def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
     """A build under the interpreter runs every synthetic generation in two processes and records the variants they
-    launch; a generation at other prompt lengths and another batch size launches none outside them, so on a GPU it
-    compiles nothing."""
+    launch; a generation at other prompt lengths, another batch size and another cache size launches none outside
+    them, so on a GPU it compiles nothing."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     done = []
-    report = ahead.build(model, device="cpu", workers=2, new_tokens=3, progress=lambda d, t: done.append((d, t)))
+    report = ahead.build(model, device="cpu", workers=2, new_tokens=3, max_cache=256,
+                         progress=lambda d, t: done.append((d, t)))
     assert done == [(1, 2), (2, 2)] and report.workers == 2
     manifest = json.loads((model / kc.CACHE_DIR / "manifest.json").read_text())
     assert {k: manifest[k] for k in kc.identity(model)} == kc.identity(model)
-    assert manifest["runs"] == 7 and manifest["batches"] == [1, 2] and manifest["variants"] == report.variants
+    assert manifest["runs"] == 9 and manifest["batches"] == [1, 2] and manifest["variants"] == report.variants
     built = {tuple(v) for v in json.loads((model / kc.CACHE_DIR / "variants.json").read_text())}
     assert len(built) == report.variants and {name for name, _ in built} >= {"index_topk_kernel", "gather_q_fwd_kernel"}
     assert kc.status(model) == ("valid", "")
@@ -44,7 +45,7 @@ def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
     prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (45, 7, 58)]  # lengths not built
     with kernel_census() as census:
         m3compile.generate(net, prompts, 5, kernels=True)
-        m3compile.generate(net, prompts[:1], 4, kernels=True, prefill_chunk=24)
+        m3compile.generate(net, prompts[:1], 4, kernels=True, prefill_chunk=24, cache_len=200)  # 25 pages
     seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
     assert seen and seen <= built, sorted(seen - built)[:2]
 
@@ -148,3 +149,13 @@ def test_convert_compiles_only_on_a_gpu(tmp_path, monkeypatch):
     assert (tmp_path / "b" / "config.json").is_file() and not (tmp_path / "b" / kc.CACHE_DIR).exists()
     with pytest.raises(M3CompileError, match="not a model directory"):
         ahead.build(tmp_path / "nothing")
+
+
+def test_generate_cache_len(tiny_msa):
+    """cache_len: caches larger than the run needs, within the model's positions; the tokens do not change."""
+    net = m3compile.load(tiny_msa)
+    base = m3compile.generate(net, [[1, 2, 3]], 3)
+    assert m3compile.generate(net, [[1, 2, 3]], 3, cache_len=100).tokens == base.tokens
+    for bad in (0, 2.5, True):
+        with pytest.raises(M3CompileError, match="cache_len must be a whole number of positions >= 1"):
+            m3compile.generate(net, [[1, 2, 3]], 3, cache_len=bad)
