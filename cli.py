@@ -566,7 +566,9 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
 
     On a GPU the Triton kernels run the tiles recorded from the H200's tuning (M3C_AUTOTUNE=0 unless set: a
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
-    (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling.
+    (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling. Kernels compiled
+    ahead for this model and GPU (m3c compile: MODEL_DIR/kernel-cache, which m3c convert writes on a GPU) are loaded
+    from there on a first run too; a kernel cache built for another model or GPU is rebuilt first.
     """
     prompts = _prompts(prompt, prompt_files, prompts_jsonl)
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, next
