@@ -65,7 +65,7 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
     pages = 16
     while pages <= 2048 and pages * block <= min(limit, max_cache):
         if pages * block > odd + new_tokens:
-            out.append({"lengths": [odd], "new": 3, "chunk": None, "cache": pages * block})
+            out.append({"lengths": [odd], "new": min(3, new_tokens), "chunk": None, "cache": pages * block})
         pages *= 2
     return out
 

@@ -31,7 +31,7 @@ def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
     them, so on a GPU it compiles nothing."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     done = []
-    report = ahead.build(model, device="cpu", workers=2, new_tokens=3, max_cache=256,
+    report = ahead.build(model, device="cpu", workers=2, new_tokens=2, max_cache=256,
                          progress=lambda d, t: done.append((d, t)))
     assert done == [(1, 2), (2, 2)] and report.workers == 2
     manifest = json.loads((model / kc.CACHE_DIR / "manifest.json").read_text())
@@ -44,8 +44,8 @@ def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
     net = m3compile.load(model)
     prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (45, 7, 58)]  # lengths not built
     with kernel_census() as census:
-        m3compile.generate(net, prompts, 5, kernels=True)
-        m3compile.generate(net, prompts[:1], 4, kernels=True, prefill_chunk=24, cache_len=200)  # 25 pages
+        m3compile.generate(net, prompts, 3, kernels=True)
+        m3compile.generate(net, prompts[:1], 2, kernels=True, prefill_chunk=24, cache_len=200)  # 25 pages
     seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
     assert seen and seen <= built, sorted(seen - built)[:2]
 
