@@ -62,10 +62,12 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
             out.append({"lengths": ([odd, 13, even] * b)[:b], "new": new_tokens, "chunk": None})
     # the decode's top-k is built per power of two of the caches' pages (16 to 1024, then chunked past 256): caches
     # of each such size, up to the model's positions and max_cache, behind a short prompt
+    top = min(limit + new_tokens, max_cache)  # positions a cache may hold
     pages = 16
-    while pages <= 2048 and pages * block <= min(limit, max_cache):
-        if pages * block > odd + new_tokens:
-            out.append({"lengths": [odd], "new": min(3, new_tokens), "chunk": None, "cache": pages * block})
+    while pages <= 2048 and (pages // 2) * block < top:  # some cache of (pages / 2, pages] pages fits
+        size = min(pages * block, top)
+        if size > odd + new_tokens:
+            out.append({"lengths": [odd], "new": min(3, new_tokens), "chunk": None, "cache": size})
         pages *= 2
     return out
 
