@@ -10,7 +10,7 @@ import torch
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["load_tokens", "windows"]
+__all__ = ["load_tokens", "windows", "read_tokenizer"]
 
 
 def load_tokens(path: str | os.PathLike, vocab_size: int, tokenizer_dir: str | os.PathLike | None = None) -> torch.Tensor:
@@ -41,16 +41,22 @@ def load_tokens(path: str | os.PathLike, vocab_size: int, tokenizer_dir: str | o
     return ids
 
 
+def read_tokenizer(tok_file: str | os.PathLike):
+    """A checkpoint's tokenizer.json as a `tokenizers.Tokenizer` (the one reader of data files and of
+    io.tokenizer.TextCodec); a malformed file is a one-line M3CompileError."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises its own exception type for malformed files
+        raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+
+
 def _tokenize(path: Path, tokenizer_dir) -> torch.Tensor:
     tok_file = Path(tokenizer_dir or "") / "tokenizer.json"
     if tokenizer_dir is None or not tok_file.is_file():
         raise M3CompileError(f"{path}: text data needs the checkpoint's tokenizer.json, none found in {tokenizer_dir}")
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(tok_file))
-    except Exception as e:  # tokenizers raises its own exception type for malformed files
-        raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+    tok = read_tokenizer(tok_file)
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from m3compile.data import read_tokenizer
 from m3compile.errors import M3CompileError
 
 __all__ = ["TextCodec", "eos_token_id", "PromptCodec", "read_chat_template"]
@@ -34,12 +35,7 @@ class TextCodec:
         self.tokenizer = None
         tok_file = Path(model_dir) / "tokenizer.json"
         if tok_file.is_file():
-            from tokenizers import Tokenizer
-
-            try:
-                self.tokenizer = Tokenizer.from_file(str(tok_file))
-            except Exception as e:  # tokenizers raises its own exception type for malformed files
-                raise M3CompileError(f"{tok_file}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+            self.tokenizer = read_tokenizer(tok_file)
         elif vocab_size != 256:
             raise M3CompileError(f"{model_dir}: no tokenizer.json, and the model is not byte-level (vocab "
                                  f"{vocab_size}, not 256): cannot turn text into tokens")
