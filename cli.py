@@ -14,7 +14,6 @@ import time
 
 _STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
 
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -33,6 +32,7 @@ from m3compile.commands.common import (
     EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, libraries_to_log, load_model, log_path,
     stdout_console, terminal,
 )
+from m3compile.commands.compile import compile_after_convert, compile_model, kernel_cache_for
 from m3compile.commands.eval import eval_
 from m3compile.commands.train import distill, train
 
@@ -149,6 +149,7 @@ def main(verbose):
     m3c train MODEL ...    continued training with sparse attention: LM loss + coeff x KL
     m3c attention-map ...  dense attention of one KV group with the selected blocks outlined
     m3c generate MODEL ... text from a prompt, streamed, or from a batch of prompts (greedy, or sampled)
+    m3c compile MODEL      its Triton kernels compiled ahead into MODEL/kernel-cache (GPU; convert runs it there)
     m3c inspect [SRC]      what conversion changes and what attention costs (headers only)
     m3c export-onnx M OUT  model.onnx with one m3compile::MSA node per MSA layer
     m3c bench kernels      Triton MSA kernels vs dense SDPA and FlexAttention (GPU)
@@ -278,7 +279,7 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dens
             calib=calib, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, calib_device=calib_device,
             layer_costs=None if costs is None else costs.to_dict(),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
-    kernels = _compile_after_convert(out, compile_, as_json)
+    kernels = compile_after_convert(out, compile_, as_json)
     if as_json:
         click.echo(json.dumps(report.to_dict() | ({"kernel_cache": kernels} if kernels else {}), indent=2))
         return
@@ -306,82 +307,6 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dens
     if kernels:
         console.print(f"kernels compiled ahead: {kernels['kernels']} kernels ({kernels['variants']} variants) in "
                       f"{kernels['seconds']:.1f} s, {kernels['workers']} processes -> {kernels['path']}")
-
-
-def _compile_after_convert(out, compile_: bool | None, quiet: bool) -> dict | None:
-    """convert's --compile: the kernel cache of the converted model (m3c compile), or None. Asked for explicitly, a
-    failure is the command's error; by default (a GPU present) a warning, the conversion standing."""
-    import torch
-
-    if compile_ is False or (compile_ is None and not torch.cuda.is_available()):
-        return None
-    from m3compile.runtime.compile_ahead import build
-
-    try:
-        with _compile_progress(quiet) as progress:
-            return build(out, progress=progress).to_dict()
-    except M3CompileError as e:
-        if compile_:
-            raise M3CompileError(f"{out} converted, but {e}") from None
-        click.echo(f"warning: {out} converted; its kernels were not compiled ahead ({e}); `m3c compile {out}` "
-                   f"retries", file=terminal())
-        return None
-
-
-@contextlib.contextmanager
-def _compile_progress(quiet: bool):
-    """A progress bar of the compiling worker processes (none with quiet), yielding build's progress callback."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("[bold]compile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("worker processes done"), transient=True, disable=quiet) as bar:
-        task = bar.add_task("compile", total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
-@main.command(name="compile")
-@click.argument("model_dir", type=InputPath())
-@click.option("--dtype", "dtypes", default="auto", show_default=True,
-              help="Compute dtypes to compile for, comma-separated, as m3c generate --dtype names them.")
-@click.option("--kv-cache", "kv_caches", default="auto", show_default=True,
-              help="K/V cache dtypes to compile for, comma-separated (m3c generate --kv-cache).")
-@click.option("--batch-sizes", default="1,2", show_default=True,
-              help="Batch sizes of the synthetic runs, comma-separated (a batch of 1 and one of several cover every "
-                   "batch m3c generate runs, but 16 or a multiple of it, which Triton specialises apart).")
-@click.option("--workers", type=int, default=None, help="Compiling processes side by side [default: one per run, at most the CPUs and 8].")
-@click.option("--device", default="cuda", show_default=True, help="The GPU to compile for (cuda or cuda:N).")
-@click.option("--json", "as_json", is_flag=True, help="Print what was built as JSON.")
-def compile_(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as_json):
-    """Compile MODEL_DIR's Triton kernels ahead, into MODEL_DIR/kernel-cache, for this GPU.
-
-    Runs the model's own generation on synthetic prompts (lengths of 1, under 16, past the top-k's blocks and not a
-    multiple of 16, and a multiple of 16; one sequence and a batch; a whole and a chunked prefill; the CUDA-graph and
-    the eager decode step) in worker processes side by side, each compiling into the cache. m3c generate and the
-    remote code's generate() then load the kernels instead of compiling on a first run; --timings says kernel_cache
-    "used". A cache built for another model, GPU, Triton or torch is never used: m3c generate rebuilds it. m3c
-    convert runs this on a GPU unless --no-compile. Nothing is replaced unless the whole build succeeds.
-    """
-    from m3compile.config import KV_CACHE_DTYPES
-    from m3compile.runtime.compile_ahead import build
-
-    kvs = [x.strip() for x in kv_caches.split(",") if x.strip()]
-    bad = [x for x in kvs if x not in KV_CACHE_DTYPES]
-    if bad or not kvs:
-        raise click.BadParameter(f"{bad[0] if bad else kv_caches!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
-                                 param_hint="--kv-cache")
-    try:
-        batches = [int(x) for x in batch_sizes.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{batch_sizes!r} is not a list of whole numbers", param_hint="--batch-sizes") from None
-    if workers is not None and workers < 1:
-        raise click.BadParameter(f"{workers} is below 1", param_hint="--workers")
-    with _compile_progress(as_json) as progress:
-        report = build(model_dir, dtypes=[x.strip() for x in dtypes.split(",") if x.strip()] or ["auto"],
-                       kv_caches=kvs, batches=batches or [1], device=device, workers=workers, progress=progress)
-    d = report.to_dict()
-    click.echo(json.dumps(d, indent=2) if as_json else
-               f"{d['kernels']} kernels ({d['variants']} variants) compiled in {d['seconds']:.1f} s by "
-               f"{d['workers']} processes -> {d['path']}")
 
 
 @main.command(name="attention-map")
@@ -579,7 +504,7 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     clock = Timings(device) if timings else None
     if timings:
         clock.add("import", round(time.perf_counter() - _STARTED, 4))
-    kernels = _kernel_cache(model_dir, device, dtype, kv_cache)
+    kernels = kernel_cache_for(model_dir, device, dtype, kv_cache)
     if timings:
         clock.add("kernel_cache", kernels.state)
         clock.add("kernel_cache_s", round(kernels.seconds, 4))
@@ -625,21 +550,6 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
         total = {"total": round(time.perf_counter() - _STARTED, 4)}
         click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
                               | total), file=terminal())
-
-
-def _kernel_cache(model_dir, device: str, dtype: str, kv_cache: str):
-    """MODEL/kernel-cache for a GPU run (m3compile.runtime.compile_ahead.activate): used when built for this model
-    and GPU, rebuilt (one line on stderr) when not."""
-    from m3compile.io.kernel_cache import Activation
-    from m3compile.runtime.compile_ahead import activate
-
-    import torch
-
-    gpu = str(device).startswith("cuda") and torch.cuda.is_available()
-    if not gpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return Activation("none")
-    return activate(model_dir, dtype=dtype, kv_cache=kv_cache, device=device,
-                    warn=lambda line: click.echo(line, file=terminal()))
 
 
 @main.command()
@@ -773,6 +683,7 @@ main.add_command(eval_)  # the commands of m3compile/commands/
 main.add_command(distill)
 main.add_command(train)
 main.add_command(bench)
+main.add_command(compile_model)
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ LAYERS = [  # bottom to top
 # entry: imports the command line inside main(), after its signal handlers. The command line (cli and its commands):
 # each command imports the library modules it runs inside its function, so --help and a usage error load no torch
 LAZY_BY_DESIGN = {"m3compile.entry", "m3compile.cli", "m3compile.commands.common", "m3compile.commands.eval",
-                  "m3compile.commands.train", "m3compile.commands.bench"}
+                  "m3compile.commands.train", "m3compile.commands.bench", "m3compile.commands.compile"}
 OPTIONAL = {"triton", "onnx", "onnxscript", "onnxruntime", "vllm"}  # may be missing: modules that need them load lazily
 
 
