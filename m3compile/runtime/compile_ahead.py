@@ -109,7 +109,6 @@ def _run_remote(model_dir: str, device: str, job: dict) -> None:
 def _plan(model_dir: Path, dtypes, kv_caches, batches, new_tokens: int = NEW_TOKENS,
           max_cache: int = CACHE_CAP) -> list[dict]:
     """Every (dtype, kv cache, scenario) job of a build."""
-
     config = read_config(model_dir)
     args, _ = args_from_config(config)
     runs = scenarios(args, max_positions(config), batches, new_tokens, max_cache)
