@@ -456,7 +456,8 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
 @click.option("--timings", is_flag=True,
               help="After the text, print one JSON object on stderr: seconds of import (from the command's start), "
                    "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
-                   "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants); CUDA "
+                   "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants, and "
+                   "compiled_anew: the kernels compiled rather than loaded from Triton's cache); CUDA "
                    "is synchronised between phases; and batch, new_tokens and new_tokens_per_s (every prompt's new "
                    "tokens over the decode seconds, to compare a batch with one prompt).")
 @kv_cache_option()

@@ -10,7 +10,8 @@
 A phase's seconds exclude the Triton compiles that ran inside it; those are summed, per phase and in all, as
 "compile" (each first launch of a kernel specialisation: a compile on a cold cache, a load from Triton's persistent
 cache, TRITON_CACHE_DIR or ~/.triton/cache, on a warm one; an autotuning sweep where M3C_AUTOTUNE is on and the
-sweep's result is not on disk yet). So "prefill" is the steady cost of the prompt and "compile_prefill" what the
+sweep's result is not on disk yet). Which kernels were compiled anew rather than loaded is "compiled_anew" (the
+binaries Triton wrote to its cache in the run), with "modules_built" (the C launchers and driver modules it built). So "prefill" is the steady cost of the prompt and "compile_prefill" what the
 first run adds.
 
 The kernel census (`kernel_census`) counts the distinct specialisations the run launches, as Triton keys its
@@ -136,6 +137,7 @@ class Timings:
         self.seconds: dict[str, float] = {}
         self.compile_seconds: dict[str, float] = defaultdict(float)
         self.compiles = 0
+        self.written: set[str] = set()  # files Triton wrote to its persistent cache in the run (FileCacheManager.put)
         self.census: _Census | None = None
         self._phase: str | None = None
         self._started = self._compiled_before = 0.0
@@ -215,6 +217,18 @@ class Timings:
         wrap(JITFunction, "_do_compile", True)
         wrap(CompiledKernel, "_init_handles", False)
         wrap(Autotuner, "_bench", False)
+        try:  # what was compiled anew, not loaded: the files Triton puts into its persistent cache
+            from triton.runtime.cache import FileCacheManager
+        except ImportError:
+            FileCacheManager = None
+        if FileCacheManager is not None:
+            put = FileCacheManager.put
+
+            def recorded(manager, data, filename, *args, **kwargs):
+                self.written.add(str(filename))
+                return put(manager, data, filename, *args, **kwargs)
+            FileCacheManager.put = recorded
+            patched.append((FileCacheManager, "put", put))
         try:
             yield
         finally:
@@ -229,6 +243,9 @@ class Timings:
         out["compile"] = round(sum(self.compile_seconds.values()), 4)
         out.update({f"compile_{k}": round(v, 4) for k, v in self.compile_seconds.items() if v})
         out["compiles"] = self.compiles
+        if self._triton:  # kernels compiled anew (their binaries written to Triton's cache), and C modules built
+            out["compiled_anew"] = sorted(f.rsplit(".", 1)[0] for f in self.written if f.endswith((".cubin", ".hsaco")))
+            out["modules_built"] = sum(f.endswith(".so") for f in self.written)
         if self.census is not None:
             out["kernel_variants"] = self.census.count
             out["kernel_variants_per_kernel"] = self.census.per_kernel()

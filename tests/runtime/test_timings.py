@@ -102,3 +102,25 @@ def test_cli_timings_print_one_json_object_on_stderr():
     assert t["batch"] == 1 and t["new_tokens"] == 3 and t["new_tokens_per_s"] > 0
     assert t["total"] >= t["import"] + t["load"] + t["prefill"] + t["decode"]
     assert "{" not in r.stdout and "import" not in r.stdout  # the text alone on stdout
+
+
+def test_timings_name_the_kernels_compiled_anew(tmp_path, monkeypatch):
+    """What Triton writes to its persistent cache inside the watched run (a compile, not a load) is named:
+    "compiled_anew" (the kernel binaries) and "modules_built" (C modules); a run that only loads names none."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from triton.runtime.cache import FileCacheManager
+
+    t = Timings("cpu")
+    with t.watch():
+        t.mark("prefill")
+        FileCacheManager("k" * 32).put(b"binary", "gather_q_fwd_kernel.cubin")
+        FileCacheManager("k" * 32).put(b"{}", "gather_q_fwd_kernel.json", binary=False)
+        FileCacheManager("m" * 32).put(b"so", "__triton_launcher.so")
+    got = t.to_dict()
+    assert got["compiled_anew"] == ["gather_q_fwd_kernel"] and got["modules_built"] == 1
+    assert FileCacheManager.put.__name__ == "put"  # the hook is gone after the run
+    t = Timings("cpu")
+    with t.watch():
+        t.mark("prefill")
+    assert t.to_dict()["compiled_anew"] == [] and t.to_dict()["modules_built"] == 0
