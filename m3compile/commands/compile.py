@@ -54,7 +54,9 @@ def _compile_progress(quiet: bool):
 @click.option("--batch-sizes", default="1,2", show_default=True,
               help="Batch sizes of the synthetic runs, comma-separated (a batch of 1 and one of several cover every "
                    "batch m3c generate runs, but 16 or a multiple of it, which Triton specialises apart).")
-@click.option("--workers", type=int, default=None, help="Compiling processes side by side [default: one per run, at most the CPUs and 8].")
+@click.option("--workers", type=int, default=None,
+              help="Compiling processes side by side [default: one per run, at most the CPUs, 8 and what fits the "
+                   "GPU's free memory].")
 @click.option("--device", default="cuda", show_default=True, help="The GPU to compile for (cuda or cuda:N).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was built as JSON.")
 def compile_model(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as_json):
@@ -78,7 +80,8 @@ def compile_model(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as
     try:
         batches = [int(x) for x in batch_sizes.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"{batch_sizes!r} is not a list of whole numbers", param_hint="--batch-sizes") from None
+        raise click.BadParameter(f"{batch_sizes!r} is not a list of whole numbers",
+                                 param_hint="--batch-sizes") from None
     if workers is not None and workers < 1:
         raise click.BadParameter(f"{workers} is below 1", param_hint="--workers")
     with _compile_progress(as_json) as progress:

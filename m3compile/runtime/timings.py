@@ -11,8 +11,8 @@ A phase's seconds exclude the Triton compiles that ran inside it; those are summ
 "compile" (each first launch of a kernel specialisation: a compile on a cold cache, a load from Triton's persistent
 cache, TRITON_CACHE_DIR or ~/.triton/cache, on a warm one; an autotuning sweep where M3C_AUTOTUNE is on and the
 sweep's result is not on disk yet). Which kernels were compiled anew rather than loaded is "compiled_anew" (the
-binaries Triton wrote to its cache in the run), with "modules_built" (the C launchers and driver modules it built). So "prefill" is the steady cost of the prompt and "compile_prefill" what the
-first run adds.
+binaries Triton wrote to its cache in the run), with "modules_built" (the C launchers and driver modules it built).
+So "prefill" is the steady cost of the prompt and "compile_prefill" what the first run adds.
 
 The kernel census (`kernel_census`) counts the distinct specialisations the run launches, as Triton keys its
 compiled binaries: each kernel's constexpr values, the launch options, the dtype and 16-byte alignment of every
