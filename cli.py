@@ -507,8 +507,8 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
         clock.add("import", round(time.perf_counter() - _STARTED, 4))
     kernels = kernel_cache_for(model_dir, device, dtype, kv_cache)
     if timings:
-        clock.add("kernel_cache", kernels.state)
-        clock.add("kernel_cache_s", round(kernels.seconds, 4))
+        for name, value in kernels.to_dict().items():
+            clock.add(name, value)
         clock.mark("load")
     model = load_model(model_dir, dtype, device)
     if timings:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 
 import click
 
-from m3compile.commands.common import Command, InputPath, terminal
+from m3compile.commands.common import Command, InputPath, split_names, terminal
 from m3compile.errors import M3CompileError
 
 __all__ = ["compile_model", "compile_after_convert", "kernel_cache_for"]
@@ -72,20 +71,20 @@ def compile_model(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as
     from m3compile.config import KV_CACHE_DTYPES
     from m3compile.runtime.compile_ahead import build
 
-    kvs = [x.strip() for x in kv_caches.split(",") if x.strip()]
+    kvs = split_names(kv_caches)
     bad = [x for x in kvs if x not in KV_CACHE_DTYPES]
     if bad or not kvs:
         raise click.BadParameter(f"{bad[0] if bad else kv_caches!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
                                  param_hint="--kv-cache")
     try:
-        batches = [int(x) for x in batch_sizes.split(",") if x.strip()]
+        batches = [int(x) for x in split_names(batch_sizes)]
     except ValueError:
         raise click.BadParameter(f"{batch_sizes!r} is not a list of whole numbers",
                                  param_hint="--batch-sizes") from None
     if workers is not None and workers < 1:
         raise click.BadParameter(f"{workers} is below 1", param_hint="--workers")
     with _compile_progress(as_json) as progress:
-        report = build(model_dir, dtypes=[x.strip() for x in dtypes.split(",") if x.strip()] or ["auto"],
+        report = build(model_dir, dtypes=split_names(dtypes) or ["auto"],
                        kv_caches=kvs, batches=batches or [1], device=device, workers=workers, progress=progress)
     d = report.to_dict()
     click.echo(json.dumps(d, indent=2) if as_json else
@@ -96,13 +95,14 @@ def compile_model(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as
 def kernel_cache_for(model_dir, device: str, dtype: str, kv_cache: str):
     """MODEL/kernel-cache for a GPU run (m3compile.runtime.compile_ahead.activate): used when built for this model
     and GPU, rebuilt (one line on stderr) when not."""
-    from m3compile.io.kernel_cache import Activation
-    from m3compile.runtime.compile_ahead import activate
-
     import torch
 
+    from m3compile.io.kernel_cache import Activation
+    from m3compile.kernels._common import interpreting
+    from m3compile.runtime.compile_ahead import activate
+
     gpu = str(device).startswith("cuda") and torch.cuda.is_available()
-    if not gpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not gpu and not interpreting():
         return Activation("none")
     return activate(model_dir, dtype=dtype, kv_cache=kv_cache, device=device,
                     warn=lambda line: click.echo(line, file=terminal()))

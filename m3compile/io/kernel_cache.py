@@ -123,11 +123,12 @@ def activate(model_dir: str | os.PathLike, *, rebuild=None, warn=None) -> Activa
                      f"m3c compile {model_dir} rebuilds it)")
             return Activation("stale", why, time.perf_counter() - start)
     if state in ("valid", "rebuilt"):
-        os.environ["TRITON_CACHE_DIR"] = str(folder.resolve())
+        path = str(folder.resolve())
+        os.environ["TRITON_CACHE_DIR"] = path
         try:  # a Triton that reads its knobs once: set it there too
             from triton import knobs
 
-            knobs.cache.dir = str(folder.resolve())
+            knobs.cache.dir = path
         except (ImportError, AttributeError):
             pass
         return Activation("used" if state == "valid" else state, why, time.perf_counter() - start)
