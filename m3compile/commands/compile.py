@@ -66,7 +66,8 @@ def compile_model(model_dir, dtypes, kv_caches, batch_sizes, workers, device, as
     the eager decode step) in worker processes side by side, each compiling into the cache. m3c generate and the
     remote code's generate() then load the kernels instead of compiling on a first run; --timings says kernel_cache
     "used". A cache built for another model, GPU, Triton or torch is never used: m3c generate rebuilds it. m3c
-    convert runs this on a GPU unless --no-compile. Nothing is replaced unless the whole build succeeds.
+    convert runs this on a GPU unless --no-compile. Nothing is replaced unless the whole build succeeds, and a
+    kernel-cache m3compile did not write (no manifest.json) is never replaced: the command stops, naming it.
     """
     from m3compile.config import KV_CACHE_DTYPES
     from m3compile.runtime.compile_ahead import build

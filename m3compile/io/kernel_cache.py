@@ -12,7 +12,8 @@ never on the weights; compiled once into the model's folder, later runs load the
 `activate(MODEL)` points this process's Triton cache (TRITON_CACHE_DIR) at MODEL/kernel-cache when the manifest
 matches this model and this GPU; a cache built for another model, GPU, Triton or torch is never used: rebuilt by the
 caller's `rebuild` where the folder is writable (m3c generate), otherwise left aside (the run compiles into Triton's
-default cache). The remote code (modeling_m3compile.py) activates it too.
+default cache). A kernel-cache without m3compile's manifest is not m3compile's (a build moves its folder into place
+whole): never used, replaced nor rebuilt. The remote code (modeling_m3compile.py) activates it too.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pathlib import Path
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 
-__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "read_manifest", "activate", "Activation"]
+__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "foreign", "read_manifest", "activate",
+           "Activation"]
 
 CACHE_DIR = "kernel-cache"
 MANIFEST = "manifest.json"
@@ -63,6 +65,13 @@ def identity(model_dir: str | os.PathLike) -> dict:
             "torch": torch.__version__, "m3compile": importlib.metadata.version("m3compile")}
 
 
+def foreign(folder: str | os.PathLike) -> str:
+    """Why `folder` (MODEL/kernel-cache) is not m3compile's: a build moves its folder into place whole, manifest
+    included, so one without a readable manifest was put there by someone else, and is neither used nor replaced."""
+    what = "a folder" if Path(folder).is_dir() else "a file"
+    return f"{folder} is {what} m3compile did not write (no readable {MANIFEST}): move it aside for a kernel cache"
+
+
 def read_manifest(folder: str | os.PathLike) -> dict | None:
     """A kernel-cache folder's manifest, or None where it is missing or unreadable."""
     try:
@@ -77,13 +86,14 @@ _WHAT = {"model": "another model (config.json differs)", "gpu": "GPU {0}", "capa
 
 
 def status(model_dir: str | os.PathLike) -> tuple[str, str]:
-    """("none" | "valid" | "stale", why): whether MODEL/kernel-cache exists and was built for this model and GPU."""
+    """("none" | "valid" | "stale" | "foreign", why): whether MODEL/kernel-cache exists, is m3compile's (foreign: a
+    folder or file without its manifest) and was built for this model and GPU."""
     folder = Path(model_dir) / CACHE_DIR
     if not folder.exists():
         return "none", ""
     manifest = read_manifest(folder)
     if manifest is None:
-        return "stale", f"{folder / MANIFEST} is missing or unreadable"
+        return "foreign", foreign(folder)
     here = identity(model_dir)
     for key in _WHAT:
         if manifest.get(key) != here[key]:
@@ -95,7 +105,8 @@ def status(model_dir: str | os.PathLike) -> tuple[str, str]:
 @dataclass
 class Activation:
     """What `activate` did: state "used" (a valid cache), "rebuilt" (a stale one, built again), "stale" (a stale
-    one in a folder it cannot write: not used), "none" (no cache); why (a stale cache's reason); seconds."""
+    one in a folder it cannot write: not used), "foreign" (a kernel-cache m3compile did not write: not used, not
+    replaced), "none" (no cache); why (a stale or foreign cache's reason); seconds."""
     state: str
     why: str = ""
     seconds: float = 0.0
@@ -111,6 +122,10 @@ def activate(model_dir: str | os.PathLike, *, rebuild=None, warn=None) -> Activa
     start = time.perf_counter()
     folder = Path(model_dir) / CACHE_DIR
     state, why = status(model_dir)
+    if state == "foreign":
+        if warn is not None:
+            warn(f"{why}; not used (kernels compile into Triton's own cache)")
+        return Activation("foreign", why, time.perf_counter() - start)
     if state == "stale":
         if rebuild is not None and os.access(model_dir, os.W_OK):
             if warn is not None:

@@ -157,6 +157,9 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
         raise M3CompileError(f"{model_dir}: not a model directory (no config.json)")
     if not os.access(model_dir, os.W_OK):
         raise M3CompileError(f"{model_dir} is not writable: the kernel cache is written into the model's folder")
+    folder = model_dir / cache.CACHE_DIR
+    if folder.exists() and cache.read_manifest(folder) is None:
+        raise M3CompileError(cache.foreign(folder))
     here = cache.identity(model_dir)
     for b in batches:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:

@@ -105,6 +105,31 @@ def test_a_stale_cache_in_a_read_only_folder_is_not_used(model, monkeypatch):
     assert ahead.activate(model).state == "stale" and "TRITON_CACHE_DIR" not in os.environ
 
 
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_kernel_cache_m3compile_did_not_write_is_neither_used_nor_replaced(model, monkeypatch, kind):
+    """A build moves its folder into place whole, manifest included: a kernel-cache without one is the user's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    theirs = model / kc.CACHE_DIR
+    if kind == "folder":
+        theirs.mkdir()
+        (theirs / "notes.txt").write_text("mine")
+    else:
+        theirs.write_text("mine")
+    state, why = kc.status(model)
+    assert state == "foreign" and f"is a {kind} m3compile did not write (no readable manifest.json)" in why
+    lines = []
+    monkeypatch.setattr(ahead, "build", lambda *a, **k: pytest.fail("a foreign kernel-cache was rebuilt"))
+    assert ahead.activate(model, warn=lines.append).state == "foreign" and "TRITON_CACHE_DIR" not in os.environ
+    assert len(lines) == 1 and "not used" in lines[0]
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    r = CliRunner().invoke(cli.main, ["compile", str(model), "--workers", "1"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [f"error: {why}"]
+    assert (theirs / "notes.txt" if kind == "folder" else theirs).read_text() == "mine"
+    assert not list(model.glob(".kernel-cache*"))
+
+
 def test_m3c_compile_bad_input(model, tmp_path, monkeypatch):
     """One line each, exit status 2, and no kernel-cache folder."""
     run = CliRunner().invoke
