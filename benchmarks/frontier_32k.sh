@@ -13,7 +13,7 @@
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
-#        M3C (m3c), DEVICE (cuda)
+#        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call, e.g. one running beside it)
 # Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget, ':' as '-'>/loss.json, ruler.json,
 # speed.json.
 # A file that exists is not made again, so the same command called again continues where the last call stopped.
@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 
 ruler() { $M3C eval ruler "$MODEL" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" --samples $SAMPLES \
   --dtype bfloat16 --device "$DEVICE" --json "$@"; }
-[ -f "$OUT/ruler_dense.json" ] || t to_json "$OUT/ruler_dense.json" ruler --selections dense
+[ "${DENSE:-1}" = 0 ] || [ -f "$OUT/ruler_dense.json" ] || t to_json "$OUT/ruler_dense.json" ruler --selections dense
 for budget in $BUDGETS; do
   B=$OUT/${budget//:/-}; mkdir -p "$B"  # p0.95:16:64 -> OUT/p0.95-16-64 (names a device's file copy takes)
   read -r -a opts <<<"$(options "$budget")"
@@ -54,4 +54,4 @@ for budget in $BUDGETS; do
     cp "$B/bench/llama3-8b.json" "$B/speed.json"
   fi
 done
-python3 "$HERE/plot_frontier.py" "$OUT"
+[ ! -f "$OUT/ruler_dense.json" ] || python3 "$HERE/plot_frontier.py" "$OUT"
