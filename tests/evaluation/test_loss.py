@@ -219,3 +219,19 @@ def test_eval_losses_through_a_kv_cache(byte_msa, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "to", no_float8)
     assert_clean_failure(*run(*args, "--kv-cache", "fp8"), None, "a fp8 K/V cache needs float8_e4m3fn tensors on cpu")
+
+
+def test_token_losses_are_the_same_in_pieces(monkeypatch):
+    """The logits of a window are made a few rows at a time (a 32K window of a large vocabulary would not fit):
+    each token's loss is the whole forward's."""
+    from m3compile.evaluation import loss as loss_mod
+
+    model = _tiny()
+    x = torch.randint(0, 64, (2, 21))
+    y = torch.randint(0, 64, (2, 21))
+    with torch.no_grad():
+        whole = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none")
+        monkeypatch.setattr(loss_mod, "_LOGIT_ROWS", 5)  # 42 rows: eight pieces of 5 and one of 2
+        pieces = loss_mod._token_losses(model, x, y)
+    assert pieces.shape == (42,)
+    torch.testing.assert_close(pieces, whole)
