@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
-           "check_msa_ranges", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES", "INDEX_ROPES", "SELECTIONS",
-           "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE", "MAX_TOPK", "MAX_INDEX_DIM",
-           "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
+           "check_msa_ranges", "check_floor_fits", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES",
+           "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE",
+           "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
 # How the index branch scores: "auto" in the dtype it computes in (bf16 under bf16), "fp8" as e4m3 x e4m3 with one
 # scale per key token and per query (token, head), fp32 accumulation (kernels/indexer/)
@@ -158,6 +158,17 @@ def check_msa_ranges(*, block_size, topk, init_blocks, local_blocks, index_dim=N
     if min_blocks > topk:
         raise M3CompileError(f"{short('min_blocks')} ({min_blocks}), the adaptive budget's floor, exceeds "
                              f"{short('topk')} ({topk}), its ceiling")
+
+
+def check_floor_fits(min_blocks: int, block_size: int, positions: int | None, what: str = "min_blocks") -> None:
+    """The adaptive budget's floor within the blocks of the model's context: a floor no sequence can reach would
+    keep every block (dense attention at MSA's cost). positions: the model's (None: not known, nothing checked)."""
+    if positions is None or min_blocks <= 0:
+        return
+    blocks = -(-positions // block_size)
+    if min_blocks > blocks:
+        raise M3CompileError(f"{what} ({min_blocks}), the adaptive budget's floor, exceeds the {blocks:,} blocks of "
+                             f"the model's context ({positions:,} positions in blocks of {block_size})")
 
 
 @dataclass(frozen=True)

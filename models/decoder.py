@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from m3compile.config import INDEX_DTYPES, INDEX_ROPES, SELECTIONS, check_msa_ranges
+from m3compile.config import INDEX_DTYPES, INDEX_ROPES, SELECTIONS, check_floor_fits, check_msa_ranges, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.models.fused import Fusable
 from m3compile.ops import (add_rms_norm, apply_rope, index_branch, index_norm_rope, msa_attention, msa_attention_lse,
@@ -557,6 +557,7 @@ class Decoder(nn.Module):
         check_msa_ranges(block_size=m.block_size, topk=new["topk"], init_blocks=m.init_blocks,
                          local_blocks=m.local_blocks, top_p=new["top_p"], min_blocks=new["min_blocks"],
                          names={"top_p": "top_p", "min_blocks": "min_blocks"}, min_local=0)
+        check_floor_fits(new["min_blocks"], m.block_size, max_positions(getattr(self, "source_config", None)))
         self._set_msa(**new)
 
     def _set_msa(self, **changes) -> None:

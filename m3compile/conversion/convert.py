@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from m3compile.config import MSAConfig, max_positions
+from m3compile.config import MSAConfig, check_floor_fits, max_positions
 from m3compile.conversion.calibration import Calibration, CalibrationInfo
 from m3compile.errors import M3CompileError
 from m3compile.graph.pass_manager import PassReport
@@ -74,6 +74,7 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
         bad = [i for i in config.dense_layers if i >= args.n_layers]
         if bad:
             raise M3CompileError(f"dense layer {bad[0]} does not exist (the model has {args.n_layers} layers)")
+        check_floor_fits(config.min_blocks, config.block_size, max_positions(getattr(model, "source_config", None)))
         if args.msa is None and set(range(args.n_layers)) <= set(config.dense_layers):
             raise M3CompileError(f"every layer is kept dense (dense_layers {','.join(map(str, config.dense_layers))} of "
                                  f"the model's {args.n_layers} layers): the output would have no MSA layer; leave at "

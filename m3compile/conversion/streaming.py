@@ -152,6 +152,7 @@ def convert_streaming(
                                      f"{asked} is not supported (convert the dense source again)")
     with torch.device("meta"):
         model = Decoder(args)
+    model.source_config = cfg  # as m3compile.load sets it: convert checks the budget against its positions
     gm, report = convert(model, config)
     report.model = str(src)
     report.layer_costs = layer_costs  # what chose the dense layers (m3c convert --dense-costliest)
