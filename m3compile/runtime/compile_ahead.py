@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from m3compile import memory
 from m3compile.config import max_positions
 from m3compile.errors import M3CompileError
 from m3compile.io import kernel_cache as cache
@@ -120,14 +121,40 @@ def _plan(model_dir: Path, dtypes, kv_caches, batches, new_tokens: int = NEW_TOK
     return jobs
 
 
-def _fit_on_gpu(model_dir: Path, device: str) -> int:
-    """Workers whose models (their weights' bytes, a quarter more for the runs, and 1 GiB of CUDA context each) fit
-    in 80% of the GPU's free memory; any number on the CPU."""
-    if interpreting() or not str(device).startswith("cuda"):
-        return 1 << 30
-    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    return max(1, int(0.8 * free // (1.25 * weights + (1 << 30))))
+def _cache_bytes(model_dir: Path, jobs: list[dict]) -> int:
+    """The largest caches one job allocates: its scenario's batch at its cache's positions (or its prompts' and new
+    tokens'), in the model's dtype (fp32 for a float32 job) whatever the job's K/V cache, and index keys."""
+    args, _ = args_from_config(read_config(model_dir))
+    shape = memory.ModelShape.from_args(args)
+    page = args.msa.block_size if args.msa is not None else 128
+    most = 0
+    for job in jobs:
+        s = job.get("scenario")
+        if s is None:
+            continue
+        dtype = torch.float32 if job["dtype"] == "float32" else torch.bfloat16
+        tokens = s.get("cache") or max(s["lengths"]) + s["new"]
+        most = max(most, len(s["lengths"]) * memory.cache_bytes(shape, tokens, dtype, dtype, dtype, page))
+    return most
+
+
+def _split(model_dir: Path, jobs: list[dict], device: str, workers: int | None) -> list[list[dict]]:
+    """The jobs of each worker process. Without `workers`: as many as the CPU count, 8 and the GPU's free memory
+    allow (each worker holds the model's weights, a quarter more for its runs and 1 GiB of CUDA context; on top of
+    that, the one worker that runs the scenarios of large caches holds the largest of them), at most one per job."""
+    big = [j for j in jobs if j.get("scenario", {}).get("cache")]
+    rest = [j for j in jobs if not j.get("scenario", {}).get("cache")]
+    n = workers or min(os.cpu_count() or 1, 8)
+    if workers is None and not interpreting() and str(device).startswith("cuda"):
+        weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        if any(j["dtype"] == "float32" for j in jobs):
+            weights *= 2  # a bf16 checkpoint loaded in fp32
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        n = min(n, max(1, int((0.8 * free - _cache_bytes(model_dir, big)) // (1.25 * weights + (1 << 30)))))
+    n = max(1, min(n, len(jobs)))
+    groups = [rest[i::n] for i in range(n)]
+    groups[0] = big + groups[0]  # the large caches in one process, so only one holds them at a time
+    return [g for g in groups if g]
 
 
 @dataclass
@@ -147,7 +174,7 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
           device: str | None = None, workers: int | None = None, new_tokens: int = NEW_TOKENS,
           max_cache: int = CACHE_CAP, progress=None) -> BuildReport:
     """Compile MODEL's kernel variants into MODEL/kernel-cache (module docstring), `workers` processes side by side
-    (default: one per job, at most the CPU count, 8, and what fits the GPU's free memory: _fit_on_gpu).
+    (default: one per job, at most the CPU count, 8, and what fits the GPU's free memory: _split).
     device: default cuda where a GPU is present, else the CPU (under the interpreter).
     progress(done, total) after each worker ends.
     new_tokens, max_cache: the synthetic runs' (smaller only to test the build quickly under the interpreter)."""
@@ -165,8 +192,8 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise M3CompileError(f"batch sizes must be whole numbers >= 1, got {b!r}")
     jobs = _plan(model_dir, dtypes, kv_caches, batches, new_tokens, max_cache)
-    n = max(1, min(workers or min(os.cpu_count() or 1, 8, _fit_on_gpu(model_dir, device)), len(jobs)))
-    groups = [jobs[i::n] for i in range(n)]
+    groups = _split(model_dir, jobs, device, workers)
+    n = len(groups)
     start = time.perf_counter()
     with atomic_output_dir(model_dir / cache.CACHE_DIR, force=True) as tmp:
         procs = []

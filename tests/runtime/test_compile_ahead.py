@@ -184,3 +184,22 @@ def test_generate_cache_len(tiny_msa):
     for bad in (0, 2.5, True):
         with pytest.raises(M3CompileError, match="cache_len must be a whole number of positions >= 1"):
             m3compile.generate(net, [[1, 2, 3]], 3, cache_len=bad)
+
+
+def test_workers_fit_the_gpu_with_the_largest_cache_in_one_of_them(model, monkeypatch):
+    """Each worker holds the weights (a quarter more and 1 GiB beside); the scenarios of large caches all run in the
+    first worker, so the largest cache is held once, and what is left of 80% of free memory sets the count."""
+    jobs = ahead._plan(model, ["auto"], ["auto"], [1, 2], max_cache=4096)
+    big = [j for j in jobs if j["scenario"].get("cache")]
+    assert len(big) >= 2
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    base, cache_bytes = 1.25 * weights + (1 << 30), ahead._cache_bytes(model, big)
+    assert cache_bytes == max(ahead._cache_bytes(model, [j]) for j in big) > 0
+    monkeypatch.setattr(ahead, "interpreting", lambda: False)
+    monkeypatch.setattr(ahead.os, "cpu_count", lambda: 16)
+    for fit, free in ((3, (3.5 * base + cache_bytes) / 0.8), (1, (0.5 * base + cache_bytes) / 0.8)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(2 * free)))
+        groups = ahead._split(model, jobs, "cuda", None)
+        assert len(groups) == fit and all(j in groups[0] for j in big)
+        assert sorted(map(json.dumps, sum(groups, []))) == sorted(map(json.dumps, jobs))  # each job once
+    assert len(ahead._split(model, jobs, "cuda", 4)) == 4  # as asked
