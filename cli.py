@@ -494,7 +494,8 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     search would compile every candidate tile on a first run); compiled kernels are kept in Triton's cache
     (TRITON_CACHE_DIR, default ~/.triton/cache), so later runs load them instead of compiling. Kernels compiled
     ahead for this model and GPU (m3c compile: MODEL_DIR/kernel-cache, which m3c convert writes on a GPU) are loaded
-    from there on a first run too; a kernel cache built for another model or GPU is rebuilt first.
+    from there on a first run too; a kernel cache built for another model or GPU is rebuilt first, and a
+    kernel-cache m3compile did not write (no manifest.json) is left as it is, unused.
     """
     prompts = _prompts(prompt, prompt_files, prompts_jsonl)
     os.environ.setdefault("M3C_AUTOTUNE", "0")  # read when the kernels are first imported, next
