@@ -28,8 +28,8 @@ from pathlib import Path
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 
-__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "foreign", "read_manifest", "activate",
-           "Activation"]
+__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "foreign", "relocate", "read_manifest",
+           "activate", "Activation"]
 
 CACHE_DIR = "kernel-cache"
 MANIFEST = "manifest.json"
@@ -70,6 +70,31 @@ def foreign(folder: str | os.PathLike) -> str:
     included, so one without a readable manifest was put there by someone else, and is neither used nor replaced."""
     what = "a folder" if Path(folder).is_dir() else "a file"
     return f"{folder} is {what} m3compile did not write (no readable {MANIFEST}): move it aside for a kernel cache"
+
+
+def relocate(folder: str | os.PathLike, at: str | os.PathLike | None = None) -> int:
+    """Point the cache's file groups at the folder's place: Triton's FileCacheManager records a compiled kernel's
+    files in `<hash>/__grp__<name>.json` by absolute path, and takes a group whose paths are missing for a miss, so a
+    cache built elsewhere (the build's temporary folder; a model folder moved or copied since) would compile every
+    kernel again. at: where the folder is or will be (default: where it is). Returns the groups rewritten."""
+    folder = Path(folder)
+    at = Path(at if at is not None else folder).resolve()
+    rewritten = 0
+    for group in folder.glob("*/__grp__*.json"):
+        try:
+            data = json.loads(group.read_text())
+        except (OSError, ValueError):
+            continue  # not a group Triton can read either: a miss, as before
+        paths = data.get("child_paths") if isinstance(data, dict) else None
+        if not isinstance(paths, dict):
+            continue
+        here = {name: str(at / group.parent.name / Path(str(p)).name) for name, p in paths.items()}
+        if here != paths:
+            tmp = group.with_name(f".{group.name}.tmp")
+            tmp.write_text(json.dumps(data | {"child_paths": here}))
+            os.replace(tmp, group)
+            rewritten += 1
+    return rewritten
 
 
 def read_manifest(folder: str | os.PathLike) -> dict | None:
@@ -138,6 +163,13 @@ def activate(model_dir: str | os.PathLike, *, rebuild=None, warn=None) -> Activa
                      f"m3c compile {model_dir} rebuilds it)")
             return Activation("stale", why, time.perf_counter() - start)
     if state in ("valid", "rebuilt"):
+        try:
+            relocate(folder)  # a model folder moved or copied since the build
+        except OSError as e:
+            why = f"moved since it was built, and its file groups cannot be rewritten ({e.strerror or e})"
+            if warn is not None:
+                warn(f"kernel cache {folder} was {why}; not used")
+            return Activation("stale", why, time.perf_counter() - start)
         path = str(folder.resolve())
         os.environ["TRITON_CACHE_DIR"] = path
         try:  # a Triton that reads its knobs once: set it there too

@@ -227,6 +227,7 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
                            "runs": len(jobs), "workers": n, "variants": len(seen), "kernels": kernels,
                            "seconds": round(seconds, 2)}
         (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        cache.relocate(tmp, at=model_dir / cache.CACHE_DIR)  # Triton recorded the temporary folder's paths
     return BuildReport(model_dir / cache.CACHE_DIR, len(seen), kernels, seconds, n)
 
 
