@@ -205,32 +205,24 @@ def test_workers_fit_the_gpu_with_the_largest_cache_in_one_of_them(model, monkey
     assert len(ahead._split(model, jobs, "cuda", 4)) == 4  # as asked
 
 
-def test_a_cache_moved_after_its_build_is_found_by_triton(tmp_path):
+def test_a_cache_moved_after_its_build_is_found_by_triton(tmp_path, monkeypatch):
     """Triton's own cache manager records a kernel's files by absolute path and takes a group whose paths are gone
     for a miss: a cache built in one folder and moved (the build's temporary folder; a model folder copied) loads
     nothing until its groups are relocated."""
+    from triton import knobs
     from triton.runtime.cache import FileCacheManager
 
     built = tmp_path / "building" / "kernel-cache"
     built.mkdir(parents=True)
-    triton_dir = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(built)
-    try:
-        manager = FileCacheManager("KEY")
-        paths = {name: manager.put(b"binary" if name.endswith("bin") else "{}", name)
-                 for name in ("k.json", "k.cubin")}
-        manager.put_group("k.json", paths)
-        assert FileCacheManager("KEY").get_group("k.json") == paths
-        moved = tmp_path / "model" / "kernel-cache"
-        moved.parent.mkdir()
-        built.rename(moved)
-        os.environ["TRITON_CACHE_DIR"] = str(moved)
-        assert FileCacheManager("KEY").get_group("k.json") is None  # a miss: the kernels would compile again
-        assert kc.relocate(moved) == 1 and kc.relocate(moved) == 0
-        group = FileCacheManager("KEY").get_group("k.json")
-        assert group == {name: str(moved.resolve() / "KEY" / name) for name in paths}
-    finally:
-        if triton_dir is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-        else:
-            os.environ["TRITON_CACHE_DIR"] = triton_dir
+    monkeypatch.setattr(knobs.cache, "dir", str(built))
+    manager = FileCacheManager("KEY")
+    paths = {name: manager.put(b"binary" if name.endswith("bin") else "{}", name) for name in ("k.json", "k.cubin")}
+    manager.put_group("k.json", paths)
+    assert FileCacheManager("KEY").get_group("k.json") == paths
+    moved = tmp_path / "model" / "kernel-cache"
+    moved.parent.mkdir()
+    built.rename(moved)
+    monkeypatch.setattr(knobs.cache, "dir", str(moved))
+    assert FileCacheManager("KEY").get_group("k.json") is None  # a miss: the kernels would compile again
+    assert kc.relocate(moved) == 1 and kc.relocate(moved) == 0
+    assert FileCacheManager("KEY").get_group("k.json") == {name: str(moved.resolve() / "KEY" / name) for name in paths}
