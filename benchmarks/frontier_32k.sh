@@ -13,7 +13,9 @@
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
-#        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call, e.g. one running beside it)
+#        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
+#        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,
+#        each logging to OUT/<row>.log; the speed benches always run alone, after them)
 # Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget, ':' as '-'>/loss.json, ruler.json,
 # speed.json.
 # A file that exists is not made again, so the same command called again continues where the last call stopped.
@@ -38,14 +40,34 @@ mkdir -p "$OUT"
 
 ruler() { $M3C eval ruler "$MODEL" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" --samples $SAMPLES \
   --dtype bfloat16 --device "$DEVICE" --json "$@"; }
-[ "${DENSE:-1}" = 0 ] || [ -f "$OUT/ruler_dense.json" ] || t to_json "$OUT/ruler_dense.json" ruler --selections dense
-for budget in $BUDGETS; do
-  B=$OUT/${budget//:/-}; mkdir -p "$B"  # p0.95:16:64 -> OUT/p0.95-16-64 (names a device's file copy takes)
+dense_row() { t to_json "$OUT/ruler_dense.json" ruler --selections dense; }
+quality() {  # a budget's loss (with its oracle and blocks) and RULER
+  local budget=$1 B=$OUT/${1//:/-} opts; mkdir -p "$B"  # p0.95:16:64 -> OUT/p0.95-16-64 (a name a device's copy takes)
   read -r -a opts <<<"$(options "$budget")"
   echo "== $budget: ${opts[*]}" >&2
   [ -f "$B/loss.json" ] || t to_json "$B/loss.json" $M3C eval loss "$MODEL" --data "$LONG/long_code_eval.txt" \
     --seq-len $SEQ_LEN --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
   [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}"
+}
+rows=()  # the quality runs still to make
+[ "${DENSE:-1}" = 0 ] || [ -f "$OUT/ruler_dense.json" ] || rows+=("dense_row")
+for budget in $BUDGETS; do
+  [ -f "$OUT/${budget//:/-}/loss.json" ] && [ -f "$OUT/${budget//:/-}/ruler.json" ] || rows+=("quality $budget")
+done
+failed=0
+if [ "${PARALLEL:-1}" -le 1 ]; then
+  for row in ${rows[@]+"${rows[@]}"}; do $row; done
+else  # at most PARALLEL at once; each row's messages in its own log
+  running=0
+  for row in ${rows[@]+"${rows[@]}"}; do
+    if [ $running -ge "$PARALLEL" ]; then wait -n || failed=1; running=$((running - 1)); fi
+    name=${row#quality }; $row 2>"$OUT/${name//:/-}.log" & running=$((running + 1))
+  done
+  while [ $running -gt 0 ]; do wait -n || failed=1; running=$((running - 1)); done
+  [ $failed = 0 ] || { echo "error: a quality run failed (its log: OUT/<row>.log)" >&2; exit 1; }
+fi
+for budget in $BUDGETS; do
+  B=$OUT/${budget//:/-}
   if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ]; then
     topk=$(python3 -c "import json, math, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \
       "$B/loss.json")

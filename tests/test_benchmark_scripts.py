@@ -59,3 +59,60 @@ def test_a_budget_is_refused_before_any_work(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 2 and "a budget is kN or pP:FLOOR:CEILING, got top16" in done.stderr
+
+
+def _fake_m3c(tmp_path, fail_on: str = "") -> Path:
+    """An m3c that answers `eval ruler` and `eval loss` with recorded JSON after half a second, logging when each
+    run starts and ends; it fails for a command line holding `fail_on`."""
+    tasks = {"niah_single_1": [100, 100], "niah_multikey_3": [50, 40]}
+    (tmp_path / "dense.json").write_text(json.dumps(ruler_json("dense", tasks)))
+    (tmp_path / "index.json").write_text(json.dumps(ruler_json("index", tasks)))
+    shutil.copy(RESULTS / "2026-12-07-h100-adaptive-budget-qwen32k" / "loss32k_p95.json", tmp_path / "loss.json")
+    fake = tmp_path / "m3c"
+    fake.write_text(f"""#!/usr/bin/env python3
+import sys, time
+args = " ".join(sys.argv[1:])
+log = open({str(tmp_path / "runs.log")!r}, "a")
+log.write(f"{{time.time():.3f}} start {{args}}\\n"); log.flush()
+time.sleep(0.5)
+if {fail_on!r} and {fail_on!r} in args:
+    sys.exit("error: failed as asked")
+name = "loss" if sys.argv[2] == "loss" else ("dense" if "--selections dense" in args else "index")
+print(open({str(tmp_path)!r} + "/" + name + ".json").read())
+log.write(f"{{time.time():.3f}} end {{args}}\\n")
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+def _frontier(tmp_path, fake, parallel: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16 p0.95:16:64", "SPEED": "0", "PARALLEL": str(parallel)}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_frontier_runs_its_quality_rows_side_by_side_and_continues(tmp_path):
+    """PARALLEL=3: dense's RULER and the first two runs of the budgets start together, each budget's RULER after its
+    loss; everything is written, the table too; called again, nothing runs again."""
+    fake = _fake_m3c(tmp_path)
+    done = _frontier(tmp_path, fake, 3)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split(" ", 2) for line in (tmp_path / "runs.log").read_text().splitlines()]
+    starts = sorted(float(t) for t, what, _ in runs if what == "start")
+    first_end = min(float(t) for t, what, _ in runs if what == "end")
+    assert len(starts) == 5 and sum(s < first_end for s in starts) == 3  # dense RULER, two losses at once
+    out = tmp_path / "o"
+    for f in ("ruler_dense.json", "k16/loss.json", "k16/ruler.json", "p0.95-16-64/loss.json", "p0.95-16-64/ruler.json",
+              "frontier.md", "dense_row.log", "k16.log"):  # (no plot: no speed was asked for)
+        assert (out / f).is_file(), f
+    assert _frontier(tmp_path, fake, 3).returncode == 0
+    assert len((tmp_path / "runs.log").read_text().splitlines()) == 10  # no run again
+
+
+def test_a_failed_quality_row_fails_the_frontier_and_leaves_no_half_file(tmp_path):
+    fake = _fake_m3c(tmp_path, fail_on="--top-p 0.95")
+    done = _frontier(tmp_path, fake, 2)
+    assert done.returncode == 1 and "a quality run failed" in done.stderr
+    out = tmp_path / "o"
+    assert (out / "k16" / "ruler.json").is_file() and (out / "ruler_dense.json").is_file()
+    assert not (out / "p0.95-16-64" / "loss.json").exists() and "failed as asked" in (out / "p0.95-16-64.log").read_text()
