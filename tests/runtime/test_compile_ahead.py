@@ -63,8 +63,12 @@ def test_a_valid_cache_becomes_tritons_cache(model, monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert kc.activate(model).state == "none" and "TRITON_CACHE_DIR" not in os.environ
     folder = _fake_cache(model)
+    (folder / "KEY").mkdir()  # a kernel's file group as Triton wrote it where the cache was built
+    (folder / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": "/elsewhere/KEY/k.json"}}))
     assert kc.activate(model).state == "used"
     assert os.environ["TRITON_CACHE_DIR"] == str(folder.resolve())
+    group = json.loads((folder / "KEY" / "__grp__k.json").read_text())
+    assert group == {"child_paths": {"k.json": str(folder.resolve() / "KEY" / "k.json")}}
 
 
 @pytest.mark.parametrize("changes, why", [
