@@ -1,7 +1,7 @@
 """Full-size correctness of the Triton kernels on a GPU (CI runs the small shapes under the interpreter).
 
     python benchmarks/check_kernels.py [--only indexer|sparse|backward|kl|fused|block_loss|oracle|varlen|decode|
-                                               generate]
+                                               generate|cache]
                                        [--json OUT.json]
 
 Each check prints one line: the shapes, the measured error against the torch reference (fp32 on upcast inputs)
@@ -546,11 +546,43 @@ def check_generate_fp8():
            max_logit_diff=f"{err:.2e}", vs_forward=f"{err_fwd:.2e}")
 
 
+def check_kernel_cache():
+    """Kernels compiled ahead are loaded, not compiled: byte-llama converted, its kernel cache built (m3c compile),
+    the model folder then moved (the cache's file groups must follow it), and m3c generate run in a fresh process
+    with an empty Triton cache on a prompt length the build never ran: --timings must say the cache was used and
+    name no kernel compiled anew."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import m3compile
+    from m3compile.runtime.compile_ahead import build
+
+    root = Path(tempfile.mkdtemp())
+    src = Path(__file__).resolve().parents[1] / "checkpoints" / "byte-llama"
+    m3compile.convert_checkpoint(src, root / "msa", m3compile.MSAConfig(block_size=64, topk=4, dense_layers=(0,)))
+    built = build(root / "msa")
+    shutil.move(root / "msa", root / "moved")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(root / "empty-triton-cache"))
+    prompt = Path(os.__file__).read_text()[:777]
+    done = subprocess.run([sys.executable, "-m", "m3compile.entry", "generate", str(root / "moved"), "--prompt", prompt,
+                           "--max-new-tokens", "24", "--timings"], capture_output=True, text=True, env=env, cwd=root)
+    try:
+        timings = json.loads(done.stderr.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        timings = {}
+    anew = timings.get("compiled_anew")
+    report(f"kernel cache ({built.kernels} kernels, {built.variants} variants, {built.seconds:.1f} s), model folder "
+           f"moved, a 777-byte prompt in a fresh process", done.returncode == 0 and timings.get("kernel_cache") ==
+           "used" and anew == [], kernel_cache=timings.get("kernel_cache"), compiled_anew=anew,
+           compile_s=timings.get("compile"), error=None if done.returncode == 0 else done.stderr.strip()[-300:])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", choices=["indexer", "sparse", "backward", "kl", "fused", "block_loss", "oracle", "varlen",
-                                       "decode", "generate"],
+                                       "decode", "generate", "cache"],
                     help="run one family of checks")
     args = ap.parse_args()
     run = lambda family: args.only in (None, family)  # noqa: E731
@@ -633,6 +665,8 @@ def main():
         check_generate_fp8()
         check_generate()
         check_generate_long()
+    if run("cache"):
+        check_kernel_cache()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     sys.exit(0 if all(r["ok"] for r in results) else 1)
