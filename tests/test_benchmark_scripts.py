@@ -116,3 +116,26 @@ def test_a_failed_quality_row_fails_the_frontier_and_leaves_no_half_file(tmp_pat
     out = tmp_path / "o"
     assert (out / "k16" / "ruler.json").is_file() and (out / "ruler_dense.json").is_file()
     assert not (out / "p0.95-16-64" / "loss.json").exists() and "failed as asked" in (out / "p0.95-16-64.log").read_text()
+
+
+def test_generate_batch_compares_a_batch_with_one_prompt(byte_msa, tmp_path):
+    """benchmarks/generate_batch.sh on the byte-level model: 3 prompts of 300 bytes against the first alone, a
+    first run of each and one timed; the summary is the batch's new tokens/s over one prompt's."""
+    text = tmp_path / "code.txt"
+    text.write_text(Path(os.__file__).read_text()[:2000])
+    env = {**os.environ, "N": "3", "CHARS": "300", "NEW_TOKENS": "4", "DEVICE": "cpu", "REPEATS": "1",
+           "OUT": str(tmp_path / "o")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "generate_batch.sh"), str(byte_msa), str(text)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert [(r["prompts"], r["run"]) for r in d["runs"]] == [("one", 0), ("batch", 0), ("one", 1), ("batch", 1)]
+    assert [r["timings"]["batch"] for r in d["runs"]] == [1, 3, 1, 3]
+    s = d["summary"]
+    assert s["batch"] == 3 and s["batch_over_one"] == round(s["new_tokens_per_s"]["batch"] / s["new_tokens_per_s"]["one"], 3)
+    lines = (tmp_path / "o" / "batch-1.jsonl").read_text().splitlines()
+    assert [json.loads(x)["prompt_index"] for x in lines] == [1, 2, 3]
+    env["CHARS"] = "1000"  # 3 x 1,000 > 2,000 characters: refused before any run
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "generate_batch.sh"), str(byte_msa), str(text)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "holds 2,000 characters; 3 prompts of 1,000 need 3,000" in done.stderr
