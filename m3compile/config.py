@@ -160,14 +160,14 @@ def check_msa_ranges(*, block_size, topk, init_blocks, local_blocks, index_dim=N
                              f"{short('topk')} ({topk}), its ceiling")
 
 
-def check_floor_fits(min_blocks: int, block_size: int, positions: int | None, what: str = "min_blocks") -> None:
+def check_floor_fits(min_blocks: int, block_size: int, positions: int | None) -> None:
     """The adaptive budget's floor within the blocks of the model's context: a floor no sequence can reach would
     keep every block (dense attention at MSA's cost). positions: the model's (None: not known, nothing checked)."""
     if positions is None or min_blocks <= 0:
         return
     blocks = -(-positions // block_size)
     if min_blocks > blocks:
-        raise M3CompileError(f"{what} ({min_blocks}), the adaptive budget's floor, exceeds the {blocks:,} blocks of "
+        raise M3CompileError(f"min_blocks ({min_blocks}), the adaptive budget's floor, exceeds the {blocks:,} blocks of "
                              f"the model's context ({positions:,} positions in blocks of {block_size})")
 
 

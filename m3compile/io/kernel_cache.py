@@ -28,8 +28,8 @@ from pathlib import Path
 from m3compile.errors import M3CompileError
 from m3compile.kernels._common import interpreting
 
-__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "foreign", "relocate", "read_manifest",
-           "activate", "Activation"]
+__all__ = ["CACHE_DIR", "MANIFEST", "VARIANTS", "identity", "status", "relocate", "read_manifest", "activate",
+           "Activation"]
 
 CACHE_DIR = "kernel-cache"
 MANIFEST = "manifest.json"
@@ -65,10 +65,10 @@ def identity(model_dir: str | os.PathLike) -> dict:
             "torch": torch.__version__, "m3compile": importlib.metadata.version("m3compile")}
 
 
-def foreign(folder: str | os.PathLike) -> str:
+def _foreign(folder: Path) -> str:
     """Why `folder` (MODEL/kernel-cache) is not m3compile's: a build moves its folder into place whole, manifest
     included, so one without a readable manifest was put there by someone else, and is neither used nor replaced."""
-    what = "a folder" if Path(folder).is_dir() else "a file"
+    what = "a folder" if folder.is_dir() else "a file"
     return f"{folder} is {what} m3compile did not write (no readable {MANIFEST}): move it aside for a kernel cache"
 
 
@@ -118,7 +118,7 @@ def status(model_dir: str | os.PathLike) -> tuple[str, str]:
         return "none", ""
     manifest = read_manifest(folder)
     if manifest is None:
-        return "foreign", foreign(folder)
+        return "foreign", _foreign(folder)
     here = identity(model_dir)
     for key in _WHAT:
         if manifest.get(key) != here[key]:

@@ -184,9 +184,10 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
         raise M3CompileError(f"{model_dir}: not a model directory (no config.json)")
     if not os.access(model_dir, os.W_OK):
         raise M3CompileError(f"{model_dir} is not writable: the kernel cache is written into the model's folder")
+    state, why = cache.status(model_dir)
+    if state == "foreign":  # not m3compile's to replace
+        raise M3CompileError(why)
     folder = model_dir / cache.CACHE_DIR
-    if folder.exists() and cache.read_manifest(folder) is None:
-        raise M3CompileError(cache.foreign(folder))
     here = cache.identity(model_dir)
     for b in batches:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -195,7 +196,7 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
     groups = _split(model_dir, jobs, device, workers)
     n = len(groups)
     start = time.perf_counter()
-    with atomic_output_dir(model_dir / cache.CACHE_DIR, force=True) as tmp:
+    with atomic_output_dir(folder, force=True) as tmp:
         procs = []
         for i, group in enumerate(groups):
             env = dict(os.environ, TRITON_CACHE_DIR=str(tmp.resolve()))
@@ -227,8 +228,8 @@ def build(model_dir: str | os.PathLike, *, dtypes=("auto",), kv_caches=("auto",)
                            "runs": len(jobs), "workers": n, "variants": len(seen), "kernels": kernels,
                            "seconds": round(seconds, 2)}
         (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        cache.relocate(tmp, at=model_dir / cache.CACHE_DIR)  # Triton recorded the temporary folder's paths
-    return BuildReport(model_dir / cache.CACHE_DIR, len(seen), kernels, seconds, n)
+        cache.relocate(tmp, at=folder)  # Triton recorded the temporary folder's paths
+    return BuildReport(folder, len(seen), kernels, seconds, n)
 
 
 def activate(model_dir: str | os.PathLike, *, dtype: str = "auto", kv_cache: str = "auto", device: str = "cuda",
