@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -35,10 +36,21 @@ def ruler_cells(r: dict | None, selection: str, lengths: list[str], excluded: se
                   for m in keep if m in r["scores"][task].get(selection, {})]
         if not scores:
             continue
-        same_tasks = set(r.get("excluded", [])) == excluded  # then the run's own average and its standard error
-        err = (r.get("stderr") or {}).get(selection, {}).get(n) if same_tasks else None
-        out[n] = (statistics.fmean(scores), err)
+        out[n] = (statistics.fmean(scores), _stderr(r, selection, keep, excluded))
     return out
+
+
+def _stderr(r: dict, selection: str, lengths: list[str], excluded: set[str]) -> float | None:
+    """The standard error of the mean over the tasks not excluded: from each score's s^2 / n (`variances`), or the
+    run's own `stderr` where its exclusions are these (a JSON written before `variances` was kept)."""
+    var = r.get("variances")
+    if var:
+        cells = [var[task][selection][m] for task in var if task not in excluded
+                 for m in lengths if m in var[task].get(selection, {})]
+        return math.sqrt(sum(cells)) / len(cells) if cells else None
+    if set(r.get("excluded", [])) != excluded:
+        return None
+    return (r.get("stderr") or {}).get(selection, {}).get(lengths[0] if len(lengths) == 1 else "all")
 
 
 def speedups(speed: dict | None) -> tuple[float | None, float | None, int | None]:

@@ -49,6 +49,24 @@ def test_the_frontier_table_has_dense_then_one_row_per_budget(tmp_path):
     assert (out / "frontier.png").stat().st_size > 0
 
 
+def test_a_row_with_other_exclusions_gets_its_standard_error_from_the_variances(tmp_path):
+    main = runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]
+    out = tmp_path / "out"
+    (out / "k16").mkdir(parents=True)
+    shutil.copy(RESULTS / "2026-12-07-h100-adaptive-budget-qwen32k" / "loss32k_k16.json", out / "k16" / "loss.json")
+    tasks = {"niah_single_1": [100, 100], "niah_multikey_3": [50, 40], "cwe": [10, 5]}
+    (out / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", tasks, excluded=["cwe"])))
+    index = ruler_json("index", {**tasks, "niah_multikey_3": [0, 20]})  # no exclusions of its own
+    index["variances"] = {"niah_single_1": {"index": {"16384": 0.0, "32768": 9.0}},
+                          "niah_multikey_3": {"index": {"16384": 16.0, "32768": 16.0}},
+                          "cwe": {"index": {"16384": 400.0, "32768": 400.0}}}
+    (out / "k16" / "ruler.json").write_text(json.dumps(index))
+    main([str(out)])
+    row = (out / "frontier.md").read_text().splitlines()[3]
+    # cwe left out of the averages and of their errors: 16K sqrt(0 + 16) / 2, 32K sqrt(9 + 16) / 2, all sqrt(41) / 4
+    assert row.startswith("| k16 | 15.5 (16), 15.5 | +2.047%, +1.498% | 50.0 ± 2.0 | 60.0 ± 2.5 | 55.0 ± 1.6 |"), row
+
+
 def test_a_budget_is_refused_before_any_work(tmp_path):
     env = {**os.environ, "BUDGETS": "k16 p0.9", "M3C": "false"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],

@@ -80,6 +80,8 @@ class RulerReport:
                     tasks' sample means are independent, so it is sqrt(sum over them of s^2 / n) / their count, s^2
                     a task's sample variance (x 100^2) and n its samples (at 10 samples a task's score moves in steps
                     of 10 points)
+    variances       {task: {selection: {length: s^2 / n}}}: each score's squared standard error, from which the
+                    standard error of an average over any set of tasks follows (another run's exclusions)
     prompt_tokens   {length: mean prompt tokens over every sample}
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     seconds         wall time
@@ -133,6 +135,8 @@ class RulerReport:
                             "all": _round(self.average(s))} for s in self.selections},
             "stderr": {s: {**{str(n): _round(self.stderr(s, n)) for n in self.lengths},
                            "all": _round(self.stderr(s))} for s in self.selections},
+            "variances": {t: {s: {str(n): round(v, 3) for n, v in by_len.items()} for s, by_len in by_sel.items()}
+                          for t, by_sel in self.variances.items()},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
             "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
         }

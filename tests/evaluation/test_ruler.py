@@ -260,6 +260,11 @@ def test_ruler_cli_json_table_and_heatmap(qwen_like, tmp_path, monkeypatch):
                       scores={"a": {"dense": {1024: 90.0, 2048: 70.0}}, "b": {"dense": {1024: 60.0, 2048: 50.0}}},
                       variances={"a": {"dense": {1024: 9.0, 2048: 21.0}}, "b": {"dense": {1024: 16.0, 2048: 24.0}}})
     assert two.stderr("dense", 1024) == pytest.approx(5.0 / 2) and two.stderr("dense") == pytest.approx(70**0.5 / 4)
+    one = RulerReport([1024], ["vt", "cwe"], ["dense"], 10, 0, False, scores={"vt": {"dense": {1024: 90.0}},
+                                                                               "cwe": {"dense": {1024: 60.0}}},
+                      variances={"vt": {"dense": {1024: 9.0}}, "cwe": {"dense": {1024: 16.0}}})
+    assert one.to_dict()["variances"] == {"vt": {"dense": {"1024": 9.0}},  # for averages over another run's tasks
+                                          "cwe": {"dense": {"1024": 16.0}}}
     code, out, err = _invoke(*args[:-1], "niah_single_1", "--samples", 1, "--selections", "dense,recent")
     assert code == 0 and "niah_single_1 (excluded)" in out and "dense / recent" in out, err
     assert "excluded from the averages (dense below 50 at 1K): niah_single_1" in " ".join(out.split())
