@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 _STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
+_GENERATE_PHASES = ("setup", "cache", "prefill", "graph_capture", "decode", "release")  # generate's --timings phases
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -455,11 +456,13 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
                    "tokens (the new token ids), text and finish (eos or length).")
 @click.option("--timings", is_flag=True,
               help="After the text, print one JSON object on stderr: seconds of import (from the command's start), "
-                   "load, tokenize, cache, prefill, graph_capture, decode and decode_per_token, each without the "
+                   "load, tokenize, setup (checks and the memory plan), cache, prefill, graph_capture, decode and "
+                   "decode_per_token, release (the caches and CUDA graph freed) and output, each without the "
                    "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants, and "
-                   "compiled_anew: the kernels compiled rather than loaded from Triton's cache); CUDA "
-                   "is synchronised between phases; and batch, new_tokens and new_tokens_per_s (every prompt's new "
-                   "tokens over the decode seconds, to compare a batch with one prompt).")
+                   "compiled_anew: the kernels compiled rather than loaded from Triton's cache); untimed (total less "
+                   "the phases and compiles); CUDA is synchronised between phases; and batch, new_tokens and "
+                   "new_tokens_per_s (every prompt's new tokens over the decode seconds, to compare a batch with "
+                   "one prompt).")
 @kv_cache_option()
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
               help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")
@@ -535,6 +538,8 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     result = generate(model, ids, max_new_tokens, eos_token_id=eos, temperature=temperature, top_p=top_p, seed=seed,
                       on_token=show if streamed else None, cuda_graph=False if eager else None, timings=timings,
                       kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
+    if timings:
+        clock.mark("output")
     if streamed:
         click.echo()
     else:
@@ -549,9 +554,13 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
                 click.echo(f"--- prompt {i} ({source}) ---")
                 click.echo(text)
     if timings:
-        total = {"total": round(time.perf_counter() - _STARTED, 4)}
-        click.echo(json.dumps(clock.extra | {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
-                              | total), file=terminal())
+        clock.stop()
+        total = time.perf_counter() - _STARTED
+        phases = {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
+        timed = sum(phases[k] for k in (*clock.seconds, *_GENERATE_PHASES, "compile") if k in phases) + \
+            sum(clock.extra.get(k, 0) for k in ("import", "kernel_cache_s"))
+        click.echo(json.dumps(clock.extra | phases | {"untimed": round(total - timed, 4), "total": round(total, 4)}),
+                   file=terminal())
 
 
 @main.command()

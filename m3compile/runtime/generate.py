@@ -87,8 +87,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     kernels: prefill and decode run the ops' lowerings (m3compile.ops.lowering: the Triton kernels of RMSNorm, RoPE,
     the index branch, the selection and the attention); False the plain-torch references. None (default): on a
     CUDA device (lowering_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
-    timings: fill `GenerationResult.timings` with the seconds of each phase (cache, prefill, graph_capture, decode,
-    decode_per_token), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
+    timings: fill `GenerationResult.timings` with the seconds of each phase (setup: the checks and the memory plan;
+    cache, prefill, graph_capture, decode, decode_per_token; release: the caches and the CUDA graph freed), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
     launched (runtime/timings.py), with the batch, its new tokens and new_tokens_per_s (every sequence's new tokens
     over the decode seconds); CUDA is synchronised at each phase boundary, so only when asked. Generation
     traces nothing and runs no pass: it calls the Decoder's forward over the caches (runtime.forward), and the
@@ -131,6 +131,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         raise M3CompileError(f"prefill_chunk must be a whole number of tokens >= 1, got {prefill_chunk!r}")
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
+    timer = Timings(device) if timings else NULL_TIMINGS
+    timer.mark("setup")
     index_dtype = resolve_index_cache(index_cache_dtype, a, dtype)
     kv_dtype = resolve_kv_cache(kv_cache_dtype, dtype, device)
     B = len(prompts)
@@ -147,7 +149,6 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
     if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
         chunk = None
-    timer = Timings(device) if timings else NULL_TIMINGS
     timer.mark("cache")
     cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
     model.fuse_projections()
@@ -190,6 +191,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             logits = step_fn(next_tok)
             step_logits.append(logits.clone() if step_fn.graph is not None else logits)
             next_tok = _pick(logits, temperature, top_p, generator)
+        timer.mark("release")  # the CUDA graph and the caches freed
+        del step_fn, cache
         timer.stop()
     steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
     timer.add("prompt_tokens", sum(map(len, prompts)))

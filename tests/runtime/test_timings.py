@@ -2,6 +2,8 @@
 --timings, and the kernel census that checks a prompt's length launches no new Triton binary."""
 import json
 
+import pytest
+
 import torch
 from click.testing import CliRunner
 
@@ -15,7 +17,7 @@ from m3compile.runtime.timings import Timings, kernel_census
 
 from tests.conftest import LLAMA_BYTE
 
-PHASES = ("cache", "prefill", "graph_capture", "decode")
+PHASES = ("setup", "cache", "prefill", "graph_capture", "decode", "release")
 
 
 def _prefill_and_decode(T: int, page: int = 4, topk: int = 2):
@@ -101,6 +103,8 @@ def test_cli_timings_print_one_json_object_on_stderr():
     assert t["decode_steps"] == 2 and t["prompt_tokens"] == 9
     assert t["batch"] == 1 and t["new_tokens"] == 3 and t["new_tokens_per_s"] > 0
     assert t["total"] >= t["import"] + t["load"] + t["prefill"] + t["decode"]
+    phases = ("import", "kernel_cache_s", "load", "tokenize", "output", "compile") + PHASES  # and the rest, untimed
+    assert t["untimed"] == pytest.approx(t["total"] - sum(t[p] for p in phases), abs=1e-3) and 0 <= t["untimed"] < 0.5
     assert "{" not in r.stdout and "import" not in r.stdout  # the text alone on stdout
 
 
