@@ -27,7 +27,9 @@
 #        checkpoint), HOLDOUT_TOKENS (m3c distill's default: 4 windows), BLOCK_LOSS (1), CUDA_GRAPH (0), LOSS_WINDOWS (8), SAMPLES (5),
 #        LENGTHS (4K,8K,16K,32K), TASKS (all), EVAL_DTYPE (bfloat16), DEVICE (cuda), CALIB_TOKENS (65536),
 #        CALIB_SEQ_LEN (8192), INDEX_DIM (128), TRAIN_CHARS (0: the whole calibration text), DEADLINE (none),
-#        SAVE_MARGIN (30), EST_LOSS (45), EST_RULER (120), M3C (m3c), PY (python3)
+#        SAVE_MARGIN (30), EST_LOSS (45), EST_RULER (120), M3C (m3c), PY (python3), CONVERT_OPTS (none: more
+#        `m3c convert` options, with a TAG: "--dense-costliest 2" keeps the 2 layers costliest alone sparse dense too,
+#        "--topk 64 --top-p 0.95 --min-blocks 16" distils on the adaptive budget's blocks)
 # On one H200, at the 59K tokens/s measured for 128 / 16 at 32K (3.9M tokens in 67 s), a stage of N million tokens
 # takes about 17 N seconds of steps; a loss eval of 8 windows about 20 s, a RULER eval (MSA only, 5 samples) about
 # 70 s, the token files 20 s and the conversion 16 s, once.
@@ -62,7 +64,7 @@ model=$B/model
 if [ ! -f "$B/convert.json" ]; then
   t to_json "$B/convert.json" $M3C convert "$HF" "$model" --block-size $BLOCK --topk $TOPK --index-dim $INDEX_DIM \
     --calib "$OUT/calib_ids.npy" --calib-tokens $CALIB_TOKENS --calib-seq-len $CALIB_SEQ_LEN --calib-device "$DEVICE" \
-    --force --json
+    ${CONVERT_OPTS:-} --force --json
 fi
 
 last_steps=0  # the cosine ends at the last stage: every stage's call names the same curve

@@ -15,7 +15,8 @@
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
 #        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
 #        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,
-#        each logging to OUT/<row>.log; the speed benches always run alone, after them)
+#        each logging to OUT/<row>.log; the speed benches always run alone, after them. A RULER row at 32K holds
+#        17-23 GB on Qwen2.5-Coder-0.5B: 3 rows fit an 80 GB card, a fourth ran out of memory on an H100)
 # Every figure is a JSON file: OUT/ruler_dense.json, and per budget OUT/<budget, ':' as '-'>/loss.json, ruler.json,
 # speed.json.
 # A file that exists is not made again, so the same command called again continues where the last call stopped.
