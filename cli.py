@@ -467,8 +467,14 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
               help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")
 @_prefill_chunk_option
+@click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+              help="The MSA layers' selection budget for each prompt's last --answer-tokens tokens (where a question "
+                   "sits) and for every new token: kN the fixed top-N blocks, pP:FLOOR:CEILING top-p P of "
+                   "FLOOR-CEILING blocks (e.g. p0.95:16:40) [default: the model's throughout].")
+@click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
+              help="With --answer-budget: the prompt's last tokens selected at that budget.")
 def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, temperature, top_p, seed, dtype, device,
-             eager, as_json, timings, kv_cache, index_cache, prefill_chunk):
+             eager, as_json, timings, kv_cache, index_cache, prefill_chunk, answer_budget, answer_tokens):
     """Continue one prompt or a batch of prompts with MODEL_DIR (dense or converted).
 
     Give the prompts one way: --prompt TEXT, --prompt-file FILE (repeat it for several), or --prompts-jsonl FILE
@@ -537,7 +543,8 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     eos = eos_token_id(model.source_config, model_dir)
     result = generate(model, ids, max_new_tokens, eos_token_id=eos, temperature=temperature, top_p=top_p, seed=seed,
                       on_token=show if streamed else None, cuda_graph=False if eager else None, timings=timings,
-                      kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=prefill_chunk)
+                      kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=prefill_chunk,
+                      answer_budget=answer_budget, answer_tokens=answer_tokens)
     if timings:
         clock.mark("output")
     if streamed:

@@ -11,7 +11,9 @@
 #              `m3c convert --dense-costliest N`, then distilled the same way, into another OUT_DIR)
 #   LONG_CODE_DIR: what `python3 scripts/long_code.py DIR` writes (long_code_eval.txt: the held-out haystacks)
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
-#        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
+#        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING; A+B = A's row with the question and answer at
+#        budget B, `m3c eval ruler --answer-budget B`: its loss is A's, its speed A's prefill and B's decode, so it
+#        runs no bench), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
 #        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
 #        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,
@@ -30,6 +32,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/_recipe.sh"  # t, to_json
 options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 -> --top-p 0.95 --min-blocks 16 --topk 64
   case $1 in
+    *+*) local answer=${1#*+}; options "$answer" >/dev/null; echo "$(options "${1%%+*}")" ;;
     k*) echo "--topk ${1#k} --top-p 1" ;;
     p*) local spec=${1#p}; IFS=: read -r p floor ceiling <<<"$spec"
         echo "--top-p $p --min-blocks ${floor:-0} --topk ${ceiling:?$1: give the ceiling, pP:FLOOR:CEILING}" ;;
@@ -48,7 +51,8 @@ quality() {  # a budget's loss (with its oracle and blocks) and RULER
   echo "== $budget: ${opts[*]}" >&2
   [ -f "$B/loss.json" ] || t to_json "$B/loss.json" $M3C eval loss "$MODEL" --data "$LONG/long_code_eval.txt" \
     --seq-len $SEQ_LEN --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
-  [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}"
+  local answer=(); [[ $budget == *+* ]] && answer=(--answer-budget "${budget#*+}")
+  [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}" "${answer[@]}"
 }
 rows=()  # the quality runs still to make
 [ "${DENSE:-1}" = 0 ] || [ -f "$OUT/ruler_dense.json" ] || rows+=("dense_row")
@@ -69,7 +73,7 @@ else  # at most PARALLEL at once; each row's messages in its own log
 fi
 for budget in $BUDGETS; do
   B=$OUT/${budget//:/-}
-  if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ]; then
+  if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ] && [[ $budget != *+* ]]; then
     topk=$(python3 -c "import json, math, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \
       "$B/loss.json")
     t $M3C bench model llama3-8b --index-dim 64 --index-dtype fp8 --kv-cache fp8 --topk "$topk" \

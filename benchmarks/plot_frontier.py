@@ -8,7 +8,8 @@ tagged with its OUT's name when several are given (e.g. one per model: distilled
 the blocks each token kept on average (mean over MSA layers; p90: the largest layer's) with the oracle's, loss over
 dense at 32K with the oracle's, the RULER-style average of the index selection at each length with its standard
 error, and the llama3-8b preset's prefill and decode-step speed-ups at the top-k nearest those blocks. Dense
-(OUT/ruler_dense.json) is the first row. The RULER averages leave out the tasks the dense run excludes (a task it
+(OUT/ruler_dense.json) is the first row. A row A+B (A's prompt with the answer budget B) takes its prefill from
+row A and its decode from row B. The RULER averages leave out the tasks the dense run excludes (a task it
 scores below 50 at the shortest length). The plot: RULER average over the lengths against the decode speed-up
 (prefill where no decode was timed), one point per budget, dense as a line.
 """
@@ -75,6 +76,11 @@ def rows(outs: list[Path]) -> tuple[list[dict], list[str], dict]:
             loss = _read(loss_path)
             oracle = loss.get("oracle_blocks") or {}
             prefill, decode, topk = speedups(_read(b / "speed.json"))
+            decode_topk = topk
+            if "+" in b.name:  # A+B: A's prompt, B's answer: A's row's prefill and B's row's decode, where measured
+                prompt_row, answer_row = b.name.split("+", 1)
+                prefill, _, topk = speedups(_read(o / prompt_row / "speed.json"))
+                _, decode, decode_topk = speedups(_read(o / answer_row / "speed.json"))
             out.append({
                 "name": b.name if len(outs) == 1 else f"{o.name} {b.name}",
                 "blocks": loss.get("mean_blocks"),
@@ -84,7 +90,7 @@ def rows(outs: list[Path]) -> tuple[list[dict], list[str], dict]:
                 "oracle_loss": 100 * loss["oracle_loss_increase"] if loss.get("oracle_loss_increase") is not None
                 else None,
                 "ruler": ruler_cells(_read(b / "ruler.json"), "index", lengths, excluded),
-                "prefill": prefill, "decode": decode, "bench_topk": topk,
+                "prefill": prefill, "decode": decode, "bench_topk": topk, "decode_topk": decode_topk,
             })
     return out, lengths, dense_cells
 
@@ -110,7 +116,8 @@ def table(out: list[dict], lengths: list[str], dense_cells: dict) -> str:
     for r in out:
         blocks = f"{_num(r['blocks'], '.1f')} ({_num(r['blocks_p90'], '.0f')}), {_num(r['oracle_blocks'], '.1f')}"
         loss = f"+{r['loss']:.3f}%, " + (f"+{r['oracle_loss']:.3f}%" if r["oracle_loss"] is not None else "")
-        speed = [f"{x:.2f}x (top-{r['bench_topk']})" if x is not None else "" for x in (r["prefill"], r["decode"])]
+        speed = [f"{x:.2f}x (top-{k})" if x is not None else ""
+                 for x, k in ((r["prefill"], r["bench_topk"]), (r["decode"], r["decode_topk"]))]
         lines.append(f"| {r['name']} | {blocks} | {loss} | " + " | ".join(_cell(r["ruler"].get(n)) for n in lengths) +
                      f" | {_cell(r['ruler'].get('all'))} | {speed[0]} | {speed[1]} |")
     return "\n".join(lines) + "\n"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
-           "check_msa_ranges", "check_floor_fits", "max_positions", "budget_words", "DTYPES", "INDEX_DTYPES",
+           "check_msa_ranges", "check_floor_fits", "max_positions", "budget_words", "parse_budget", "DTYPES",
+           "INDEX_DTYPES",
            "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE",
            "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
@@ -304,6 +305,22 @@ def budget_words(topk: int, top_p: float = 1.0, min_blocks: int = 0) -> str:
     if top_p >= 1:
         return f"top-k {topk}"
     return f"top-p {top_p:g} of {min_blocks}-{topk} blocks"
+
+
+def parse_budget(spec: str, name: str = "budget") -> dict:
+    """A selection budget written as kN (the fixed top-N) or pP:FLOOR:CEILING (top-p P between FLOOR and CEILING
+    blocks) -> Decoder.set_budget's keywords {top_p, min_blocks, topk}. Its ranges are checked where it is set."""
+    text = str(spec).strip()
+    try:
+        if text[:1] == "k":
+            return {"top_p": 1.0, "min_blocks": 0, "topk": int(text[1:])}
+        if text[:1] == "p":
+            p, floor, ceiling = text[1:].split(":")
+            return {"top_p": float(p), "min_blocks": int(floor), "topk": int(ceiling)}
+    except ValueError:
+        pass
+    raise M3CompileError(f"{name} is kN (the fixed top-N blocks) or pP:FLOOR:CEILING (top-p P of FLOOR-CEILING "
+                         f"blocks, e.g. p0.95:16:64), got {spec!r}")
 
 
 def max_positions(cfg: dict | None) -> int | None:

@@ -136,6 +136,36 @@ def test_a_failed_quality_row_fails_the_frontier_and_leaves_no_half_file(tmp_pat
     assert not (out / "p0.95-16-64" / "loss.json").exists() and "failed as asked" in (out / "p0.95-16-64.log").read_text()
 
 
+def test_a_row_with_an_answer_budget_runs_the_suite_with_it_and_no_bench(tmp_path):
+    """k16+p0.95:16:40: the loss at top-16, the suite at top-16 with --answer-budget p0.95:16:40, no speed bench
+    (its speed is k16's prefill and the answer budget's decode); a bad answer budget is refused first."""
+    fake = _fake_m3c(tmp_path)
+    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+p0.95:16:40", "SPEED": "1", "DENSE": "0"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
+    assert len(runs) == 2 and runs[0].startswith("eval loss") and "--topk 16 --top-p 1" in runs[0]
+    assert "--answer-budget" not in runs[0]
+    assert runs[1].startswith("eval ruler") and runs[1].endswith("--topk 16 --top-p 1 --answer-budget p0.95:16:40")
+    row = tmp_path / "o" / "k16+p0.95-16-40"
+    assert (row / "loss.json").is_file() and (row / "ruler.json").is_file() and not (row / "speed.json").exists()
+    measured = RESULTS / "2026-12-07-h100-frontier-and-first-run"
+    for row, speed in (("k16", "k16"), ("p0.95-16-40", "p0.95-16-64")):  # A and B benched apart (B: a stand-in)
+        (tmp_path / "o" / row).mkdir()
+        shutil.copy(measured / speed / "speed.json", tmp_path / "o" / row / "speed.json")
+    (tmp_path / "o" / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", {"niah_single_1": [100, 100]})))
+    main = runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]
+    main([str(tmp_path / "o")])
+    table = (tmp_path / "o" / "frontier.md").read_text()
+    # A+B: A's prefill (this k16 bench timed decode alone: none) and B's decode
+    assert [line for line in table.splitlines() if line.startswith("| k16+")][0].endswith("|  | 3.91x (top-45) |")
+    env["BUDGETS"] = "k16+p0.95:16"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o2")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "p0.95:16: give the ceiling" in done.stderr and not (tmp_path / "o2").exists()
+
+
 def test_generate_batch_compares_a_batch_with_one_prompt(byte_msa, tmp_path):
     """benchmarks/generate_batch.sh on the byte-level model: 3 prompts of 300 bytes against the first alone, a
     first run of each and one timed; the summary is the batch's new tokens/s over one prompt's."""

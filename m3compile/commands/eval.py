@@ -254,16 +254,25 @@ def eval_retrieval(model_dir, data, seq_len, distances, probes, seed, dtype, ind
                       "only) as a baseline."),
     click.option("--plot", type=OutputPath("file", ".png"), default=None,
                  help="Write a heatmap PNG of the scores (task x length, one panel per selection)."),
-    kv_cache_option(help="K/V cache dtype of every prefill and decode: auto (the model's), bf16, fp8 or int8."))
-def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections, plot, kv_cache, dtype, index_dtype,
-               device, as_json, budget):
+    kv_cache_option(help="K/V cache dtype of every prefill and decode: auto (the model's), bf16, fp8 or int8."),
+    click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+                 help="The index selection's budget for each prompt's last --answer-tokens tokens (the question) "
+                      "and for the answer: kN the fixed top-N blocks, pP:FLOOR:CEILING top-p P of FLOOR-CEILING "
+                      "blocks (e.g. k16 for the prompt with --topk 16, and p0.95:16:40 here) [default: the "
+                      "prompt's budget throughout]."),
+    click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
+                 help="With --answer-budget: the prompt's last tokens selected at that budget."))
+def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections, plot, kv_cache, answer_budget,
+               answer_tokens, dtype, index_dtype, device, as_json, budget):
     """The RULER-style suite on MODEL_DIR: greedy answers to long prompts built from --data, scored per task, length
     and selection.
 
     The score of a task is the share of its expected answers found in the generated text (RULER's
     string_match_all), x 100, over --samples prompts; a task the dense model scores below 50 at the shortest
     length is reported and kept out of the averages. --kv-cache bf16|fp8|int8 generates over a K/V cache of that
-    dtype.
+    dtype. --answer-budget gives the question and the answer their own budget (the index selection's; dense and
+    oracle rows run without it): the prompt is prefilled at the model's (or --topk / --top-p) budget up to its last
+    --answer-tokens tokens, those and every new token at the answer budget.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
@@ -280,7 +289,7 @@ def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections
         report = ruler(model, codec, text, tasks=split_names(tasks), samples=samples, seed=seed,
                        selections=split_names(selections), batch=batch,
                        lengths=None if lengths is None else list(lengths), data_name=str(data),
-                       kv_cache=kv_cache,
+                       kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens,
                        progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
     if plot is not None:
         draw_heatmap(report, plot, (model_dir, data))

@@ -28,7 +28,7 @@ from m3compile.config import SELECTIONS, check_size, max_positions
 from m3compile.errors import M3CompileError
 from m3compile.outputs import atomic_save_figure, check_output_file
 from m3compile.models.decoder import Decoder
-from m3compile.runtime.generate import generate, resolve_kv_cache
+from m3compile.runtime.generate import check_answer_budget, generate, resolve_kv_cache
 from m3compile.io.tokenizer import PromptCodec
 from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, Sample, build_samples, check_fits
 
@@ -84,6 +84,8 @@ class RulerReport:
                     standard error of an average over any set of tasks follows (another run's exclusions)
     prompt_tokens   {length: mean prompt tokens over every sample}
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
+    answer_budget   the index selection's budget of each prompt's last answer_tokens tokens and of the answer
+                    (m3compile.generate's answer_budget), or None: the model's throughout
     seconds         wall time
     """
 
@@ -99,6 +101,8 @@ class RulerReport:
     prompt_tokens: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     kv_cache: str = "auto"
+    answer_budget: str | None = None
+    answer_tokens: int | None = None
 
     @property
     def excluded(self) -> list[str]:
@@ -138,7 +142,8 @@ class RulerReport:
             "variances": {t: {s: {str(n): round(v, 3) for n, v in by_len.items()} for s, by_len in by_sel.items()}
                           for t, by_sel in self.variances.items()},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
-            "kv_cache": self.kv_cache, "seconds": round(self.seconds, 2),
+            "kv_cache": self.kv_cache, "answer_budget": self.answer_budget, "answer_tokens": self.answer_tokens,
+            "seconds": round(self.seconds, 2),
         }
 
 
@@ -149,17 +154,19 @@ def _round(x: float | None) -> float | None:
 def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, decode: Callable[[list[int]], str], *,
                 stop_ids: list[int], selection: str = "index", batch: int | None = None,
                 progress: Callable[[int], None] | None = None, kernels: bool | None = None,
-                kv_cache: str = "auto") -> list[float]:
+                kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128) -> list[float]:
     """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
     the paged cached decode) with the MSA layers selecting as `selection` (config.SELECTIONS); per sample the
     share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
-    cache dtype (m3compile.generate's kv_cache_dtype); kernels: as m3compile.generate's."""
+    cache dtype (m3compile.generate's kv_cache_dtype); kernels, answer_budget, answer_tokens: as m3compile.generate's
+    (the answer budget for the index selection alone)."""
     out = []
     step = batch or len(samples)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
+        answer = dict(answer_budget=answer_budget, answer_tokens=answer_tokens) if selection == "index" else {}
         result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
-                          kernels=kernels, kv_cache_dtype=kv_cache)
+                          kernels=kernels, kv_cache_dtype=kv_cache, **answer)
         for s, tokens in zip(chunk, result.tokens):
             out.append(score(decode([t for t in tokens if t not in stop_ids]), s.answers))
         if progress:
@@ -171,14 +178,17 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
           lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
           data_name: str = "the data file", kernels: bool | None = None,
-          kv_cache: str = "auto", progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
+          kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128,
+          progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
     within the model's positions (m3compile.config.max_positions; a length above them is an error). Every length
     and task pair is checked to fit (ruler_tasks.check_fits) before the first prompt is generated. A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
-    "fp8", "int8"). progress(done, total, what): samples generated so far of all."""
+    "fp8", "int8"). answer_budget, answer_tokens: the index selection's budget of each prompt's last answer_tokens
+    tokens and of its answer (m3compile.generate's; kN or pP:FLOOR:CEILING); the other selections run without it.
+    progress(done, total, what): samples generated so far of all."""
     check_size(samples, "samples", "samples")
     if batch is not None:
         check_size(batch, "batch", "batch")
@@ -207,8 +217,11 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     else:
         model.args.msa.check_floor(lengths[0], f"a prompt of {lengths[0]} tokens")
     selections = list(dict.fromkeys(selections))
+    if answer_budget is not None:  # checked against the model before any prompt
+        check_answer_budget(model, answer_budget, answer_tokens)
     start = time.perf_counter()
-    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache)
+    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache,
+                         answer_budget=answer_budget, answer_tokens=None if answer_budget is None else answer_tokens)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
     for length in report.lengths:  # every length and task pair, before any work (one tokenization each)
@@ -236,7 +249,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                     progress(done, total, f"{name} at {length}: {sel}")
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
                                   selection=sel, batch=batch, progress=advance, kernels=kernels,
-                                  kv_cache=kv_cache)
+                                  kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens)
                 mean = sum(got) / len(got)
                 report.scores[name][sel][length] = 100.0 * mean
                 var = sum((g - mean) ** 2 for g in got) / (len(got) - 1) if len(got) > 1 else 0.0

@@ -37,8 +37,9 @@ def _pass(model: Decoder, cache: PagedCache, b: int, tokens: torch.Tensor, start
 
 @torch.no_grad()
 def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, chunk: int | None = None,
-            selection: str = "index") -> torch.Tensor:
+            selection: str = "index", start: int = 0) -> torch.Tensor:
     """Run one prompt [T] through the model, filling sequence b of the caches; returns the last logits [vocab].
+    start: the prompt's first position (the caches already hold the tokens before it: a prompt in two parts).
 
     chunk: tokens per pass (None: the whole prompt in one). A pass runs its tokens through every layer, which store
     their keys first and then attend to the keys as the cache holds them (PagedCache.prompt), so the logits do not
@@ -48,7 +49,7 @@ def prefill(model: Decoder, cache: PagedCache, b: int, prompt: torch.Tensor, chu
     T = prompt.shape[0]
     chunk = _chunk(T, chunk, selection)
     for t0 in range(0, T, chunk):
-        h = _pass(model, cache, b, prompt[t0:t0 + chunk], t0, selection)
+        h = _pass(model, cache, b, prompt[t0:t0 + chunk], start + t0, selection)
     return model.lm_head(h[:, -1]).float()[0]
 
 

@@ -8,6 +8,7 @@ end-of-sequence token (text <-> tokens: m3compile.io.tokenizer).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, SELECTIONS
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, SELECTIONS, parse_budget
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder, ModelArgs
@@ -26,7 +27,8 @@ from m3compile.runtime.forward import lowering_default, prefill
 from m3compile.runtime.paged_cache import PagedCache
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
-__all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache"]
+__all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache",
+           "check_answer_budget"]
 
 
 @dataclass
@@ -63,7 +65,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
              prefill_chunk: int | None = None, timings: bool = False,
-             selection: str = "index", cache_len: int | None = None) -> GenerationResult:
+             selection: str = "index", cache_len: int | None = None, answer_budget: str | dict | None = None,
+             answer_tokens: int = 128) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -88,12 +91,18 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     the index branch, the selection and the attention); False the plain-torch references. None (default): on a
     CUDA device (lowering_default); True on a CPU runs them under TRITON_INTERPRET=1 and the references otherwise.
     timings: fill `GenerationResult.timings` with the seconds of each phase (setup: the checks and the memory plan;
-    cache, prefill, graph_capture, decode, decode_per_token; release: the caches and the CUDA graph freed), the Triton compiles inside them apart ("compile", "compiles") and the kernel variants
-    launched (runtime/timings.py), with the batch, its new tokens and new_tokens_per_s (every sequence's new tokens
-    over the decode seconds); CUDA is synchronised at each phase boundary, so only when asked. Generation
-    traces nothing and runs no pass: it calls the Decoder's forward over the caches (runtime.forward), and the
-    model's projections are fused in place, once (Decoder.fuse_projections: one matmul for each layer's q/k/v and
-    index q/k, one for gate/up; the same parameters and state dict, no memory added).
+    cache, prefill, graph_capture, decode, decode_per_token; release: the caches and the CUDA graph freed), the
+    Triton compiles inside them apart ("compile", "compiles") and the kernel variants launched (runtime/timings.py),
+    with the batch, its new tokens and new_tokens_per_s (every sequence's new tokens over the decode seconds); CUDA
+    is synchronised at each phase boundary, so only when asked. Generation traces nothing and runs no pass: it
+    calls the Decoder's forward over the caches (runtime.forward), and the model's projections are fused in place,
+    once (Decoder.fuse_projections: one matmul for each layer's q/k/v and index q/k, one for gate/up; the same
+    parameters and state dict, no memory added).
+    answer_budget: the selection budget (kN, pP:FLOOR:CEILING as config.parse_budget reads it, or set_budget's
+    keywords) of the last `answer_tokens` tokens of every prompt (where a question sits) and of every new token;
+    the rest of each prompt keeps the model's own. The prompt is then prefilled in two parts, the model's budget
+    restored after the run. A larger budget where the answer is read costs the prefill almost nothing and the decode
+    what its blocks cost (BENCHMARKS.md). None (default): the model's budget throughout.
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
     selection: how MSA layers pick their blocks in prefill and decode (m3compile.config.SELECTIONS): "index" (the
     model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
@@ -146,60 +155,124 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     max_len = max(longest + max_new_tokens, cache_len or 0)
     if max_len > longest + max_new_tokens:
         check_positions(max_len - 1, getattr(model, "source_config", None), f"a cache of {max_len:,} positions")
-    chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
+    own, answer = _budgets(model, answer_budget, answer_tokens, selection)
+    with _budget(model, answer if answer and answer["topk"] > own["topk"] else None):  # the larger one's activations
+        chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
     if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
         chunk = None
-    timer.mark("cache")
-    cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
-    model.fuse_projections()
-    kernels = lowering_default(device) if kernels is None else kernels
-    with lowering(kernels), timer.watch():  # the Triton kernels (CUDA by default)
-        timer.mark("prefill")
-        prefill_logits = []
-        for b, p in enumerate(prompts):
-            prefill_logits.append(prefill(model, cache, b, torch.tensor(p, device=device), chunk, selection))
-            cache.seq_lens[b] = len(p)
-        auto = cuda_graph is None
-        if auto:
-            cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
-        timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
-        try:
-            step_fn = DecodeStep(model, cache, B, graph=bool(cuda_graph) and max_new_tokens > 1, kernels=kernels,
-                                 selection=selection)
-        except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
-            if not auto:
-                raise
-            warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); running eagerly")
-            step_fn = DecodeStep(model, cache, B, kernels=kernels, selection=selection)
-        out = [[] for _ in range(B)]
-        done = [False] * B
-        step_logits = []
-        timer.mark("decode")
-        next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
-        for step in range(max_new_tokens):
-            chosen = next_tok.tolist()  # one host synchronisation per step
-            for b in range(B):
-                if not done[b]:
-                    out[b].append(chosen[b])
-                    if on_token is not None:
-                        on_token(b, chosen[b])
-                    done[b] = chosen[b] in stop
-            if stop and all(done):
-                break
-            if step == max_new_tokens - 1:
-                break
-            logits = step_fn(next_tok)
-            step_logits.append(logits.clone() if step_fn.graph is not None else logits)
-            next_tok = _pick(logits, temperature, top_p, generator)
-        timer.mark("release")  # the CUDA graph and the caches freed
-        del step_fn, cache
-        timer.stop()
-    steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
-    timer.add("prompt_tokens", sum(map(len, prompts)))
-    timer.add("decode_steps", len(step_logits))
-    timer.add("batch", B)
-    timer.add("new_tokens", sum(map(len, out)))
-    return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
+    with _restored(model) if answer else contextlib.nullcontext():  # the model's budget back afterwards
+        timer.mark("cache")
+        cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
+        model.fuse_projections()
+        kernels = lowering_default(device) if kernels is None else kernels
+        with lowering(kernels), timer.watch():  # the Triton kernels (CUDA by default)
+            timer.mark("prefill")
+            prefill_logits = []
+            for b, p in enumerate(prompts):
+                ids = torch.tensor(p, device=device)
+                if answer is None:
+                    prefill_logits.append(prefill(model, cache, b, ids, chunk, selection))
+                else:  # the prompt at the model's budget, its last answer_tokens at the answer budget
+                    body = max(len(p) - answer_tokens, 0)
+                    if body:
+                        model._set_msa(**own)
+                        logits = prefill(model, cache, b, ids[:body], chunk, selection)
+                    if body < len(p):
+                        model._set_msa(**answer)
+                        logits = prefill(model, cache, b, ids[body:], chunk, selection, start=body)
+                    prefill_logits.append(logits)
+                cache.seq_lens[b] = len(p)
+            if answer is not None:
+                model._set_msa(**answer)  # every new token at the answer budget
+            auto = cuda_graph is None
+            if auto:
+                cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
+            timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
+            try:
+                step_fn = DecodeStep(model, cache, B, graph=bool(cuda_graph) and max_new_tokens > 1, kernels=kernels,
+                                     selection=selection)
+            except RuntimeError as e:  # a capture CUDA refused: what was not asked for explicitly falls back to eager
+                if not auto:
+                    raise
+                warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); "
+                              "running eagerly")
+                step_fn = DecodeStep(model, cache, B, kernels=kernels, selection=selection)
+            out = [[] for _ in range(B)]
+            done = [False] * B
+            step_logits = []
+            timer.mark("decode")
+            next_tok = _pick(torch.stack(prefill_logits), temperature, top_p, generator)
+            for step in range(max_new_tokens):
+                chosen = next_tok.tolist()  # one host synchronisation per step
+                for b in range(B):
+                    if not done[b]:
+                        out[b].append(chosen[b])
+                        if on_token is not None:
+                            on_token(b, chosen[b])
+                        done[b] = chosen[b] in stop
+                if stop and all(done):
+                    break
+                if step == max_new_tokens - 1:
+                    break
+                logits = step_fn(next_tok)
+                step_logits.append(logits.clone() if step_fn.graph is not None else logits)
+                next_tok = _pick(logits, temperature, top_p, generator)
+            timer.mark("release")  # the CUDA graph and the caches freed
+            del step_fn, cache
+            timer.stop()
+        steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
+        timer.add("prompt_tokens", sum(map(len, prompts)))
+        timer.add("decode_steps", len(step_logits))
+        timer.add("batch", B)
+        timer.add("new_tokens", sum(map(len, out)))
+        return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timer is not NULL_TIMINGS else None)
+
+
+def check_answer_budget(model: Decoder, answer_budget, answer_tokens: int = 128) -> dict:
+    """generate's answer_budget (kN, pP:FLOOR:CEILING, or set_budget's keywords) checked against the model, as
+    set_budget checks a budget -> set_budget's keywords."""
+    return _budgets(model, answer_budget, answer_tokens, "index")[1]
+
+
+def _budgets(model: Decoder, answer_budget, answer_tokens, selection) -> tuple[dict | None, dict | None]:
+    """(the model's budget, the answer budget checked against the model), or (None, None) without one."""
+    if answer_budget is None:
+        return None, None
+    if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
+        raise M3CompileError(f"answer_tokens must be a whole number of tokens >= 0, got {answer_tokens!r}")
+    if selection in ("oracle", "recent", "dense"):
+        raise M3CompileError(f"an answer budget is the index selection's; selection {selection!r} has its own")
+    if model.args.msa is None or not any(model.args.is_sparse(i) for i in range(model.args.n_layers)):
+        raise M3CompileError("an answer budget applies to MSA layers, and the model has none (it was never converted)")
+    answer = parse_budget(answer_budget, "the answer budget") if isinstance(answer_budget, str) else dict(answer_budget)
+    if set(answer) != {"top_p", "min_blocks", "topk"}:
+        raise M3CompileError(f"an answer budget gives top_p, min_blocks and topk, got {sorted(answer)}")
+    m = model.args.msa
+    with _budget(model, answer):  # its ranges and floor checked as set_budget checks them, then the model's again
+        pass
+    return {"top_p": m.top_p, "min_blocks": m.min_blocks, "topk": m.topk}, answer
+
+
+@contextlib.contextmanager
+def _restored(model: Decoder):
+    """The MSA layers' budget as it is now, set again after the block however it ends."""
+    m = model.args.msa
+    own = {"top_p": m.top_p, "min_blocks": m.min_blocks, "topk": m.topk}
+    try:
+        yield
+    finally:
+        model._set_msa(**own)
+
+
+@contextlib.contextmanager
+def _budget(model: Decoder, budget: dict | None):
+    """The MSA layers at `budget` (Decoder.set_budget) inside the block, at their own again after it."""
+    if budget is None:
+        yield
+        return
+    with _restored(model):
+        model.set_budget(**budget)
+        yield
 
 
 # kv_cache_dtype (a name of m3compile.config.KV_CACHE_DTYPES) -> the K/V cache's torch dtype (None: the model's)

@@ -192,7 +192,8 @@ def test_eval_subcommands_list_their_own_options():
     own = {"loss": {"--seq-len", "--max-windows", "--batch", "--no-oracle", "--kv-cache"},
            "layers": {"--seq-len", "--max-windows", "--selections"},
            "retrieval": {"--seq-len", "--distances", "--probes", "--seed"},
-           "ruler": {"--lengths", "--tasks", "--samples", "--seed", "--batch", "--selections", "--plot", "--kv-cache"}}
+           "ruler": {"--lengths", "--tasks", "--samples", "--seed", "--batch", "--selections", "--plot", "--kv-cache",
+                     "--answer-budget", "--answer-tokens"}}
     for sub, options in own.items():
         code, output = run("eval", sub, "--help")
         assert code == 0, output

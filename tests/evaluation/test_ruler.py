@@ -277,7 +277,10 @@ def test_ruler_cli_json_table_and_heatmap(qwen_like, tmp_path, monkeypatch):
     (["--selections", "dense,best"], "unknown selection 'best'"),
     (["--tasks", "niah_single_2", "--short-data"], "too short to fill a 1024-token niah_single_2 haystack"),
     (["--plot", "scores.jpg"], "name the file *.png"),
-], ids=["length-above-context", "unknown-task", "zero-samples", "unknown-selection", "short-data", "plot-not-png"])
+    (["--answer-budget", "p0.9"], "the answer budget is kN (the fixed top-N blocks) or pP:FLOOR:CEILING"),
+    (["--answer-budget", "p0.9:200:300"], "min_blocks (200), the adaptive budget's floor, exceeds the 64 blocks"),
+], ids=["length-above-context", "unknown-task", "zero-samples", "unknown-selection", "short-data", "plot-not-png",
+        "answer-budget-form", "answer-budget-range"])
 def test_ruler_bad_input(qwen_like, tmp_path, monkeypatch, extra, needle):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     path, data = qwen_like
@@ -312,3 +315,32 @@ def test_ruler_over_an_fp8_kv_cache(qwen_like, monkeypatch):
     assert d["kv_cache"] == "fp8" and d["selections"] == ["index"]
     assert 0 <= d["scores"]["niah_single_1"]["index"]["1024"]
     assert made == [torch.float8_e4m3fn]
+
+
+def test_ruler_with_an_answer_budget(qwen_like, monkeypatch):
+    """--answer-budget: the index rows prefill each prompt in two parts and decode at that budget, the dense rows in
+    one part at the model's; the JSON names the budget."""
+    from m3compile.runtime import forward
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(TASKS, "niah_single_1", dataclasses.replace(TASKS["niah_single_1"], max_new_tokens=3))
+    starts = []
+    prefill = forward.prefill
+
+    def spy(model, cache, b, prompt, chunk=None, selection="index", start=0):
+        starts.append((selection, start, model.args.msa.topk))
+        return prefill(model, cache, b, prompt, chunk, selection, start)
+
+    monkeypatch.setattr("m3compile.runtime.generate.prefill", spy)
+    path, data = qwen_like
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "dense,index", "--answer-budget", "k5",
+                             "--answer-tokens", 40, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["answer_budget"] == "k5" and d["answer_tokens"] == 40
+    own = m3compile.load(path).args.msa.topk
+    (dense_sel, dense_start, _), *index = starts
+    assert dense_sel == "dense" and dense_start == 0
+    assert [(s, k) for s, _, k in index] == [("index", own), ("index", 5)]  # the prompt, then its last 40 tokens
+    assert index[1][1] == d["prompt_tokens"]["1024"] - 40

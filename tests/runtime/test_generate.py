@@ -97,3 +97,69 @@ def test_generate_rejects_bad_input(tiny_msa):
         m3compile.generate(model, [[1, 2]], 2, page_size=16)
     with pytest.raises(M3CompileError, match="index_cache_dtype"):
         m3compile.generate(model, [[1, 2]], 2, index_cache_dtype="int4")
+
+
+def _recording(model):
+    """Each call of the model's forward: (tokens, first position, the MSA budget (topk, top_p, min_blocks))."""
+    calls, forward = [], model.model.forward
+
+    def record(tokens, positions, *args, **kwargs):
+        m = model.args.msa
+        calls.append((tokens.shape[1], int(positions[0, 0]), (m.topk, m.top_p, m.min_blocks)))
+        return forward(tokens, positions, *args, **kwargs)
+
+    model.model.forward = record
+    return calls
+
+
+def test_an_answer_budget_selects_the_prompts_tail_and_every_new_token(llama_dir):
+    """The prompt at the model's budget up to its last answer_tokens tokens, those and the decode at the answer
+    budget, in two prefill passes per prompt; the model's own budget back afterwards."""
+    model = m3compile.load(llama_dir, dtype="float32")
+    calls = _recording(model)
+    prompts = [torch.randint(0, 256, (70,)).tolist(), torch.randint(0, 256, (9,)).tolist()]
+    m3compile.generate(model, prompts, 3, kernels=False, answer_budget="p0.9:1:4", answer_tokens=20)
+    own, answer = (2, 1.0, model.args.msa.min_blocks), (4, 0.9, 1)
+    assert calls == [(50, 0, own), (20, 50, answer),  # prompt 1: body, then its tail
+                     (9, 0, answer),  # prompt 2 is shorter than the tail: all of it at the answer budget
+                     (1, 70, answer), (1, 71, answer)]  # two decode steps (the third token needs none)
+    assert (model.args.msa.topk, model.args.msa.top_p) == (2, 1.0)
+    for module in model.modules():  # every layer's settings back too
+        if getattr(module, "msa", None) is not None:
+            assert module.msa.topk == 2 and module.msa.top_p == 1.0
+
+
+def test_an_answer_budget_like_the_models_changes_nothing(llama_dir):
+    """Two prefill passes give the one pass's logits (the caches hold the body's keys), so the model's own budget as
+    the answer budget generates the same tokens; the whole prompt as the tail equals the model at that budget."""
+    model = m3compile.load(llama_dir, dtype="float32")
+    prompts = [torch.randint(0, 256, (70,)).tolist(), torch.randint(0, 256, (41,)).tolist()]
+    plain = m3compile.generate(model, prompts, 6, kernels=False)
+    same = m3compile.generate(model, prompts, 6, kernels=False, answer_budget="k2", answer_tokens=17)
+    assert same.tokens == plain.tokens
+    torch.testing.assert_close(torch.stack(same.prefill_logits), torch.stack(plain.prefill_logits), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(same.step_logits, plain.step_logits, rtol=1e-4, atol=1e-4)
+    tail = m3compile.generate(model, prompts, 6, kernels=False, answer_budget="k3", answer_tokens=100)
+    model.set_budget(topk=3)
+    assert tail.tokens == m3compile.generate(model, prompts, 6, kernels=False).tokens
+
+
+@pytest.mark.parametrize("budget, tokens, selection, needle", [
+    ("q16", 128, "index", "the answer budget is kN (the fixed top-N blocks) or pP:FLOOR:CEILING"),
+    ("p0.9:4", 128, "index", "got 'p0.9:4'"),
+    ("k0", 128, "index", "topk must be >= 1"),
+    ("p1.5:1:4", 128, "index", "top_p must be a number in (0, 1]"),
+    ("p0.9:5:4", 128, "index", "min_blocks (5), the adaptive budget's floor, exceeds"),
+    ("k4", -1, "index", "answer_tokens must be a whole number of tokens >= 0"),
+    ("k4", 128, "oracle", "an answer budget is the index selection's; selection 'oracle' has its own"),
+], ids=["unknown-form", "missing-ceiling", "zero-blocks", "p-above-1", "floor-above-ceiling", "negative-tokens",
+        "oracle"])
+def test_a_bad_answer_budget_is_one_error_before_any_work(llama_dir, budget, tokens, selection, needle):
+    model = m3compile.load(llama_dir, dtype="float32")
+    calls = _recording(model)
+    with pytest.raises(M3CompileError, match=None) as e:
+        m3compile.generate(model, [[1, 2, 3]], 2, kernels=False, answer_budget=budget, answer_tokens=tokens,
+                           selection=selection)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert calls == [] and (model.args.msa.topk, model.args.msa.top_p) == (2, 1.0)
