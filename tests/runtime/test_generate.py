@@ -163,3 +163,17 @@ def test_a_bad_answer_budget_is_one_error_before_any_work(llama_dir, budget, tok
                            selection=selection)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert calls == [] and (model.args.msa.topk, model.args.msa.top_p) == (2, 1.0)
+
+
+def test_an_answer_budget_through_the_kernels_matches_the_references(llama_dir):
+    """The Triton kernels (the interpreter here) with the prompt in two parts at two budgets: the tail's pass over the
+    cached body and the decode at the answer budget give the references' tokens and logits."""
+    model = m3compile.load(llama_dir, dtype="float32")
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (70,)).tolist(), torch.randint(0, 256, (23,)).tolist()]
+    want = m3compile.generate(model, prompts, 4, kernels=False, answer_budget="p0.9:1:4", answer_tokens=20)
+    got = m3compile.generate(model, prompts, 4, kernels=True, answer_budget="p0.9:1:4", answer_tokens=20)
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(torch.stack(got.prefill_logits), torch.stack(want.prefill_logits), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(got.step_logits, want.step_logits, rtol=1e-4, atol=1e-4)
