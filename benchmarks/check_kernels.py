@@ -566,7 +566,8 @@ def check_kernel_cache():
     env = dict(os.environ, TRITON_CACHE_DIR=str(root / "empty-triton-cache"))
     prompt = Path(os.__file__).read_text()[:777]
     done = subprocess.run([sys.executable, "-m", "m3compile.entry", "generate", str(root / "moved"), "--prompt", prompt,
-                           "--max-new-tokens", "24", "--timings", "--device", "cuda"], capture_output=True, text=True, env=env, cwd=root)
+                           "--max-new-tokens", "24", "--timings", "--device", "cuda"], capture_output=True, text=True,
+                          env=env, cwd=root)
     try:
         timings = json.loads(done.stderr.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -32,7 +32,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/_recipe.sh"  # t, to_json
 options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 -> --top-p 0.95 --min-blocks 16 --topk 64
   case $1 in
-    *+*) local answer=${1#*+}; options "$answer" >/dev/null; echo "$(options "${1%%+*}")" ;;
+    *+*) options "${1#*+}" >/dev/null; options "${1%%+*}" ;;  # A+B: B checked, A's options
     k*) echo "--topk ${1#k} --top-p 1" ;;
     p*) local spec=${1#p}; IFS=: read -r p floor ceiling <<<"$spec"
         echo "--top-p $p --min-blocks ${floor:-0} --topk ${ceiling:?$1: give the ceiling, pP:FLOOR:CEILING}" ;;

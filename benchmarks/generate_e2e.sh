@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # m3c generate end to end, dense against converted, as users run it: each run's wall time (process start to exit)
 # and its --timings breakdown (import, load, tokenize, setup, cache, prefill, graph_capture, decode, release,
-# output, untimed, Triton compiles and kernel variants), on a first run (an empty TRITON_CACHE_DIR) and warm runs (the same cache again). Prints one JSON
-# on stdout: every run, then per model the cold and median warm wall times and the MSA / dense ratios.
+# output, untimed, Triton compiles and kernel variants), on a first run (an empty TRITON_CACHE_DIR) and warm runs
+# (the same cache again). Prints one JSON on stdout: every run, then per model the cold and median warm wall times
+# and the MSA / dense ratios.
 #
 #   benchmarks/generate_e2e.sh DENSE_DIR MSA_DIR PROMPT_FILE [more m3c generate options, e.g. --dtype bfloat16]
 #   env: M3C (m3c), DEVICE (cuda), NEW_TOKENS (64), RUNS ("cold warm warm warm warm": in order, each run of the dense

@@ -225,7 +225,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         timer.add("decode_steps", len(step_logits))
         timer.add("batch", B)
         timer.add("new_tokens", sum(map(len, out)))
-        return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timer is not NULL_TIMINGS else None)
+        return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
 def check_answer_budget(model: Decoder, answer_budget, answer_tokens: int = 128) -> dict:
@@ -247,17 +247,22 @@ def _budgets(model: Decoder, answer_budget, answer_tokens, selection) -> tuple[d
     answer = parse_budget(answer_budget, "the answer budget") if isinstance(answer_budget, str) else dict(answer_budget)
     if set(answer) != {"top_p", "min_blocks", "topk"}:
         raise M3CompileError(f"an answer budget gives top_p, min_blocks and topk, got {sorted(answer)}")
-    m = model.args.msa
+    own = _budget_of(model)
     with _budget(model, answer):  # its ranges and floor checked as set_budget checks them, then the model's again
         pass
-    return {"top_p": m.top_p, "min_blocks": m.min_blocks, "topk": m.topk}, answer
+    return own, answer
+
+
+def _budget_of(model: Decoder) -> dict:
+    """The MSA layers' budget now, as set_budget's keywords."""
+    m = model.args.msa
+    return {"top_p": m.top_p, "min_blocks": m.min_blocks, "topk": m.topk}
 
 
 @contextlib.contextmanager
 def _restored(model: Decoder):
     """The MSA layers' budget as it is now, set again after the block however it ends."""
-    m = model.args.msa
-    own = {"top_p": m.top_p, "min_blocks": m.min_blocks, "topk": m.topk}
+    own = _budget_of(model)
     try:
         yield
     finally:
