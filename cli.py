@@ -473,8 +473,13 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
                    "FLOOR-CEILING blocks (e.g. p0.95:16:40) [default: the model's throughout].")
 @click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
               help="With --answer-budget: the prompt's last tokens selected at that budget.")
+@click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+              help="The MSA layers' selection budget for every new token, where it differs from --answer-budget "
+                   "(e.g. the question read at k256, the answer written at the model's budget, whose decode step "
+                   "costs what the model's does) [default: the answer budget, else the model's].")
 def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, temperature, top_p, seed, dtype, device,
-             eager, as_json, timings, kv_cache, index_cache, prefill_chunk, answer_budget, answer_tokens):
+             eager, as_json, timings, kv_cache, index_cache, prefill_chunk, answer_budget, answer_tokens,
+             decode_budget):
     """Continue one prompt or a batch of prompts with MODEL_DIR (dense or converted).
 
     Give the prompts one way: --prompt TEXT, --prompt-file FILE (repeat it for several), or --prompts-jsonl FILE
@@ -544,7 +549,7 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
     result = generate(model, ids, max_new_tokens, eos_token_id=eos, temperature=temperature, top_p=top_p, seed=seed,
                       on_token=show if streamed else None, cuda_graph=False if eager else None, timings=timings,
                       kv_cache_dtype=kv_cache, index_cache_dtype=index_cache, prefill_chunk=prefill_chunk,
-                      answer_budget=answer_budget, answer_tokens=answer_tokens)
+                      answer_budget=answer_budget, answer_tokens=answer_tokens, decode_budget=decode_budget)
     if timings:
         clock.mark("output")
     if streamed:

@@ -3,15 +3,16 @@
 
     python3 benchmarks/plot_frontier.py OUT [OUT2 ...] [--md OUT/frontier.md] [--png OUT/frontier.png]
 
-One row per budget folder of each OUT (a folder holding loss.json; ruler.json and speed.json where they exist),
-tagged with its OUT's name when several are given (e.g. one per model: distilled, 2 extra dense layers, ...):
-the blocks each token kept on average (mean over MSA layers; p90: the largest layer's) with the oracle's, loss over
-dense at 32K with the oracle's, the RULER-style average of the index selection at each length with its standard
-error, and the llama3-8b preset's prefill and decode-step speed-ups at the top-k nearest those blocks. Dense
-(OUT/ruler_dense.json) is the first row. A row A+B (A's prompt with the answer budget B) takes its prefill from
-row A and its decode from row B. The RULER averages leave out the tasks the dense run excludes (a task it
-scores below 50 at the shortest length). The plot: RULER average over the lengths against the decode speed-up
-(prefill where no decode was timed), one point per budget, dense as a line.
+One row per budget folder of each OUT (a folder holding loss.json; ruler.json, or its lengths split over
+ruler-*.json, and speed.json where they exist), tagged with its OUT's name when several are given (e.g. one per
+model: distilled, 2 extra dense layers, ...): the blocks each token kept on average (mean over MSA layers; p90: the
+largest layer's) with the oracle's, loss over dense at 32K with the oracle's, the RULER-style average of the index
+selection at each length with its standard error, and the llama3-8b preset's prefill and decode-step speed-ups at
+the top-k nearest those blocks. Dense (OUT/ruler_dense.json) is the first row. A row A+B (A's prompt with the
+answer budget B) takes its prefill from row A and its decode from row B; a row A+B+C (the answer itself at budget
+C) its decode from row C. The RULER averages leave out the tasks the dense run excludes (a task it scores below 50
+at the shortest length). The plot: RULER average over the lengths against the decode speed-up (prefill where no
+decode was timed), one point per budget, dense as a line.
 """
 from __future__ import annotations
 
@@ -24,6 +25,24 @@ from pathlib import Path
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_ruler(folder: Path) -> dict | None:
+    """A row's RULER-style run: folder/ruler.json, or the runs of the same command split by length across processes
+    (folder/ruler-*.json, e.g. ruler-4K-8K.json and ruler-32K.json; the suite seeds each length's samples alone, so
+    the parts are the samples one run makes), their scores and variances joined."""
+    whole = _read(folder / "ruler.json")
+    parts = [_read(p) for p in sorted(folder.glob("ruler-*.json"))]
+    if whole is not None or not parts:
+        return whole
+    joined = {"lengths": sorted({n for p in parts for n in p["lengths"]}), "scores": {}, "variances": {},
+              "excluded": sorted({t for p in parts for t in p.get("excluded", [])})}
+    for p in parts:
+        for key in ("scores", "variances"):
+            for task, by_selection in (p.get(key) or {}).items():
+                for selection, by_length in by_selection.items():
+                    joined[key].setdefault(task, {}).setdefault(selection, {}).update(by_length)
+    return joined
 
 
 def ruler_cells(r: dict | None, selection: str, lengths: list[str], excluded: set[str]) -> dict[str, tuple]:
@@ -77,8 +96,9 @@ def rows(outs: list[Path]) -> tuple[list[dict], list[str], dict]:
             oracle = loss.get("oracle_blocks") or {}
             prefill, decode, topk = speedups(_read(b / "speed.json"))
             decode_topk = topk
-            if "+" in b.name:  # A+B: A's prompt, B's answer: A's row's prefill and B's row's decode, where measured
-                prompt_row, answer_row = b.name.split("+", 1)
+            if "+" in b.name:  # A+B: A's prompt, B's question and answer: A's row's prefill, B's row's decode;
+                prompt_row, answer_row = b.name.split("+", 1)  # A+B+C: the answer at C, C's row's decode
+                answer_row = answer_row.split("+")[-1]
                 prefill, _, topk = speedups(_read(o / prompt_row / "speed.json"))
                 _, decode, decode_topk = speedups(_read(o / answer_row / "speed.json"))
             out.append({
@@ -89,7 +109,7 @@ def rows(outs: list[Path]) -> tuple[list[dict], list[str], dict]:
                 "loss": 100 * loss["loss_increase"],
                 "oracle_loss": 100 * loss["oracle_loss_increase"] if loss.get("oracle_loss_increase") is not None
                 else None,
-                "ruler": ruler_cells(_read(b / "ruler.json"), "index", lengths, excluded),
+                "ruler": ruler_cells(read_ruler(b), "index", lengths, excluded),
                 "prefill": prefill, "decode": decode, "bench_topk": topk, "decode_topk": decode_topk,
             })
     return out, lengths, dense_cells

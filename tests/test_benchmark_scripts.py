@@ -166,6 +166,57 @@ def test_a_row_with_an_answer_budget_runs_the_suite_with_it_and_no_bench(tmp_pat
     assert done.returncode != 0 and "p0.95:16: give the ceiling" in done.stderr and not (tmp_path / "o2").exists()
 
 
+def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decode_from_that_row(tmp_path):
+    """k16+k256+k16: the question at k256, the answer at k16 (--decode-budget); its speed is k16's prefill and
+    k16's decode."""
+    fake = _fake_m3c(tmp_path)
+    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+k256+k16", "SPEED": "1", "DENSE": "0"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
+    assert len(runs) == 2 and runs[1].endswith("--topk 16 --top-p 1 --answer-budget k256 --decode-budget k16")
+    measured = RESULTS / "2026-12-07-h100-frontier-and-first-run"
+    for row, speed in (("k16", "k16"), ("k256", "p0.95-16-64")):  # the question's row (k256: a stand-in) unused
+        (tmp_path / "o" / row).mkdir()
+        shutil.copy(measured / speed / "speed.json", tmp_path / "o" / row / "speed.json")
+    (tmp_path / "o" / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", {"niah_single_1": [100, 100]})))
+    runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]([str(tmp_path / "o")])
+    row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if line.startswith("| k16+")]
+    assert row[0].endswith("|  | 4.70x (top-16) |")  # k16's decode, not k256's stand-in (3.91x)
+    env["BUDGETS"] = "k16+k256+x3"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o2")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "got x3" in done.stderr and not (tmp_path / "o2").exists()
+
+
+def test_a_rows_suite_split_by_length_over_processes_is_joined(tmp_path):
+    """ruler-*.json (the same command at some of the lengths each) read as one run: every length's scores and
+    errors, the same row as one ruler.json of them all."""
+    main = runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]
+    tasks = {"niah_single_1": [100, 90], "niah_multikey_3": [50, 40]}
+    whole = ruler_json("index", tasks)
+    whole["variances"] = {t: {"index": {"16384": 4.0, "32768": 9.0}} for t in tasks}
+    rows = {}
+    for name, files in (("one", {"ruler.json": whole}),
+                        ("split", {f"ruler-{n}.json": {"lengths": [int(n)], "excluded": [],
+                                                        "scores": {t: {"index": {n: by["index"][n]}}
+                                                                   for t, by in whole["scores"].items()},
+                                                        "variances": {t: {"index": {n: by["index"][n]}}
+                                                                      for t, by in whole["variances"].items()}}
+                                   for n in ("16384", "32768")})):
+        out = tmp_path / name
+        (out / "k16").mkdir(parents=True)
+        shutil.copy(RESULTS / "2026-12-07-h100-adaptive-budget-qwen32k" / "loss32k_k16.json", out / "k16" / "loss.json")
+        (out / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", tasks)))
+        for f, body in files.items():
+            (out / "k16" / f).write_text(json.dumps(body))
+        main([str(out)])
+        rows[name] = (out / "frontier.md").read_text().splitlines()[3]
+    assert rows["split"] == rows["one"]
+    assert rows["one"].startswith("| k16 | 15.5 (16), 15.5 | +2.047%, +1.498% | 75.0 ± 1.4 | 65.0 ± 2.1 | 70.0 ± 1.3 |")
+
+
 def test_generate_batch_compares_a_batch_with_one_prompt(byte_msa, tmp_path):
     """benchmarks/generate_batch.sh on the byte-level model: 3 prompts of 300 bytes against the first alone, a
     first run of each and one timed; the summary is the batch's new tokens/s over one prompt's."""

@@ -261,9 +261,13 @@ def eval_retrieval(model_dir, data, seq_len, distances, probes, seed, dtype, ind
                       "blocks (e.g. k16 for the prompt with --topk 16, and p0.95:16:40 here) [default: the "
                       "prompt's budget throughout]."),
     click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
-                 help="With --answer-budget: the prompt's last tokens selected at that budget."))
+                 help="With --answer-budget: the prompt's last tokens selected at that budget."),
+    click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+                 help="The index selection's budget for the answer, where it differs from --answer-budget (e.g. "
+                      "the question read at k256 and the answer written at the prompt's k16) [default: the answer "
+                      "budget, else the prompt's]."))
 def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections, plot, kv_cache, answer_budget,
-               answer_tokens, dtype, index_dtype, device, as_json, budget):
+               answer_tokens, decode_budget, dtype, index_dtype, device, as_json, budget):
     """The RULER-style suite on MODEL_DIR: greedy answers to long prompts built from --data, scored per task, length
     and selection.
 
@@ -272,7 +276,8 @@ def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections
     length is reported and kept out of the averages. --kv-cache bf16|fp8|int8 generates over a K/V cache of that
     dtype. --answer-budget gives the question and the answer their own budget (the index selection's; dense and
     oracle rows run without it): the prompt is prefilled at the model's (or --topk / --top-p) budget up to its last
-    --answer-tokens tokens, those and every new token at the answer budget.
+    --answer-tokens tokens, those and every new token at the answer budget (the new tokens at --decode-budget where
+    given).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
@@ -290,6 +295,7 @@ def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections
                        selections=split_names(selections), batch=batch,
                        lengths=None if lengths is None else list(lengths), data_name=str(data),
                        kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens,
+                       decode_budget=decode_budget,
                        progress=lambda i, n, what: bar.update(task_id, completed=i, total=n, description=what))
     if plot is not None:
         draw_heatmap(report, plot, (model_dir, data))

@@ -86,6 +86,8 @@ class RulerReport:
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     answer_budget   the index selection's budget of each prompt's last answer_tokens tokens and of the answer
                     (m3compile.generate's answer_budget), or None: the model's throughout
+    decode_budget   the index selection's budget of the answer where it differs from answer_budget
+                    (m3compile.generate's decode_budget), or None
     seconds         wall time
     """
 
@@ -103,6 +105,7 @@ class RulerReport:
     kv_cache: str = "auto"
     answer_budget: str | None = None
     answer_tokens: int | None = None
+    decode_budget: str | None = None
 
     @property
     def excluded(self) -> list[str]:
@@ -143,7 +146,7 @@ class RulerReport:
                           for t, by_sel in self.variances.items()},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
             "kv_cache": self.kv_cache, "answer_budget": self.answer_budget, "answer_tokens": self.answer_tokens,
-            "seconds": round(self.seconds, 2),
+            "decode_budget": self.decode_budget, "seconds": round(self.seconds, 2),
         }
 
 
@@ -154,17 +157,19 @@ def _round(x: float | None) -> float | None:
 def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, decode: Callable[[list[int]], str], *,
                 stop_ids: list[int], selection: str = "index", batch: int | None = None,
                 progress: Callable[[int], None] | None = None, kernels: bool | None = None,
-                kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128) -> list[float]:
+                kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128,
+                decode_budget: str | None = None) -> list[float]:
     """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
     the paged cached decode) with the MSA layers selecting as `selection` (config.SELECTIONS); per sample the
     share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
-    cache dtype (m3compile.generate's kv_cache_dtype); kernels, answer_budget, answer_tokens: as m3compile.generate's
-    (the answer budget for the index selection alone)."""
+    cache dtype (m3compile.generate's kv_cache_dtype); kernels, answer_budget, answer_tokens, decode_budget: as
+    m3compile.generate's (the index selection's alone)."""
     out = []
     step = batch or len(samples)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
-        answer = dict(answer_budget=answer_budget, answer_tokens=answer_tokens) if selection == "index" else {}
+        answer = dict(answer_budget=answer_budget, answer_tokens=answer_tokens, decode_budget=decode_budget) \
+            if selection == "index" else {}
         result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
                           kernels=kernels, kv_cache_dtype=kv_cache, **answer)
         for s, tokens in zip(chunk, result.tokens):
@@ -179,7 +184,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
           data_name: str = "the data file", kernels: bool | None = None,
           kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128,
-          progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
+          decode_budget: str | None = None, progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
     text: the data file's text (the code haystack, the words of keys and of cwe). lengths: default 4K-32K, those
@@ -187,7 +192,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     and task pair is checked to fit (ruler_tasks.check_fits) before the first prompt is generated. A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). answer_budget, answer_tokens: the index selection's budget of each prompt's last answer_tokens
-    tokens and of its answer (m3compile.generate's; kN or pP:FLOOR:CEILING); the other selections run without it.
+    tokens and of its answer, decode_budget the answer's where it differs (m3compile.generate's; kN or
+    pP:FLOOR:CEILING); the other selections run without them.
     progress(done, total, what): samples generated so far of all."""
     check_size(samples, "samples", "samples")
     if batch is not None:
@@ -217,11 +223,12 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     else:
         model.args.msa.check_floor(lengths[0], f"a prompt of {lengths[0]} tokens")
     selections = list(dict.fromkeys(selections))
-    if answer_budget is not None:  # checked against the model before any prompt
-        check_answer_budget(model, answer_budget, answer_tokens)
+    if answer_budget is not None or decode_budget is not None:  # checked against the model before any prompt
+        check_answer_budget(model, answer_budget, answer_tokens, decode_budget)
     start = time.perf_counter()
     report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache,
-                         answer_budget=answer_budget, answer_tokens=None if answer_budget is None else answer_tokens)
+                         answer_budget=answer_budget, answer_tokens=None if answer_budget is None else answer_tokens,
+                         decode_budget=decode_budget)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
     for length in report.lengths:  # every length and task pair, before any work (one tokenization each)
@@ -249,7 +256,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                     progress(done, total, f"{name} at {length}: {sel}")
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
                                   selection=sel, batch=batch, progress=advance, kernels=kernels,
-                                  kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens)
+                                  kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens,
+                                  decode_budget=decode_budget)
                 mean = sum(got) / len(got)
                 report.scores[name][sel][length] = 100.0 * mean
                 var = sum((g - mean) ** 2 for g in got) / (len(got) - 1) if len(got) > 1 else 0.0

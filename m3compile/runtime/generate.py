@@ -66,7 +66,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
              prefill_chunk: int | None = None, timings: bool = False,
              selection: str = "index", cache_len: int | None = None, answer_budget: str | dict | None = None,
-             answer_tokens: int = 128) -> GenerationResult:
+             answer_tokens: int = 128, decode_budget: str | dict | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -103,6 +103,10 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     the rest of each prompt keeps the model's own. The prompt is then prefilled in two parts, the model's budget
     restored after the run. A larger budget where the answer is read costs the prefill almost nothing and the decode
     what its blocks cost (BENCHMARKS.md). None (default): the model's budget throughout.
+    decode_budget: the budget of every new token (the same forms), where it should differ from the answer budget:
+    e.g. the question read at every block (answer_budget "k4096") and the answer written at the model's own budget,
+    whose decode step costs what the model's does. None (default): the answer budget where one is given, else the
+    model's.
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
     selection: how MSA layers pick their blocks in prefill and decode (m3compile.config.SELECTIONS): "index" (the
     model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
@@ -155,12 +159,13 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     max_len = max(longest + max_new_tokens, cache_len or 0)
     if max_len > longest + max_new_tokens:
         check_positions(max_len - 1, getattr(model, "source_config", None), f"a cache of {max_len:,} positions")
-    own, answer = _budgets(model, answer_budget, answer_tokens, selection)
-    with _budget(model, answer if answer and answer["topk"] > own["topk"] else None):  # the larger one's activations
+    own, answer, decode = _budgets(model, answer_budget, answer_tokens, selection, decode_budget)
+    larger = max((b for b in (answer, decode) if b), key=lambda b: b["topk"], default=None)
+    with _budget(model, larger if larger and larger["topk"] > own["topk"] else None):  # the larger one's activations
         chunk = _memory_checked_chunk(model, B, max_len, longest, page, kv_dtype, index_dtype, prefill_chunk)
     if selection in ("oracle", "recent"):  # they rank a prompt's own blocks: one prefill pass
         chunk = None
-    with _restored(model) if answer else contextlib.nullcontext():  # the model's budget back afterwards
+    with _restored(model) if own else contextlib.nullcontext():  # the model's budget back afterwards
         timer.mark("cache")
         cache = PagedCache(model, B, max_len, page, device, kv_dtype, index_dtype)
         model.fuse_projections()
@@ -182,8 +187,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                         logits = prefill(model, cache, b, ids[body:], chunk, selection, start=body)
                     prefill_logits.append(logits)
                 cache.seq_lens[b] = len(p)
-            if answer is not None:
-                model._set_msa(**answer)  # every new token at the answer budget
+            if decode is not None:
+                model._set_msa(**decode)  # every new token at the decode budget (the answer budget's by default)
             auto = cuda_graph is None
             if auto:
                 cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
@@ -228,29 +233,41 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
-def check_answer_budget(model: Decoder, answer_budget, answer_tokens: int = 128) -> dict:
-    """generate's answer_budget (kN, pP:FLOOR:CEILING, or set_budget's keywords) checked against the model, as
-    set_budget checks a budget -> set_budget's keywords."""
-    return _budgets(model, answer_budget, answer_tokens, "index")[1]
+def check_answer_budget(model: Decoder, answer_budget, answer_tokens: int = 128, decode_budget=None) -> dict:
+    """generate's answer_budget and decode_budget (kN, pP:FLOOR:CEILING, or set_budget's keywords) checked against
+    the model, as set_budget checks a budget -> the answer budget as set_budget's keywords (None without one)."""
+    return _budgets(model, answer_budget, answer_tokens, "index", decode_budget)[1]
 
 
-def _budgets(model: Decoder, answer_budget, answer_tokens, selection) -> tuple[dict | None, dict | None]:
-    """(the model's budget, the answer budget checked against the model), or (None, None) without one."""
-    if answer_budget is None:
-        return None, None
+def _budgets(model: Decoder, answer_budget, answer_tokens, selection, decode_budget=None) -> tuple[dict | None, ...]:
+    """(the model's budget, the answer budget, the decode budget), each checked against the model; None for what is
+    not given (the decode budget defaults to the answer budget)."""
+    if answer_budget is None and decode_budget is None:
+        return None, None, None
     if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
         raise M3CompileError(f"answer_tokens must be a whole number of tokens >= 0, got {answer_tokens!r}")
+    which = "an answer budget" if answer_budget is not None else "a decode budget"
     if selection in ("oracle", "recent", "dense"):
-        raise M3CompileError(f"an answer budget is the index selection's; selection {selection!r} has its own")
+        raise M3CompileError(f"{which} is the index selection's; selection {selection!r} has its own")
     if model.args.msa is None or not any(model.args.is_sparse(i) for i in range(model.args.n_layers)):
-        raise M3CompileError("an answer budget applies to MSA layers, and the model has none (it was never converted)")
-    answer = parse_budget(answer_budget, "the answer budget") if isinstance(answer_budget, str) else dict(answer_budget)
-    if set(answer) != {"top_p", "min_blocks", "topk"}:
-        raise M3CompileError(f"an answer budget gives top_p, min_blocks and topk, got {sorted(answer)}")
+        raise M3CompileError(f"{which} applies to MSA layers, and the model has none (it was never converted)")
     own = _budget_of(model)
-    with _budget(model, answer):  # its ranges and floor checked as set_budget checks them, then the model's again
+    answer = _checked(model, answer_budget, "the answer budget")
+    decode = _checked(model, decode_budget, "the decode budget") or answer
+    return own, answer, decode
+
+
+def _checked(model: Decoder, budget, name: str) -> dict | None:
+    """One budget (kN, pP:FLOOR:CEILING or set_budget's keywords) as set_budget's keywords, its ranges and floor
+    checked against the model as set_budget checks them; None stays None."""
+    if budget is None:
+        return None
+    out = parse_budget(budget, name) if isinstance(budget, str) else dict(budget)
+    if set(out) != {"top_p", "min_blocks", "topk"}:
+        raise M3CompileError(f"{name} gives top_p, min_blocks and topk, got {sorted(out)}")
+    with _budget(model, out):  # checked as set_budget checks it, then the model's budget again
         pass
-    return own, answer
+    return out
 
 
 def _budget_of(model: Decoder) -> dict:

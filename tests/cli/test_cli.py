@@ -193,7 +193,7 @@ def test_eval_subcommands_list_their_own_options():
            "layers": {"--seq-len", "--max-windows", "--selections"},
            "retrieval": {"--seq-len", "--distances", "--probes", "--seed"},
            "ruler": {"--lengths", "--tasks", "--samples", "--seed", "--batch", "--selections", "--plot", "--kv-cache",
-                     "--answer-budget", "--answer-tokens"}}
+                     "--answer-budget", "--answer-tokens", "--decode-budget"}}
     for sub, options in own.items():
         code, output = run("eval", sub, "--help")
         assert code == 0, output

@@ -344,3 +344,22 @@ def test_ruler_with_an_answer_budget(qwen_like, monkeypatch):
     assert dense_sel == "dense" and dense_start == 0
     assert [(s, k) for s, _, k in index] == [("index", own), ("index", 5)]  # the prompt, then its last 40 tokens
     assert index[1][1] == d["prompt_tokens"]["1024"] - 40
+    starts.clear()  # --decode-budget: the answer at its own budget, named in the JSON; a bad one stops first
+    budgets = []
+    step = forward.decode_step
+
+    def decode_spy(model, *args, **kwargs):
+        budgets.append(model.args.msa.topk)
+        return step(model, *args, **kwargs)
+
+    monkeypatch.setattr("m3compile.runtime.cuda_graph.decode_step", decode_spy)
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "index", "--answer-budget", "k5",
+                             "--decode-budget", "k3", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["answer_budget"] == "k5" and d["decode_budget"] == "k3"
+    assert [k for _, _, k in starts] == [own, 5] and budgets and set(budgets) == {3}
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "index", "--decode-budget", "k0", "--json")
+    assert code != 0 and out == "" and "topk must be >= 1" in err

@@ -129,6 +129,24 @@ def test_an_answer_budget_selects_the_prompts_tail_and_every_new_token(llama_dir
             assert module.msa.topk == 2 and module.msa.top_p == 1.0
 
 
+def test_a_decode_budget_selects_every_new_token_apart_from_the_question(llama_dir):
+    """The question's tail at the answer budget, every new token at the decode budget; a decode budget alone leaves
+    the prompt in one pass at the model's budget; the model's budget back afterwards."""
+    model = m3compile.load(llama_dir, dtype="float32")
+    calls = _recording(model)
+    prompt = torch.randint(0, 256, (70,)).tolist()
+    m3compile.generate(model, [prompt], 3, kernels=False, answer_budget="k4", answer_tokens=20, decode_budget="k3")
+    own = (2, 1.0, model.args.msa.min_blocks)
+    assert calls == [(50, 0, own), (20, 50, (4, 1.0, 0)), (1, 70, (3, 1.0, 0)), (1, 71, (3, 1.0, 0))]
+    calls.clear()
+    alone = m3compile.generate(model, [prompt], 3, kernels=False, decode_budget="p0.9:1:4")
+    assert calls == [(70, 0, own), (1, 70, (4, 0.9, 1)), (1, 71, (4, 0.9, 1))]
+    assert (model.args.msa.topk, model.args.msa.top_p) == (2, 1.0)
+    same = m3compile.generate(model, [prompt], 3, kernels=False, answer_budget="p0.9:1:4", answer_tokens=0)
+    assert same.tokens == alone.tokens  # an answer budget of no question tokens: the same run
+    torch.testing.assert_close(alone.step_logits, same.step_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_an_answer_budget_like_the_models_changes_nothing(llama_dir):
     """Two prefill passes give the one pass's logits (the caches hold the body's keys), so the model's own budget as
     the answer budget generates the same tokens; the whole prompt as the tail equals the model at that budget."""
@@ -153,14 +171,17 @@ def test_an_answer_budget_like_the_models_changes_nothing(llama_dir):
     ("p0.9:5:4", 128, "index", "min_blocks (5), the adaptive budget's floor, exceeds"),
     ("k4", -1, "index", "answer_tokens must be a whole number of tokens >= 0"),
     ("k4", 128, "oracle", "an answer budget is the index selection's; selection 'oracle' has its own"),
+    ("decode:k0", 128, "index", "topk must be >= 1"),
+    ("decode:x4", 128, "index", "the decode budget is kN (the fixed top-N blocks) or pP:FLOOR:CEILING"),
+    ("decode:k4", 128, "dense", "a decode budget is the index selection's; selection 'dense' has its own"),
 ], ids=["unknown-form", "missing-ceiling", "zero-blocks", "p-above-1", "floor-above-ceiling", "negative-tokens",
-        "oracle"])
+        "oracle", "decode-zero-blocks", "decode-unknown-form", "decode-dense"])
 def test_a_bad_answer_budget_is_one_error_before_any_work(llama_dir, budget, tokens, selection, needle):
     model = m3compile.load(llama_dir, dtype="float32")
     calls = _recording(model)
+    budgets = {"decode_budget": budget.split(":", 1)[1]} if budget.startswith("decode:") else {"answer_budget": budget}
     with pytest.raises(M3CompileError, match=None) as e:
-        m3compile.generate(model, [[1, 2, 3]], 2, kernels=False, answer_budget=budget, answer_tokens=tokens,
-                           selection=selection)
+        m3compile.generate(model, [[1, 2, 3]], 2, kernels=False, answer_tokens=tokens, selection=selection, **budgets)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert calls == [] and (model.args.msa.topk, model.args.msa.top_p) == (2, 1.0)
 
