@@ -172,6 +172,16 @@ def main(verbose):
                    "blocks; 1 = the fixed top-k. A setting of the selection, so it can be changed on an MSA source "
                    "(the weights stay).")
 @click.option("--min-blocks", default=0, show_default=True, help="The adaptive budget's floor: blocks kept at least (forced ones included).")
+@click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+              help="Stored in config.json: the budget of each prompt's last --answer-tokens tokens (where a question "
+                   "sits) and of the answer when m3c generate / m3compile.generate run the model, e.g. k256: the "
+                   "question reads more blocks than the prompt (BENCHMARKS.md, the frontier) [default: none, the "
+                   "model's budget throughout]. Not served by vLLM; transformers' generate() ignores it.")
+@click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
+              help="With --answer-budget: the prompt's last tokens read at that budget.")
+@click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
+              help="Stored in config.json: the answer's budget where it differs from --answer-budget (off: the "
+                   "model's budget, whose decode step costs what the model's does) [default: the answer budget].")
 @click.option("--dense-layers", default="0", show_default=True, help="Comma-separated layers that keep dense attention ('' for none).")
 @click.option("--dense-costliest", type=int, default=None,
               help="Instead of --dense-layers: keep dense the N layers whose loss rises most when each alone is "
@@ -204,9 +214,10 @@ def main(verbose):
               help="Compile OUT's Triton kernels ahead into OUT/kernel-cache (m3c compile OUT) [default: on when a "
                    "CUDA GPU is present].")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion report as JSON.")
-def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dense_layers, dense_costliest, index_dim,
-            index_heads, init_blocks, local_blocks, vision_window, index_dtype, dtype, max_shard_size, calib,
-            calib_tokens, calib_seq_len, calib_device, force, compile_, as_json):
+def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, answer_budget, answer_tokens,
+            decode_budget, dense_layers, dense_costliest, index_dim, index_heads, init_blocks, local_blocks,
+            vision_window, index_dtype, dtype, max_shard_size, calib, calib_tokens, calib_seq_len, calib_device, force,
+            compile_, as_json):
     """Convert a dense GQA checkpoint SRC (Hugging Face layout) into an MSA checkpoint OUT.
 
     With no SRC, converts the m3-tiny preset into ./m3-tiny-msa. OUT gets config.json (with M3's
@@ -255,11 +266,13 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, dens
         raise click.UsageError("missing OUT directory")
     config = MSAConfig(block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
                        init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
-                       vision_window=vision_window, index_dtype=index_dtype, top_p=top_p, min_blocks=min_blocks)
+                       vision_window=vision_window, index_dtype=index_dtype, top_p=top_p, min_blocks=min_blocks,
+                       answer_budget=answer_budget, answer_tokens=answer_tokens, decode_budget=decode_budget)
     if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
                                for p in ("block_size", "topk", "index_dim", "index_heads", "init_blocks",
                                          "local_blocks", "dense_layers", "vision_window", "index_dtype", "top_p",
-                                         "min_blocks", "dense_costliest")):
+                                         "min_blocks", "answer_budget", "answer_tokens", "decode_budget",
+                                         "dense_costliest")):
         config = None  # the defaults (MSAConfig()); an MSA source keeps its own settings
     costs = None
     if dense_costliest is not None:
@@ -467,16 +480,17 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
               help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")
 @_prefill_chunk_option
-@click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+@click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
               help="The MSA layers' selection budget for each prompt's last --answer-tokens tokens (where a question "
                    "sits) and for every new token: kN the fixed top-N blocks, pP:FLOOR:CEILING top-p P of "
-                   "FLOOR-CEILING blocks (e.g. p0.95:16:40) [default: the model's throughout].")
-@click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
-              help="With --answer-budget: the prompt's last tokens selected at that budget.")
-@click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+                   "FLOOR-CEILING blocks (e.g. k256), off the model's budget throughout [default: the one the model "
+                   "was converted with (m3c convert --answer-budget), else off].")
+@click.option("--answer-tokens", default=None, type=click.IntRange(min=0),
+              help="The prompt's last tokens selected at the answer budget [default: the model's, else 128].")
+@click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
               help="The MSA layers' selection budget for every new token, where it differs from --answer-budget "
-                   "(e.g. the question read at k256, the answer written at the model's budget, whose decode step "
-                   "costs what the model's does) [default: the answer budget, else the model's].")
+                   "(e.g. off: the question read at k256, the answer written at the model's budget, whose decode "
+                   "step costs what the model's does) [default: the model's, else the answer budget].")
 def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, temperature, top_p, seed, dtype, device,
              eager, as_json, timings, kv_cache, index_cache, prefill_chunk, answer_budget, answer_tokens,
              decode_budget):

@@ -14,7 +14,7 @@
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING; A+B = A's row with the question and answer at
 #        budget B, `m3c eval ruler --answer-budget B`: its loss is A's, its speed A's prefill and B's decode, so it
 #        runs no bench; A+B+C = the same with the answer itself at budget C, `--decode-budget C`: A's prefill, C's
-#        decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
+#        decode; C = off: the answer at A's budget, A's decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
 #        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
 #        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,
@@ -33,7 +33,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/_recipe.sh"  # t, to_json
 options() {  # a budget's eval options: k16 -> --topk 16 --top-p 1; p0.95:16:64 -> --top-p 0.95 --min-blocks 16 --topk 64
   case $1 in
-    *+*) options "${1#*+}" >/dev/null; options "${1%%+*}" ;;  # A+B: B checked, A's options
+    *+*) local rest=${1#*+}  # A+B or A+B+C (C may be off: the answer at A's budget): B and C checked, A's options
+         options "${rest%%+*}" >/dev/null; [[ $rest != *+* || ${rest#*+} == off ]] || options "${rest#*+}" >/dev/null
+         options "${1%%+*}" ;;
     k*) echo "--topk ${1#k} --top-p 1" ;;
     p*) local spec=${1#p}; IFS=: read -r p floor ceiling <<<"$spec"
         echo "--top-p $p --min-blocks ${floor:-0} --topk ${ceiling:?$1: give the ceiling, pP:FLOOR:CEILING}" ;;

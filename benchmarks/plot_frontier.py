@@ -99,6 +99,7 @@ def rows(outs: list[Path]) -> tuple[list[dict], list[str], dict]:
             if "+" in b.name:  # A+B: A's prompt, B's question and answer: A's row's prefill, B's row's decode;
                 prompt_row, answer_row = b.name.split("+", 1)  # A+B+C: the answer at C, C's row's decode
                 answer_row = answer_row.split("+")[-1]
+                answer_row = prompt_row if answer_row == "off" else answer_row  # off: the answer at A's budget
                 prefill, _, topk = speedups(_read(o / prompt_row / "speed.json"))
                 _, decode, decode_topk = speedups(_read(o / answer_row / "speed.json"))
             out.append({

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from m3compile.errors import M3CompileError
 
 __all__ = ["MSAConfig", "EvalConfig", "parse_dtype", "parse_size", "parse_sizes", "check_size", "SIZE_LIMITS",
-           "check_msa_ranges", "check_floor_fits", "max_positions", "budget_words", "parse_budget", "DTYPES",
-           "INDEX_DTYPES",
+           "check_msa_ranges", "check_floor_fits", "check_question_budgets", "max_positions", "budget_words",
+           "parse_budget", "budget_spec", "DTYPES", "INDEX_DTYPES",
            "INDEX_ROPES", "SELECTIONS", "KV_CACHE_DTYPES", "INDEX_CACHE_DTYPES", "RULER_TASKS", "MAX_BLOCK_SIZE",
            "MAX_TOPK", "MAX_INDEX_DIM", "MAX_INDEX_HEADS", "FORMAT_VERSION", "FORMAT_VERSION_KEY"]
 
@@ -190,6 +190,13 @@ class MSAConfig:
                   fewest best blocks whose index-branch probability sums to at least top_p; topk is then the
                   ceiling. 1: the fixed top-k (M3). Not an M3 key: config.json gets sparse_top_p only below 1
     min_blocks    the adaptive budget's floor: at least this many blocks (forced ones included) where visible
+    answer_budget the budget (kN or pP:FLOOR:CEILING, parse_budget) of each prompt's last answer_tokens tokens,
+                  where a question sits, and of the answer, when m3compile.generate runs the model; None: the
+                  model's throughout. Not an M3 key: config.json gets sparse_answer_budget (and
+                  sparse_answer_tokens, sparse_decode_budget) only when set
+    answer_tokens the prompt's last tokens read at answer_budget
+    decode_budget the answer's budget where it differs from answer_budget (None: answer_budget's; "off": the
+                  model's own)
     """
 
     block_size: int = 128
@@ -203,9 +210,14 @@ class MSAConfig:
     index_dtype: str = "auto"
     top_p: float = 1.0
     min_blocks: int = 0
+    answer_budget: str | None = None
+    answer_tokens: int = 128
+    decode_budget: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
+        check_question_budgets(self.answer_budget, self.answer_tokens, self.decode_budget, block_size=self.block_size,
+                               init_blocks=self.init_blocks, local_blocks=self.local_blocks)
         if self.vision_window < 1:
             raise M3CompileError(f"MSAConfig.vision_window must be >= 1, got {self.vision_window}")
         check_msa_ranges(block_size=self.block_size, topk=self.topk, init_blocks=self.init_blocks,
@@ -261,6 +273,10 @@ class MSAConfig:
             out["sparse_index_rope"] = index_rope
         if self.top_p < 1:
             out.update(sparse_top_p=self.top_p, sparse_min_blocks=self.min_blocks)
+        if self.answer_budget is not None or self.decode_budget is not None:
+            out["sparse_answer_tokens"] = self.answer_tokens
+            out.update({f"sparse_{k}": getattr(self, k) for k in ("answer_budget", "decode_budget")
+                        if getattr(self, k) is not None})
         return out
 
 
@@ -321,6 +337,32 @@ def parse_budget(spec: str, name: str = "budget") -> dict:
         pass
     raise M3CompileError(f"{name} is kN (the fixed top-N blocks) or pP:FLOOR:CEILING (top-p P of FLOOR-CEILING "
                          f"blocks, e.g. p0.95:16:64), got {spec!r}")
+
+
+def budget_spec(budget: dict) -> str:
+    """set_budget's keywords {top_p, min_blocks, topk} -> the kN / pP:FLOOR:CEILING form parse_budget reads."""
+    if budget["top_p"] >= 1:
+        return f"k{budget['topk']}"
+    return f"p{budget['top_p']:g}:{budget['min_blocks']}:{budget['topk']}"
+
+
+def check_question_budgets(answer_budget, answer_tokens, decode_budget, *, block_size: int, init_blocks: int,
+                           local_blocks: int, names: dict[str, str] | None = None) -> None:
+    """A stored answer budget and decode budget (kN or pP:FLOOR:CEILING strings, or None) within the ranges of a
+    budget (check_msa_ranges, with the model's forced blocks), and answer_tokens a whole number >= 0. `names` labels
+    the three in the error (config.json keys); by default `MSAConfig.<name>`."""
+    names = names or {}
+    label = lambda n: names.get(n, f"MSAConfig.{n}")  # noqa: E731
+    if not _is_int(answer_tokens) or answer_tokens < 0:
+        raise M3CompileError(f"{label('answer_tokens')} must be a whole number of tokens >= 0, got {answer_tokens!r}")
+    for name, spec in (("answer_budget", answer_budget), ("decode_budget", decode_budget)):
+        if spec is None or (name == "decode_budget" and spec == "off"):  # off: the answer at the model's budget
+            continue
+        if not isinstance(spec, str):
+            raise M3CompileError(f"{label(name)} is kN or pP:FLOOR:CEILING, got {spec!r}")
+        b = parse_budget(spec, label(name))
+        check_msa_ranges(block_size=block_size, init_blocks=init_blocks, local_blocks=local_blocks, min_local=0,
+                         names={k: f"{label(name)} {spec}: {k}" for k in ("topk", "top_p", "min_blocks")}, **b)
 
 
 def max_positions(cfg: dict | None) -> int | None:

@@ -48,6 +48,9 @@ class MSALayerArgs:
     index_rope: str = "m3"  # the index RoPE rule (config.INDEX_ROPES; kernels/norm_rope/index_rope.py)
     top_p: float = 1.0  # the adaptive budget (docs/msa.md 2.8): < 1 keeps the fewest blocks of index mass >= top_p
     min_blocks: int = 0  # ... and at least this many (topk is the ceiling)
+    answer_budget: str | None = None  # the budget of a prompt's last answer_tokens tokens and of the answer (generate)
+    answer_tokens: int = 128
+    decode_budget: str | None = None  # the answer's, where it differs from answer_budget
 
     def check_floor(self, tokens: int, what: str) -> None:
         """An adaptive budget's floor must be reachable in a context of `tokens` (`what` names it in the error): a

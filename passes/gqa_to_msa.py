@@ -105,7 +105,8 @@ class GQAToMSA(Pass):
         # rank (models/index_init.py)
         rope = index_rope_rule(m.head_dim, m.rope_dim, index_dim)
         settings = MSALayerArgs(index_heads, index_dim, cfg.block_size, cfg.topk, cfg.init_blocks, cfg.local_blocks,
-                                cfg.index_dtype, rope, cfg.top_p, cfg.min_blocks)
+                                cfg.index_dtype, rope, cfg.top_p, cfg.min_blocks, cfg.answer_budget,
+                                cfg.answer_tokens, cfg.decode_budget)
         self.layer_settings[m.layer] = settings
         eps = getattr(gm.get_submodule(m.q_norm), "eps", 1e-6) if m.q_norm else 1e-6
         like = weights["index_q_proj.weight"]

@@ -184,6 +184,14 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
     runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]([str(tmp_path / "o")])
     row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if line.startswith("| k16+")]
     assert row[0].endswith("|  | 4.70x (top-16) |")  # k16's decode, not k256's stand-in (3.91x)
+    env["BUDGETS"] = "k16+k256+off"  # the answer at the prompt's budget: k16's decode again
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runs.log").read_text().splitlines()[-1].endswith("--answer-budget k256 --decode-budget off")
+    runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]([str(tmp_path / "o")])
+    row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if "+off" in line]
+    assert row[0].endswith("|  | 4.70x (top-16) |")
     env["BUDGETS"] = "k16+k256+x3"
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o2")],
                           capture_output=True, text=True, env=env, timeout=60)

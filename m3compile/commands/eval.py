@@ -255,17 +255,17 @@ def eval_retrieval(model_dir, data, seq_len, distances, probes, seed, dtype, ind
     click.option("--plot", type=OutputPath("file", ".png"), default=None,
                  help="Write a heatmap PNG of the scores (task x length, one panel per selection)."),
     kv_cache_option(help="K/V cache dtype of every prefill and decode: auto (the model's), bf16, fp8 or int8."),
-    click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+    click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
                  help="The index selection's budget for each prompt's last --answer-tokens tokens (the question) "
                       "and for the answer: kN the fixed top-N blocks, pP:FLOOR:CEILING top-p P of FLOOR-CEILING "
-                      "blocks (e.g. k16 for the prompt with --topk 16, and p0.95:16:40 here) [default: the "
-                      "prompt's budget throughout]."),
-    click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
-                 help="With --answer-budget: the prompt's last tokens selected at that budget."),
-    click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
+                      "blocks (e.g. k16 for the prompt with --topk 16, and k256 here), off the prompt's budget "
+                      "throughout [default: the model's (m3c convert --answer-budget), else off]."),
+    click.option("--answer-tokens", default=None, type=click.IntRange(min=0),
+                 help="The prompt's last tokens selected at the answer budget [default: the model's, else 128]."),
+    click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
                  help="The index selection's budget for the answer, where it differs from --answer-budget (e.g. "
-                      "the question read at k256 and the answer written at the prompt's k16) [default: the answer "
-                      "budget, else the prompt's]."))
+                      "the question read at k256 and the answer written at the prompt's budget: off) [default: the "
+                      "model's, else the answer budget]."))
 def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections, plot, kv_cache, answer_budget,
                answer_tokens, decode_budget, dtype, index_dtype, device, as_json, budget):
     """The RULER-style suite on MODEL_DIR: greedy answers to long prompts built from --data, scored per task, length

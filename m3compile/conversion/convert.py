@@ -68,7 +68,8 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
         m = args.msa
         config = MSAConfig(block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks,
                            local_blocks=m.local_blocks, index_dtype=m.index_dtype, top_p=m.top_p,
-                           min_blocks=m.min_blocks)
+                           min_blocks=m.min_blocks, answer_budget=m.answer_budget, answer_tokens=m.answer_tokens,
+                           decode_budget=m.decode_budget)
     config = config or MSAConfig()
     if args is not None:
         bad = [i for i in config.dense_layers if i >= args.n_layers]
@@ -109,7 +110,10 @@ def convert(model: Decoder | torch.nn.Module, config: MSAConfig | None = None, *
 
 def _converted_args(args: ModelArgs, settings: dict[int, MSALayerArgs], config: MSAConfig) -> ModelArgs:
     if args.msa is not None:  # the budget is the config's on every MSA layer (passes/gqa_to_msa.py)
-        args = args.replace(msa=dataclasses.replace(args.msa, top_p=config.top_p, min_blocks=config.min_blocks))
+        args = args.replace(msa=dataclasses.replace(args.msa, top_p=config.top_p, min_blocks=config.min_blocks,
+                                                    answer_budget=config.answer_budget,
+                                                    answer_tokens=config.answer_tokens,
+                                                    decode_budget=config.decode_budget))
     if not settings:
         return args
     new = next(iter(settings.values()))

@@ -35,7 +35,8 @@ def output_config(source: dict, args: ModelArgs, config: MSAConfig) -> dict:
     m = args.msa
     text["sparse_attention_config"] = dataclasses.replace(
         config, block_size=m.block_size, topk=m.topk, init_blocks=m.init_blocks, local_blocks=m.local_blocks,
-        index_dtype=m.index_dtype, top_p=m.top_p, min_blocks=m.min_blocks,
+        index_dtype=m.index_dtype, top_p=m.top_p, min_blocks=m.min_blocks, answer_budget=m.answer_budget,
+        answer_tokens=m.answer_tokens, decode_budget=m.decode_budget,
     ).m3_config(args.n_layers, m.index_heads, m.index_dim, sparse, m.index_rope)
     m3_type = out.get("model_type") in ("minimax_m3_vl", "minimax_m3_vl_text")
     if m3_type and m.index_rope != "m3":  # transformers ships the M3 classes: they would apply M3's own rule

@@ -183,7 +183,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
           lengths: list[int] | None = None, samples: int = 25, seed: int = 0,
           selections: tuple[str, ...] | list[str] = DEFAULT_SELECTIONS, batch: int | None = None,
           data_name: str = "the data file", kernels: bool | None = None,
-          kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128,
+          kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int | None = None,
           decode_budget: str | None = None, progress: Callable[[int, int, str], None] | None = None) -> RulerReport:
     """The suite (module doc): scores per task, length and selection.
 
@@ -192,8 +192,8 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     and task pair is checked to fit (ruler_tasks.check_fits) before the first prompt is generated. A model without MSA
     layers runs dense only. kv_cache: the K/V cache dtype of every prefill and decode ("auto": the model's, "bf16",
     "fp8", "int8"). answer_budget, answer_tokens: the index selection's budget of each prompt's last answer_tokens
-    tokens and of its answer, decode_budget the answer's where it differs (m3compile.generate's; kN or
-    pP:FLOOR:CEILING); the other selections run without them.
+    tokens and of its answer, decode_budget the answer's where it differs (m3compile.generate's; kN,
+    pP:FLOOR:CEILING or "off"; None: the model's stored ones); the other selections run without them.
     progress(done, total, what): samples generated so far of all."""
     check_size(samples, "samples", "samples")
     if batch is not None:
@@ -223,12 +223,17 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
     else:
         model.args.msa.check_floor(lengths[0], f"a prompt of {lengths[0]} tokens")
     selections = list(dict.fromkeys(selections))
-    if answer_budget is not None or decode_budget is not None:  # checked against the model before any prompt
-        check_answer_budget(model, answer_budget, answer_tokens, decode_budget)
+    budgets = {"answer_budget": None, "answer_tokens": None, "decode_budget": None}
+    if "index" in selections:  # given or stored in the model, checked against the model before any prompt
+        budgets = check_answer_budget(model, answer_budget, answer_tokens, decode_budget)
+    elif answer_budget not in (None, "off") or decode_budget not in (None, "off"):
+        raise M3CompileError("an answer or decode budget is the index selection's: add index to the selections")
+    # what runs, with nothing left to the model's stored settings (None there) in generate
+    answer_budget = budgets["answer_budget"] or "off"
+    decode_budget = budgets["decode_budget"] or budgets["answer_budget"] or "off"
+    answer_tokens = budgets["answer_tokens"] or 0
     start = time.perf_counter()
-    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache,
-                         answer_budget=answer_budget, answer_tokens=None if answer_budget is None else answer_tokens,
-                         decode_budget=decode_budget)
+    report = RulerReport(lengths, tasks, selections, samples, seed, codec.chat, context, kv_cache=kv_cache, **budgets)
     haystacks = Haystacks(text, data_name)
     render = lambda inst: codec.prompt(inst.question, inst.answer_prefix)  # noqa: E731
     for length in report.lengths:  # every length and task pair, before any work (one tokenization each)

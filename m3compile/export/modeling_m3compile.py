@@ -19,6 +19,9 @@ MSA layer, for hidden states x (m3compile's docs/msa.md, sections 2-3):
       with sparse_top_p < 1 (an adaptive budget, docs/msa.md 2.8) only the fewest best of those whose probability
       softmax(S) over the visible unforced blocks sums to sparse_top_p, at least sparse_min_blocks blocks in all
     the G query heads of group g attend (exact softmax) over the causally visible keys of those blocks
+    within generate(), a model converted with an answer budget (sparse_answer_budget, e.g. "k256"; kN or
+      pP:FLOOR:CEILING) selects each prompt's last sparse_answer_tokens tokens at that budget and every new token at
+      sparse_decode_budget (default: the answer budget; "off": the model's own), as m3compile.generate does
 
 Cache: transformers' own cache holds each layer's keys and values; an MSA layer's index keys ride in its key tensor
 as extra heads (Di channels packed into ceil(Di / head_dim) heads of head_dim), so every operation transformers
@@ -28,6 +31,7 @@ alone, its first real token at position 0, so the blocks are the same as without
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -125,12 +129,37 @@ class Settings:
         self.min_blocks = sparse.get("sparse_min_blocks", 0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sparse_top_p must be in (0, 1], got {self.top_p!r}")
+        self.answer_tokens = sparse.get("sparse_answer_tokens", 128)
+        if not isinstance(self.answer_tokens, int) or self.answer_tokens < 0:
+            raise ValueError(f"sparse_answer_tokens must be a whole number >= 0, got {self.answer_tokens!r}")
+        self.answer = self.at_budget(sparse.get("sparse_answer_budget"), "sparse_answer_budget")
+        decode = sparse.get("sparse_decode_budget")
+        self.decode = self if decode == "off" else self.at_budget(decode, "sparse_decode_budget") or self.answer
         self.index_rope = sparse.get("sparse_index_rope", "m3")
         if self.index_rope not in ("m3", "low", "tile"):
             raise ValueError(f"sparse_index_rope must be 'm3', 'low' or 'tile', got {self.index_rope!r}")
         if any(self.sparse) and self.index_heads != self.n_kv_heads:
             raise ValueError(f"MSA needs one index head per KV head: {self.index_heads} index heads, "
                              f"{self.n_kv_heads} KV heads")
+
+    def at_budget(self, spec, key: str):
+        """These settings at another selection budget (kN: the fixed top-N blocks; pP:FLOOR:CEILING: top-p P of
+        FLOOR-CEILING blocks), or None for no spec."""
+        if spec is None:
+            return None
+        try:
+            if spec[:1] == "k":
+                topk, top_p, floor = int(spec[1:]), 1.0, 0
+            else:
+                p, floor, topk = spec[1:].split(":") if spec[:1] == "p" else (None, None, None)
+                topk, top_p, floor = int(topk), float(p), int(floor)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be kN or pP:FLOOR:CEILING, got {spec!r}") from None
+        if topk < 1 or not 0 < top_p <= 1 or not 0 <= floor <= topk:
+            raise ValueError(f"{key} {spec!r} is out of range (top-N >= 1, 0 < P <= 1, 0 <= FLOOR <= CEILING)")
+        out = copy.copy(self)
+        out.topk, out.top_p, out.min_blocks = topk, top_p, floor
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -410,9 +439,10 @@ class M3CompileAttention(nn.Module):
             self.index_k_norm = RMSNorm(s.index_dim, s.eps, "gemma")
             self.extra_heads = -(-s.index_dim // s.head_dim)  # cache heads that carry the index keys
 
-    def forward(self, x, cos, sin, cache, past: int, starts: list[int], backend: str) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, past: int, starts: list[int], backend: str, question=None) -> torch.Tensor:
         """x [B, T, hidden] at cache positions past .. past + T - 1; row b's first real token at cache position
-        starts[b] (left padding). cos/sin [B, T, R] of each token's own position."""
+        starts[b] (left padding). cos/sin [B, T, R] of each token's own position. question: (n, settings): the last
+        n tokens select at those settings' budget (generate's answer and decode budgets), or None."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -435,7 +465,7 @@ class M3CompileAttention(nn.Module):
             if k_idx is not None:
                 k_idx = self._unpack(stored[:, self.n_kv:])  # [B, Tk, Di]: the whole prefix
         if not any(starts):
-            o = self._attend(q, k, v, q_idx, k_idx, past, backend)
+            o = self._attend(q, k, v, q_idx, k_idx, past, backend, question)
         else:  # left-padded rows: each runs alone from its first real token; its padding queries give zeros
             o = q.new_zeros(q.shape)
             for b, first in enumerate(starts):
@@ -444,7 +474,7 @@ class M3CompileAttention(nn.Module):
                     o[b:b + 1, :, i:] = self._attend(
                         q[b:b + 1, :, i:], k[b:b + 1, :, first:], v[b:b + 1, :, first:],
                         None if q_idx is None else q_idx[b:b + 1, i:], None if k_idx is None else k_idx[b:b + 1, first:],
-                        past + i - first, backend)
+                        past + i - first, backend, question)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def _pack(self, k_idx: torch.Tensor) -> torch.Tensor:
@@ -457,11 +487,24 @@ class M3CompileAttention(nn.Module):
         B, E, T, D = heads.shape
         return heads.transpose(1, 2).reshape(B, T, E * D)[..., : self.s.index_dim]
 
-    def _attend(self, q, k, v, q_idx, k_idx, q_start: int, backend: str) -> torch.Tensor:
+    def _attend(self, q, k, v, q_idx, k_idx, q_start: int, backend: str, question=None) -> torch.Tensor:
         """One sequence's attention: queries q [B, Hq, Tq, D] at positions q_start.., keys k/v [B, Hkv, Tk, D] at
-        0 .. Tk - 1 (Tk = q_start + Tq) -> [B, Hq, Tq, D]."""
+        0 .. Tk - 1 (Tk = q_start + Tq) -> [B, Hq, Tq, D]; with a question (n, settings), the last n queries at
+        those settings' budget, the others at the model's."""
+        if question is None or not self.msa:
+            return self._attend_at(q, k, v, q_idx, k_idx, q_start, backend, self.s)
+        n = q.shape[2] - min(question[0], q.shape[2])  # the queries before the question's
+        tail = self._attend_at(q[:, :, n:], k, v, q_idx[:, n:], k_idx, q_start + n, backend, question[1])
+        if not n:
+            return tail
+        end = q_start + n
+        body = self._attend_at(q[:, :, :n], k[:, :, :end], v[:, :, :end], q_idx[:, :n], k_idx[:, :end], q_start,
+                               backend, self.s)
+        return torch.cat([body, tail], dim=2)
+
+    def _attend_at(self, q, k, v, q_idx, k_idx, q_start: int, backend: str, s: Settings) -> torch.Tensor:
+        """_attend at the budget of settings s."""
         Tq, Tk = q.shape[2], k.shape[2]
-        s = self.s
         everything = -(-Tk // s.block_size) <= s.topk and s.top_p >= 1  # every visible block: dense attention
         kernels = self.msa and use_kernels(q, k, v, backend=backend)
         if self.msa and not (kernels and everything):  # (there m3compile's lowered model runs SDPA too)
@@ -498,8 +541,8 @@ class M3CompileDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = M3CompileMLP(s)
 
-    def forward(self, x, cos, sin, cache, past, starts, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, past, starts, backend)
+    def forward(self, x, cos, sin, cache, past, starts, backend, question=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, past, starts, backend, question)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -529,6 +572,7 @@ class M3CompileModel(M3CompilePreTrainedModel):
         self.norm = RMSNorm(s.hidden, s.eps)
         self.inv_freq = rope_frequencies(s)  # a plain attribute, not a buffer: never cast, never left on meta
         self.msa_backend = "auto"  # "auto" (m3compile's kernels on CUDA when importable), "torch" or "m3compile"
+        self.generating = False  # inside generate(): the answer and decode budgets apply
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None):
@@ -547,8 +591,13 @@ class M3CompileModel(M3CompilePreTrainedModel):
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, R]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        s, question = self.settings, None
+        if self.generating and past == 0 and s.answer is not None:  # the prompt: its last tokens at the answer's
+            question = (s.answer_tokens, s.answer)
+        elif self.generating and past > 0 and s.decode is not None:  # a new token
+            question = (T, s.decode)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, past, starts, self.msa_backend)
+            x = layer(x, cos, sin, cache, past, starts, self.msa_backend, question)
         return self.norm(x)
 
     @staticmethod
@@ -604,7 +653,11 @@ class M3CompileForCausalLM(M3CompilePreTrainedModel, GenerationMixin):
         if m3c_memory is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache]
             self._check_memory(ids, kwargs, kv_dtype)
-        return super().generate(*args, **kwargs)
+        self.model.generating = True  # the stored answer and decode budgets, where the config has them
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self.model.generating = False
 
     def _check_memory(self, ids: torch.Tensor, kwargs: dict, kv_dtype: torch.dtype) -> None:
         config = kwargs.get("generation_config") or self.generation_config

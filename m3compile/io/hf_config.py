@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from m3compile.config import (FORMAT_VERSION, FORMAT_VERSION_KEY, INDEX_DTYPES, INDEX_ROPES, check_msa_ranges,
-                              max_positions)
+                              check_question_budgets, max_positions)
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import ModelArgs, MSALayerArgs
 from m3compile.models.vision import VisionArgs
@@ -64,6 +64,7 @@ _SPARSE_TYPES = (
     ("sparse_num_index_heads", int, 1), ("sparse_index_dim", int, 1), ("sparse_block_size", int, 1),
     ("sparse_topk_blocks", int, 1), ("sparse_init_block", int, 0), ("sparse_local_block", int, 0),
     ("sparse_min_blocks", int, 0), ("sparse_top_p", float, 0), ("use_sparse_attention", bool, None),
+    ("sparse_answer_tokens", int, 0),
     (FORMAT_VERSION_KEY, int, 1),
 )
 
@@ -254,6 +255,7 @@ def _args_from_config(cfg: dict, attn_impl: str) -> tuple[ModelArgs, str | None]
             init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=cfg.get("index_local_blocks", 1),
             index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
             top_p=sparse_cfg.get("sparse_top_p", 1.0), min_blocks=sparse_cfg.get("sparse_min_blocks", 0),
+            **_question_budgets(sparse_cfg),
         )
         if any(sparse):
             _check_msa(msa, dict(block_size="index_block_size", topk="index_topk_blocks",
@@ -284,6 +286,7 @@ def _msa_from_release(sparse_cfg: dict | None, args: ModelArgs) -> dict | None:
         init_blocks=sparse_cfg.get("sparse_init_block", 0), local_blocks=sparse_cfg.get("sparse_local_block", 1),
         index_dtype=sparse_cfg.get("sparse_index_dtype", "auto"), index_rope=sparse_cfg.get("sparse_index_rope", "m3"),
         top_p=sparse_cfg.get("sparse_top_p", 1.0), min_blocks=sparse_cfg.get("sparse_min_blocks", 0),
+        **_question_budgets(sparse_cfg),
     )
     _check_msa(msa, {name: f"sparse_attention_config.{key}" for name, key in (
         ("block_size", "sparse_block_size"), ("topk", "sparse_topk_blocks"), ("init_blocks", "sparse_init_block"),
@@ -298,8 +301,19 @@ def _check_msa(msa: MSALayerArgs, keys: dict[str, str]) -> None:
         check_msa_ranges(block_size=msa.block_size, topk=msa.topk, init_blocks=msa.init_blocks,
                          local_blocks=msa.local_blocks, index_dim=msa.index_dim, index_heads=msa.index_heads,
                          top_p=msa.top_p, min_blocks=msa.min_blocks, names=keys, min_local=0)
+        check_question_budgets(msa.answer_budget, msa.answer_tokens, msa.decode_budget, block_size=msa.block_size,
+                               init_blocks=msa.init_blocks, local_blocks=msa.local_blocks,
+                               names={k: f"sparse_attention_config.sparse_{k}"
+                                      for k in ("answer_budget", "answer_tokens", "decode_budget")})
     except M3CompileError as e:
         raise M3CompileError(f"config.json {e}") from None
+
+
+def _question_budgets(sparse_cfg: dict) -> dict:
+    """MSALayerArgs' answer_budget, answer_tokens and decode_budget from sparse_attention_config (not M3 keys)."""
+    return {"answer_budget": sparse_cfg.get("sparse_answer_budget"),
+            "answer_tokens": sparse_cfg.get("sparse_answer_tokens", 128),
+            "decode_budget": sparse_cfg.get("sparse_decode_budget")}
 
 
 def vision_args_from_config(cfg: dict):

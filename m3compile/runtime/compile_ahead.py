@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from m3compile import memory
-from m3compile.config import max_positions
+from m3compile.config import max_positions, parse_budget
 from m3compile.errors import M3CompileError
 from m3compile.io import kernel_cache as cache
 from m3compile.io.hf_config import args_from_config, read_config
@@ -50,7 +50,10 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
     sparse = args.msa is not None and any(args.is_sparse(i) for i in range(args.n_layers))
     block = args.msa.block_size if sparse else 128
     topk = args.msa.topk if sparse else 1
-    past = (topk + 2) * block  # more blocks than the top-k keeps: the selection's paths
+    for spec in ((args.msa.answer_budget, args.msa.decode_budget) if sparse else ()):  # their variants too (generate
+        if spec not in (None, "off"):  # runs the stored budgets)
+            topk = max(topk, parse_budget(spec)["topk"])
+    past = (topk + 2) * block  # more blocks than the largest top-k keeps: the selection's paths
     odd = past + 3 if (past + 3) % 16 else past + 5
     even = -(-(past + 1) // 16) * 16
     limit = (max_positions or 1 << 62) - new_tokens

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, SELECTIONS, parse_budget
+from m3compile.config import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, SELECTIONS, budget_spec, parse_budget
 from m3compile.errors import M3CompileError
 from m3compile.io.hf_config import check_positions
 from m3compile.models.decoder import Decoder, ModelArgs
@@ -28,7 +28,7 @@ from m3compile.runtime.paged_cache import PagedCache
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
 __all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache",
-           "check_answer_budget"]
+           "check_answer_budget", "resolve_budgets"]
 
 
 @dataclass
@@ -66,7 +66,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
              prefill_chunk: int | None = None, timings: bool = False,
              selection: str = "index", cache_len: int | None = None, answer_budget: str | dict | None = None,
-             answer_tokens: int = 128, decode_budget: str | dict | None = None) -> GenerationResult:
+             answer_tokens: int | None = None, decode_budget: str | dict | None = None) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -102,11 +102,13 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     keywords) of the last `answer_tokens` tokens of every prompt (where a question sits) and of every new token;
     the rest of each prompt keeps the model's own. The prompt is then prefilled in two parts, the model's budget
     restored after the run. A larger budget where the answer is read costs the prefill almost nothing and the decode
-    what its blocks cost (BENCHMARKS.md). None (default): the model's budget throughout.
+    what its blocks cost (BENCHMARKS.md). None (default): the one the model was converted with (`m3c convert
+    --answer-budget`: config.json's sparse_answer_budget), if any; "off": the model's budget throughout.
+    answer_tokens: None (default): the model's stored count, else 128.
     decode_budget: the budget of every new token (the same forms), where it should differ from the answer budget:
-    e.g. the question read at every block (answer_budget "k4096") and the answer written at the model's own budget,
-    whose decode step costs what the model's does. None (default): the answer budget where one is given, else the
-    model's.
+    e.g. the question read at 256 blocks and the answer written at the model's own budget ("off"), whose decode
+    step costs what the model's does. None (default): the model's stored one, else the answer budget.
+    The stored budgets apply to the index selection alone; given ones with another selection are an error.
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
     selection: how MSA layers pick their blocks in prefill and decode (m3compile.config.SELECTIONS): "index" (the
     model), "oracle" (the blocks of most true attention mass), "dense" (every block), "recent" (the newest blocks).
@@ -159,6 +161,12 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     max_len = max(longest + max_new_tokens, cache_len or 0)
     if max_len > longest + max_new_tokens:
         check_positions(max_len - 1, getattr(model, "source_config", None), f"a cache of {max_len:,} positions")
+    if selection == "index":  # the model's stored budgets (config.json) where none is given
+        answer_budget, answer_tokens, decode_budget = resolve_budgets(model, answer_budget, answer_tokens,
+                                                                      decode_budget)
+    else:  # no stored budget; "off" is no budget
+        answer_budget, decode_budget = (None if b == "off" else b for b in (answer_budget, decode_budget))
+        answer_tokens = 128 if answer_tokens is None else answer_tokens
     own, answer, decode = _budgets(model, answer_budget, answer_tokens, selection, decode_budget)
     larger = max((b for b in (answer, decode) if b), key=lambda b: b["topk"], default=None)
     with _budget(model, larger if larger and larger["topk"] > own["topk"] else None):  # the larger one's activations
@@ -233,10 +241,34 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
 
 
-def check_answer_budget(model: Decoder, answer_budget, answer_tokens: int = 128, decode_budget=None) -> dict:
-    """generate's answer_budget and decode_budget (kN, pP:FLOOR:CEILING, or set_budget's keywords) checked against
-    the model, as set_budget checks a budget -> the answer budget as set_budget's keywords (None without one)."""
-    return _budgets(model, answer_budget, answer_tokens, "index", decode_budget)[1]
+def check_answer_budget(model: Decoder, answer_budget=None, answer_tokens: int | None = None,
+                        decode_budget=None) -> dict:
+    """generate's answer_budget, answer_tokens and decode_budget (given, or the model's stored ones: as generate
+    resolves them) checked against the model, as set_budget checks a budget -> what the index selection runs:
+    {"answer_budget", "answer_tokens", "decode_budget"}, each None where the model's budget applies."""
+    answer_budget, answer_tokens, decode_budget = resolve_budgets(model, answer_budget, answer_tokens, decode_budget)
+    _budgets(model, answer_budget, answer_tokens, "index", decode_budget)
+    return {"answer_budget": answer_budget, "answer_tokens": None if answer_budget is None else answer_tokens,
+            "decode_budget": decode_budget}
+
+
+def resolve_budgets(model: Decoder, answer_budget, answer_tokens, decode_budget) -> tuple:
+    """generate's budget arguments with the model's stored ones in place of None (config.json's
+    sparse_answer_budget, sparse_answer_tokens, sparse_decode_budget), "off" as None (the answer budget) or the
+    model's own budget (the decode budget) -> (answer_budget, answer_tokens, decode_budget)."""
+    m = model.args.msa if any(model.args.is_sparse(i) for i in range(model.args.n_layers)) else None
+    stored_decode = None
+    if answer_budget is None and m is not None:
+        answer_budget, stored_decode = m.answer_budget, m.decode_budget
+    if answer_budget == "off":
+        answer_budget = None
+    if decode_budget is None:
+        decode_budget = stored_decode
+    if decode_budget == "off":
+        decode_budget = budget_spec(_budget_of(model)) if m is not None else None
+    if answer_tokens is None:
+        answer_tokens = m.answer_tokens if m is not None else 128
+    return answer_budget, answer_tokens, decode_budget
 
 
 def _budgets(model: Decoder, answer_budget, answer_tokens, selection, decode_budget=None) -> tuple[dict | None, ...]:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from rich.table import Table
 from rich.tree import Tree
 
-from m3compile.config import MAX_TOPK, MSAConfig, check_size, max_positions
+from m3compile.config import MAX_TOPK, MSAConfig, check_size, max_positions, parse_budget
 from m3compile.errors import M3CompileError
 from m3compile.graph.matching import msa_layer, msa_nodes
 from m3compile.graph.tracing import trace
@@ -50,14 +50,21 @@ def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2, bloc
     per token = divided by N. Decode of one token at context N: dense 4*Hq*d*N, MSA 2*H_kv*d_idx*N +
     4*Hq*d*min(k*block, N). Dense layers cost the same in both columns. k = `blocks`, the blocks each (KV group,
     query) keeps: under an adaptive budget (docs/msa.md 2.8) what `m3c eval loss` measured (its mean_blocks);
-    default the top-k (the adaptive budget's ceiling: an upper bound of its cost).
+    default the top-k (the adaptive budget's ceiling: an upper bound of its cost). A model converted with an answer
+    budget (m3c convert --answer-budget / --decode-budget) decodes at that budget's top-k (the decode budget's where
+    one is stored; "off": the model's): its decode column counts those blocks unless `blocks` is given; the
+    prefill's question tokens (a few hundred of a long prompt) are left out.
     """
     N, hq, hkv, d = context, args.n_heads, args.n_kv_heads, args.head_dim
     dense_prefill, dense_decode = 2 * hq * d * N, 4 * hq * d * N
     out = {"context": N, "layers": args.n_layers, "msa_layers": 0, "dense_prefill_flops_per_token": 0,
            "msa_prefill_flops_per_token": 0, "dense_decode_flops": 0, "msa_decode_flops": 0,
            "kv_cache_bytes_per_token": 0, "index_k_cache_bytes_per_token": 0, "index_params": 0,
-           "blocks_per_query": None, "adaptive": bool(args.msa and args.msa.top_p < 1)}
+           "blocks_per_query": None, "adaptive": bool(args.msa and args.msa.top_p < 1),
+           "answer_budget": args.msa.answer_budget if args.msa else None,
+           "answer_tokens": args.msa.answer_tokens if args.msa and args.msa.answer_budget else None,
+           "decode_budget": args.msa.decode_budget if args.msa else None, "decode_blocks_per_query": None}
+    decode_spec = None if args.msa is None else args.msa.decode_budget or args.msa.answer_budget
     per_layer = None
     for i in range(args.n_layers):
         out["dense_prefill_flops_per_token"] += dense_prefill
@@ -67,10 +74,12 @@ def attention_cost(args: ModelArgs, context: int, bytes_per_value: int = 2, bloc
             m = args.msa
             k = m.topk if blocks is None else blocks
             out["blocks_per_query"] = k
-            kept = min(k * m.block_size, N)
             prefill = m.index_heads * m.index_dim * N + 4 * hq * d * k * m.block_size
             out["msa_prefill_flops_per_token"] += prefill
-            out["msa_decode_flops"] += 2 * m.index_heads * m.index_dim * N + 4 * hq * d * kept
+            k_decode = k if blocks is not None or decode_spec in (None, "off") else parse_budget(decode_spec)["topk"]
+            out["decode_blocks_per_query"] = k_decode
+            out["msa_decode_flops"] += 2 * m.index_heads * m.index_dim * N + \
+                4 * hq * d * min(k_decode * m.block_size, N)
             # fp8 index scoring keeps e4m3 keys and an fp32 scale per token slot (its page's scale, repeated)
             out["index_k_cache_bytes_per_token"] += m.index_dim + 4 if m.index_dtype == "fp8" else \
                 m.index_dim * bytes_per_value
@@ -363,6 +372,9 @@ def render(report: InspectReport) -> list:
     k = c["blocks_per_query"]
     budget = "" if k is None else (f", {k:g} blocks per query" + (" (the adaptive budget's ceiling; --blocks for "
                                                                    "what eval measured)" if c["adaptive"] else ""))
+    if c.get("answer_budget") or c.get("decode_budget"):
+        budget += (f"; question: the last {c['answer_tokens']} tokens at {c['answer_budget']}" if c["answer_budget"]
+                   else "") + f"; decode: {c['decode_blocks_per_query']:g} blocks"
     cost = Table(title=f"attention cost per token at context {c['context']:,} ({c['msa_layers']} MSA of "
                        f"{c['layers']} layers{budget})")
     cost.add_column("figure")

@@ -12,6 +12,7 @@ that names the problem; at the top of a `vllm serve` process it is printed alone
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from vllm.config import ModelConfig, VllmConfig
@@ -49,6 +50,10 @@ def check_model(model_config: ModelConfig) -> ModelArgs:
             SourceTensors(Path(where)).check(args)
         except M3CompileError as e:
             raise M3CompileError(f"not a converted model: {e}") from None
+    if args.msa.answer_budget is not None or args.msa.decode_budget is not None:
+        warnings.warn(f"{where}: vLLM selects every token at the model's budget ({args.msa.topk} blocks); the answer "
+                      f"and decode budgets in config.json apply in m3c generate and transformers' generate()",
+                      stacklevel=2)
     if args.msa.index_dtype != "auto":
         raise M3CompileError(f"{where}: sparse_index_dtype {args.msa.index_dtype!r} (fp8 index scoring) is not "
                              f"served by vLLM yet; use `m3c generate`, or convert with --index-dtype auto")

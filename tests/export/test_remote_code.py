@@ -113,6 +113,32 @@ def test_adaptive_budget_matches_m3compile(tmp_path):
     assert ours.args.msa.top_p == 0.7
 
 
+def test_a_stored_answer_budget_generates_as_m3compile_does(tmp_path):
+    """A model converted with an answer budget (the prompt's last 12 tokens at top-6, the answer at top-p 0.9 of 1-4
+    blocks of 8): transformers' generate() gives m3compile.generate's greedy tokens (it applies the stored budgets,
+    its plain forward does not), alone and in a left-padded batch; without the budgets the tokens differ."""
+    src = tiny_source("qwen2-bias-tied", tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "msa", MSAConfig(block_size=8, topk=2, dense_layers=(0,), answer_budget="k6",
+                                                         answer_tokens=12, decode_budget="p0.9:1:4"))
+    torch.manual_seed(3)
+    x = torch.randint(0, 256, (2, 70))
+    hf, ours = assert_same_model(tmp_path / "msa", x, x[0, :60].tolist(), 8)
+    a, b = x[0, :60].tolist(), x[1, :47].tolist()
+    with torch.no_grad():
+        both = hf.generate(torch.tensor([a, [0] * 13 + b]), attention_mask=torch.tensor([[1] * 60, [0] * 13 + [1] * 47]),
+                           max_new_tokens=8, do_sample=False)[:, 60:].tolist()
+    assert both == m3compile.generate(ours, [a, b], 8, kernels=False).tokens
+    with torch.no_grad():  # each step's logits, which greedy tokens of random weights may hide
+        got = hf.generate(torch.tensor([a]), max_new_tokens=4, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True).logits
+    want = m3compile.generate(ours, [a], 4, kernels=False)
+    want = [want.prefill_logits[0], *want.step_logits[:, 0]]
+    torch.testing.assert_close(torch.stack([g[0] for g in got]), torch.stack(want), rtol=1e-4, atol=1e-4)
+    plain = m3compile.generate(ours, [a], 4, kernels=False, answer_budget="off")
+    assert (plain.prefill_logits[0] - want[0]).abs().max() > 1e-3  # the budgets change what is compared
+    assert (plain.step_logits[:, 0] - torch.stack(want[1:])).abs().max() > 1e-3
+
+
 def test_left_padded_batch_generates_each_prompt_as_alone(tiny):
     hf = hf_load(tiny["qwen3-qknorm"])
     a, b = torch.randint(0, 256, (30,)).tolist(), torch.randint(0, 256, (19,)).tolist()
@@ -183,7 +209,7 @@ def test_modeling_file_runs_without_m3compile(tiny, monkeypatch):
     tree = ast.parse((path / MODELING_FILE).read_text())
     top = {(n.module if isinstance(n, ast.ImportFrom) else n.names[0].name).split(".")[0]
            for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
-    assert top == {"__future__", "math", "os", "warnings", "torch", "transformers"}
+    assert top == {"__future__", "copy", "math", "os", "warnings", "torch", "transformers"}
     ours = m3compile.load(path, dtype="float32")
     for name in [m for m in sys.modules if m == "m3compile" or m.startswith("m3compile.")]:
         monkeypatch.setitem(sys.modules, name, None)

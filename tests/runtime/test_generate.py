@@ -4,6 +4,9 @@ kernels against the references, and bad input.
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so these tests execute the same kernel
 code the GPU runs, at small shapes.
 """
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -198,3 +201,67 @@ def test_an_answer_budget_through_the_kernels_matches_the_references(llama_dir):
     torch.testing.assert_close(torch.stack(got.prefill_logits), torch.stack(want.prefill_logits), rtol=1e-4,
                                atol=1e-4)
     torch.testing.assert_close(got.step_logits, want.step_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_converted_answer_budget_is_stored_and_runs_by_default(tmp_path):
+    """m3c convert --answer-budget/--answer-tokens/--decode-budget: config.json keeps them, load reads them, generate
+    runs them when none is given; "off" runs the model's budget throughout, or (the decode budget) for the answer."""
+    out = tmp_path / "msa"
+    code, output = _cli("convert", LLAMA_BYTE, out, "--block-size", 16, "--topk", 2, "--answer-budget", "k4",
+                        "--answer-tokens", 20, "--decode-budget", "p0.9:1:3")
+    assert code == 0, output
+    sparse = json.loads((out / "config.json").read_text())["sparse_attention_config"]
+    assert (sparse["sparse_answer_budget"], sparse["sparse_answer_tokens"], sparse["sparse_decode_budget"]) == \
+        ("k4", 20, "p0.9:1:3")
+    model = m3compile.load(out, dtype="float32")
+    assert (model.args.msa.answer_budget, model.args.msa.answer_tokens) == ("k4", 20)
+    calls = _recording(model)
+    prompt = torch.randint(0, 256, (70,)).tolist()
+    m3compile.generate(model, [prompt], 2, kernels=False)
+    own = (2, 1.0, 0)
+    assert calls == [(50, 0, own), (20, 50, (4, 1.0, 0)), (1, 70, (3, 0.9, 1))]
+    calls.clear()
+    m3compile.generate(model, [prompt], 2, kernels=False, answer_budget="off")
+    assert calls == [(70, 0, own), (1, 70, own)]
+    calls.clear()
+    m3compile.generate(model, [prompt], 2, kernels=False, decode_budget="off", answer_tokens=10)
+    assert calls == [(60, 0, own), (10, 60, (4, 1.0, 0)), (1, 70, own)]
+    calls.clear()
+    m3compile.generate(model, [prompt], 2, kernels=False, selection="dense")  # the stored budgets: index only
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("options, needle", [
+    (("--answer-budget", "k0"), "MSAConfig.answer_budget k0: topk must be >= 1"),
+    (("--answer-budget", "all"), "MSAConfig.answer_budget is kN (the fixed top-N blocks) or pP:FLOOR:CEILING"),
+    (("--decode-budget", "p2:1:4"), "MSAConfig.decode_budget p2:1:4: top_p must be a number in (0, 1]"),
+])
+def test_a_bad_stored_budget_is_refused_before_any_output(tmp_path, options, needle):
+    out = tmp_path / "msa"
+    code, output = _cli("convert", LLAMA_BYTE, out, "--block-size", 16, "--topk", 2, *options)
+    assert code != 0 and needle in output and "\n" not in output.strip() and not out.exists(), output
+
+
+def test_a_config_with_a_bad_stored_budget_is_one_error_naming_its_key(llama_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["sparse_attention_config"]["sparse_answer_budget"] = "k0"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(M3CompileError) as e:
+        m3compile.load(bad)
+    assert "sparse_attention_config.sparse_answer_budget k0: topk must be >= 1" in str(e.value)
+    cfg["sparse_attention_config"]["sparse_answer_budget"] = "k4"
+    cfg["sparse_attention_config"]["sparse_answer_tokens"] = -3
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(M3CompileError, match="sparse_answer_tokens"):
+        m3compile.load(bad)
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from m3compile import cli
+
+    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    return result.exit_code, result.output

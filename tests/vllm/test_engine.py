@@ -105,3 +105,23 @@ def test_prefix_cache_serves_the_shared_blocks(runs):
     those blocks' K/V and index keys from its cache, and the tokens are still m3compile.generate's (checked above)."""
     _, _, out = runs["byte"]
     assert out[1][0]["cached"] == 640
+
+
+def test_a_stored_answer_budget_is_served_at_the_models_budget_with_a_warning(tmp_path):
+    """vLLM cannot tell a prompt's last tokens from a chunk of it: a model converted with an answer budget is served
+    at its own budget throughout, and check_model says so."""
+    import types
+    import warnings
+
+    from m3compile.vllm.config import check_model
+
+    out = tmp_path / "msa"
+    convert_checkpoint(LLAMA_BYTE, out, MSAConfig(block_size=16, topk=2, dense_layers=(0,), answer_budget="k8"))
+    config = json.loads((out / "config.json").read_text())
+    hf_config = types.SimpleNamespace(to_dict=lambda: config)  # what check_model reads of vLLM's
+    model_config = types.SimpleNamespace(model=str(out), hf_config=hf_config, tokenizer=str(ROOT))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = check_model(model_config)
+    assert args.msa.answer_budget == "k8"
+    assert any("vLLM selects every token at the model's budget (2 blocks)" in str(w.message) for w in caught)
