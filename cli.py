@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 _STARTED = time.perf_counter()  # `m3c generate --timings`: its "import" phase runs from here
-_GENERATE_PHASES = ("setup", "cache", "prefill", "graph_capture", "decode", "release")  # generate's --timings phases
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -472,8 +471,8 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
                    "load, tokenize, setup (checks and the memory plan), cache, prefill, graph_capture, decode and "
                    "decode_per_token, release (the caches and CUDA graph freed) and output, each without the "
                    "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants, and "
-                   "compiled_anew: the kernels compiled rather than loaded from Triton's cache); untimed (total less "
-                   "the phases and compiles); CUDA is synchronised between phases; and batch, new_tokens and "
+                   "compiled_anew: the kernels compiled rather than loaded from Triton's cache); timed (the phases and "
+                   "compiles) and untimed (total less timed); CUDA is synchronised between phases; and batch, new_tokens and "
                    "new_tokens_per_s (every prompt's new tokens over the decode seconds, to compare a batch with "
                    "one prompt).")
 @kv_cache_option()
@@ -583,10 +582,9 @@ def generate(model_dir, prompt, prompt_files, prompts_jsonl, max_new_tokens, tem
         clock.stop()
         total = time.perf_counter() - _STARTED
         phases = {k: round(v, 4) for k, v in clock.seconds.items()} | result.timings
-        timed = sum(phases[k] for k in (*clock.seconds, *_GENERATE_PHASES, "compile") if k in phases) + \
-            sum(clock.extra.get(k, 0) for k in ("import", "kernel_cache_s"))
-        click.echo(json.dumps(clock.extra | phases | {"untimed": round(total - timed, 4), "total": round(total, 4)}),
-                   file=terminal())
+        timed = clock.timed + result.timings["timed"] + sum(clock.extra.get(k, 0) for k in ("import", "kernel_cache_s"))
+        click.echo(json.dumps(clock.extra | phases | {"timed": round(timed, 4), "untimed": round(total - timed, 4),
+                                                      "total": round(total, 4)}), file=terminal())
 
 
 @main.command()

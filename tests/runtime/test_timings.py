@@ -92,6 +92,7 @@ def test_a_phase_excludes_the_compiles_inside_it():
     clock.stop()
     d = clock.to_dict()
     assert d["compile"] == d["compile_prefill"] == 5.0 and -5.0 <= d["prefill"] < -4.9 and d["decode"] >= 0
+    assert d["timed"] == pytest.approx(d["prefill"] + d["decode"] + d["compile"], abs=1e-3)  # phases and compiles
 
 
 def test_cli_timings_print_one_json_object_on_stderr():
@@ -105,6 +106,7 @@ def test_cli_timings_print_one_json_object_on_stderr():
     assert t["total"] >= t["import"] + t["load"] + t["prefill"] + t["decode"]
     phases = ("import", "kernel_cache_s", "load", "tokenize", "output", "compile") + PHASES  # and the rest, untimed
     assert t["untimed"] == pytest.approx(t["total"] - sum(t[p] for p in phases), abs=1e-3) and 0 <= t["untimed"] < 0.5
+    assert t["timed"] + t["untimed"] == pytest.approx(t["total"], abs=1e-3)
     assert "{" not in r.stdout and "import" not in r.stdout  # the text alone on stdout
 
 
