@@ -241,9 +241,10 @@ class Timings:
         return sum(self.seconds.values()) + sum(self.compile_seconds.values())
 
     def to_dict(self) -> dict:
-        """{phase: s}, "timed": their sum with the compiles', "compile": s in all, "compile_<phase>": s where a phase compiled, "compiles", the census'
-        "kernel_variants" and per kernel, the added figures, and what follows from them: "decode_per_token" (decode
-        seconds over "decode_steps") and "new_tokens_per_s" ("new_tokens" over decode seconds)."""
+        """{phase: s}, "timed": their sum with the compiles', "compile": s in all, "compile_<phase>": s where a phase
+        compiled, "compiles", the census' "kernel_variants" and per kernel, the added figures, and what follows from
+        them: "decode_per_token" (decode seconds over "decode_steps") and "new_tokens_per_s" ("new_tokens" over
+        decode seconds)."""
         out = {k: round(v, 4) for k, v in self.seconds.items()}
         out["timed"] = round(self.timed, 4)
         out["compile"] = round(sum(self.compile_seconds.values()), 4)
