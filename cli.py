@@ -473,8 +473,8 @@ def _prompts(prompt: str | None, prompt_files: tuple[Path, ...], prompts_jsonl: 
                    "Triton compiles inside it, which are counted apart (compile, compiles, kernel_variants, and "
                    "compiled_anew: the kernels compiled rather than loaded from Triton's cache); timed (the phases "
                    "and compiles) and untimed (total less timed); CUDA is synchronised between phases; and batch, "
-                   "new_tokens and new_tokens_per_s (every prompt's new tokens over the decode seconds, to compare a batch with "
-                   "one prompt).")
+                   "new_tokens and new_tokens_per_s (every prompt's new tokens over the decode seconds, to compare a "
+                   "batch with one prompt).")
 @kv_cache_option()
 @click.option("--index-cache", type=click.Choice(INDEX_CACHE_DTYPES), default="auto", show_default=True,
               help="Index-key cache dtype of MSA layers (auto: the model's; fp8 when it scores in fp8).")

@@ -125,8 +125,9 @@ def test_a_stored_answer_budget_generates_as_m3compile_does(tmp_path):
     hf, ours = assert_same_model(tmp_path / "msa", x, x[0, :60].tolist(), 8)
     a, b = x[0, :60].tolist(), x[1, :47].tolist()
     with torch.no_grad():
-        both = hf.generate(torch.tensor([a, [0] * 13 + b]), attention_mask=torch.tensor([[1] * 60, [0] * 13 + [1] * 47]),
-                           max_new_tokens=8, do_sample=False)[:, 60:].tolist()
+        mask = torch.tensor([[1] * 60, [0] * 13 + [1] * 47])
+        both = hf.generate(torch.tensor([a, [0] * 13 + b]), attention_mask=mask, max_new_tokens=8,
+                           do_sample=False)[:, 60:].tolist()
     assert both == m3compile.generate(ours, [a, b], 8, kernels=False).tokens
     with torch.no_grad():  # each step's logits, which greedy tokens of random weights may hide
         got = hf.generate(torch.tensor([a]), max_new_tokens=4, do_sample=False, output_logits=True,
