@@ -188,15 +188,15 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                 else:  # the prompt at the model's budget, its last answer_tokens at the answer budget
                     body = max(len(p) - answer_tokens, 0)
                     if body:
-                        model._set_msa(**own)
+                        model.set_budget(**own)
                         logits = prefill(model, cache, b, ids[:body], chunk, selection)
                     if body < len(p):
-                        model._set_msa(**answer)
+                        model.set_budget(**answer)
                         logits = prefill(model, cache, b, ids[body:], chunk, selection, start=body)
                     prefill_logits.append(logits)
                 cache.seq_lens[b] = len(p)
             if decode is not None:
-                model._set_msa(**decode)  # every new token at the decode budget (the answer budget's by default)
+                model.set_budget(**decode)  # every new token at the decode budget (the answer budget's by default)
             auto = cuda_graph is None
             if auto:
                 cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
@@ -315,7 +315,7 @@ def _restored(model: Decoder):
     try:
         yield
     finally:
-        model._set_msa(**own)
+        model.set_budget(**own)
 
 
 @contextlib.contextmanager
