@@ -173,9 +173,10 @@ def main(verbose):
 @click.option("--min-blocks", default=0, show_default=True, help="The adaptive budget's floor: blocks kept at least (forced ones included).")
 @click.option("--answer-budget", default=None, metavar="kN|pP:FLOOR:CEILING",
               help="Stored in config.json: the budget of each prompt's last --answer-tokens tokens (where a question "
-                   "sits) and of the answer when m3c generate / m3compile.generate run the model, e.g. k256: the "
-                   "question reads more blocks than the prompt (BENCHMARKS.md, the frontier) [default: none, the "
-                   "model's budget throughout]. Not served by vLLM; transformers' generate() ignores it.")
+                   "sits) and of the answer when m3c generate, m3compile.generate or the remote code's generate() "
+                   "run the model, e.g. k256: the question reads more blocks than the prompt (BENCHMARKS.md, the "
+                   "frontier) [default: none, the model's budget throughout]. vLLM serves the model at its own "
+                   "budget (and warns).")
 @click.option("--answer-tokens", default=128, show_default=True, type=click.IntRange(min=0),
               help="With --answer-budget: the prompt's last tokens read at that budget.")
 @click.option("--decode-budget", default=None, metavar="kN|pP:FLOOR:CEILING|off",
