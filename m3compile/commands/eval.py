@@ -307,6 +307,10 @@ def eval_ruler(model_dir, data, lengths, tasks, samples, seed, batch, selections
     console.print(f"{report.samples} samples per task and length, seed {report.seed}, "
                   f"{'chat template' if report.chat else 'plain prompts (no chat template)'}, "
                   f"{'the model dtype' if kv_cache == 'auto' else kv_cache} K/V cache, {report.seconds:.1f} s")
+    if report.answer_budget or report.decode_budget:  # given, or stored in the model
+        console.print("index rows: " + (f"the last {report.answer_tokens} prompt tokens at {report.answer_budget}, "
+                                          if report.answer_budget else "") +
+                      f"the answer at {report.decode_budget or report.answer_budget}")
     table = Table(title=f"ruler scores ({' / '.join(report.selections)}; share of answers found, %)")
     table.add_column("task")
     for n in report.lengths:

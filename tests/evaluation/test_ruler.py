@@ -361,5 +361,9 @@ def test_ruler_with_an_answer_budget(qwen_like, monkeypatch):
     assert d["answer_budget"] == "k5" and d["decode_budget"] == "k3"
     assert [k for _, _, k in starts] == [own, 5] and budgets and set(budgets) == {3}
     code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
+                             "--tasks", "niah_single_1", "--selections", "index", "--answer-budget", "k5",
+                             "--answer-tokens", 40, "--decode-budget", "k3")
+    assert code == 0 and "index rows: the last 40 prompt tokens at k5, the answer at k3" in out, err
+    code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
                              "--tasks", "niah_single_1", "--selections", "index", "--decode-budget", "k0", "--json")
     assert code != 0 and out == "" and "topk must be >= 1" in err
