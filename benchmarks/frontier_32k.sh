@@ -54,8 +54,8 @@ quality() {  # a budget's loss (with its oracle and blocks) and RULER
   echo "== $budget: ${opts[*]}" >&2
   [ -f "$B/loss.json" ] || t to_json "$B/loss.json" $M3C eval loss "$MODEL" --data "$LONG/long_code_eval.txt" \
     --seq-len $SEQ_LEN --max-windows $LOSS_WINDOWS --dtype bfloat16 --device "$DEVICE" --json "${opts[@]}"
-  local answer=() rest=${budget#*+}  # A+B: --answer-budget B; A+B+C: and --decode-budget C
-  [[ $budget == *+* ]] && answer=(--answer-budget "${rest%%+*}")
+  local answer=(--answer-budget off) rest=${budget#*+}  # A: none (not even the model's stored one); A+B: B;
+  [[ $budget == *+* ]] && answer=(--answer-budget "${rest%%+*}")  # A+B+C: B, and --decode-budget C
   [[ $rest == *+* ]] && answer+=(--decode-budget "${rest#*+}")
   [ -f "$B/ruler.json" ] || t to_json "$B/ruler.json" ruler --selections index "${opts[@]}" "${answer[@]}"
 }
