@@ -52,6 +52,22 @@ def test_a_converted_checkpoint_is_shown_as_it_is(tmp_path):
     assert [row["attention"] for row in r.layers] == ["dense"] + ["msa"] * 5
 
 
+def test_a_stored_answer_budget_is_counted_in_the_decode(tmp_path):
+    """A model converted with a decode budget of 32 blocks (the prompt at 8): the decode column counts 32 blocks, the
+    prefill 8; the table's title names both budgets."""
+    code, _ = run("convert", LLAMA_BYTE, tmp_path / "msa", "--block-size", 64, "--topk", 8, "--answer-budget", "k32")
+    assert code == 0
+    r = inspect(tmp_path / "msa", context=8192)
+    c = r.cost
+    assert (c["blocks_per_query"], c["decode_blocks_per_query"], c["answer_budget"], c["answer_tokens"]) == \
+        (8, 32, "k32", 128)
+    plain = inspect(tmp_path / "msa", context=8192, blocks=8).cost  # the prompt's blocks given: the decode at them
+    assert plain["decode_blocks_per_query"] == 8 and c["msa_decode_flops"] > plain["msa_decode_flops"]
+    assert c["msa_prefill_flops_per_token"] == plain["msa_prefill_flops_per_token"]
+    code, output = run("inspect", tmp_path / "msa", "--context", 8192)
+    assert code == 0 and "question: the last 128 tokens at k32" in " ".join(output.split()), output
+
+
 @pytest.mark.parametrize("fmt,head", [("dot", 'digraph "layer_1"'), ("mermaid", "flowchart TD")])
 def test_graph_formats(fmt, head, tmp_path):
     out = tmp_path / f"layer1.{fmt}"
