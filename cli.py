@@ -312,6 +312,12 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, answ
                   f"index init: calibrated on {init.tokens:,} tokens of {init.source} ({init.windows} x {init.seq_len})")
     console.print(f"parameters {report.params_before:,} -> {report.params_after:,} (+{report.index_params:,} index branch); "
                   f"{report.seconds:.1f} s")
+    c = report.config
+    if c.answer_budget or c.decode_budget:
+        console.print("stored for generation: " + (f"the prompt's last {c.answer_tokens} tokens at {c.answer_budget}, "
+                                                   if c.answer_budget else "") +
+                      f"the answer at {c.decode_budget or c.answer_budget} (config.json; --answer-budget off for a run "
+                      f"without)")
     if costs is not None:
         rise = lambda i: f"layer {i} {100 * costs.layers[i]['loss_increase']['oracle']:+.2f}%"  # noqa: E731
         kept = costs.costliest(dense_costliest)

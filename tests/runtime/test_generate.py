@@ -210,6 +210,7 @@ def test_a_converted_answer_budget_is_stored_and_runs_by_default(tmp_path):
     code, output = _cli("convert", LLAMA_BYTE, out, "--block-size", 16, "--topk", 2, "--answer-budget", "k4",
                         "--answer-tokens", 20, "--decode-budget", "p0.9:1:3")
     assert code == 0, output
+    assert "stored for generation: the prompt's last 20 tokens at k4, the answer at p0.9:1:3" in " ".join(output.split())
     sparse = json.loads((out / "config.json").read_text())["sparse_attention_config"]
     assert (sparse["sparse_answer_budget"], sparse["sparse_answer_tokens"], sparse["sparse_decode_budget"]) == \
         ("k4", 20, "p0.9:1:3")
