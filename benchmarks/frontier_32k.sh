@@ -13,7 +13,7 @@
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING; A+B = A's row with the question and answer at
 #        budget B, `m3c eval ruler --answer-budget B`: its loss is A's, its speed A's prefill and B's decode, so it
-#        runs no bench; A+B+C = the same with the answer itself at budget C, `--decode-budget C`: A's prefill, C's
+#        runs no bench of its own: B's row's, and a fixed kN without a row is benched into OUT/kN; A+B+C = the same with the answer itself at budget C, `--decode-budget C`: A's prefill, C's
 #        decode; C = off: the answer at A's budget, A's decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
 #        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
@@ -76,14 +76,22 @@ else  # at most PARALLEL at once; each row's messages in its own log
   while [ $running -gt 0 ]; do wait -n || failed=1; running=$((running - 1)); done
   [ $failed = 0 ] || { echo "error: a quality run failed (its log: OUT/<row>.log)" >&2; exit 1; }
 fi
+bench() {  # bench FOLDER TOPK: the llama3-8b preset at 128K at that top-k -> FOLDER/speed.json
+  t $M3C bench model llama3-8b --index-dim 64 --index-dtype fp8 --kv-cache fp8 --topk "$2" \
+    --prefill-lengths 128K --decode-lengths 128K --batch $BATCH --steps 3 --profile-max 8K --out "$1/bench" >&2
+  cp "$1/bench/llama3-8b.json" "$1/speed.json"
+}
 for budget in $BUDGETS; do
   B=$OUT/${budget//:/-}
-  if [ "$SPEED" = 1 ] && [ ! -f "$B/speed.json" ] && [[ $budget != *+* ]]; then
-    topk=$(python3 -c "import json, math, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \
-      "$B/loss.json")
-    t $M3C bench model llama3-8b --index-dim 64 --index-dtype fp8 --kv-cache fp8 --topk "$topk" \
-      --prefill-lengths 128K --decode-lengths 128K --batch $BATCH --steps 3 --profile-max 8K --out "$B/bench" >&2
-    cp "$B/bench/llama3-8b.json" "$B/speed.json"
+  [ "$SPEED" = 1 ] || continue
+  if [ ! -f "$B/speed.json" ] && [[ $budget != *+* ]]; then
+    bench "$B" "$(python3 -c "import json, sys; print(max(1, round(json.load(open(sys.argv[1]))['mean_blocks'])))" \
+      "$B/loss.json")"
+  elif [[ $budget == *+* ]]; then  # the answer's row: a fixed kN with no row of its own is benched at N (OUT/kN)
+    rest=${budget#*+}; answer=${rest##*+}
+    if [[ $answer == k* ]] && [ ! -f "$OUT/$answer/speed.json" ]; then
+      mkdir -p "$OUT/$answer"; bench "$OUT/$answer" "${answer#k}"
+    fi
   fi
 done
 [ ! -f "$OUT/ruler_dense.json" ] || python3 "$HERE/plot_frontier.py" "$OUT"

@@ -95,6 +95,12 @@ log.write(f"{{time.time():.3f}} start {{args}}\\n"); log.flush()
 time.sleep(0.5)
 if {fail_on!r} and {fail_on!r} in args:
     sys.exit("error: failed as asked")
+if sys.argv[1] == "bench":  # a recorded bench JSON where --out says
+    import os, shutil
+    out = sys.argv[sys.argv.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    shutil.copy({str(RESULTS / "2026-12-07-h100-frontier-and-first-run" / "k16" / "speed.json")!r}, out + "/llama3-8b.json")
+    sys.exit(0)
 name = "loss" if sys.argv[2] == "loss" else ("dense" if "--selections dense" in args else "index")
 print(open({str(tmp_path)!r} + "/" + name + ".json").read())
 log.write(f"{{time.time():.3f}} end {{args}}\\n")
@@ -175,11 +181,12 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     runs = [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
-    assert len(runs) == 2 and runs[1].endswith("--topk 16 --top-p 1 --answer-budget k256 --decode-budget k16")
-    measured = RESULTS / "2026-12-07-h100-frontier-and-first-run"
-    for row, speed in (("k16", "k16"), ("k256", "p0.95-16-64")):  # the question's row (k256: a stand-in) unused
-        (tmp_path / "o" / row).mkdir()
-        shutil.copy(measured / speed / "speed.json", tmp_path / "o" / row / "speed.json")
+    assert len(runs) == 3 and runs[1].endswith("--topk 16 --top-p 1 --answer-budget k256 --decode-budget k16")
+    assert runs[2].startswith("bench model llama3-8b") and "--topk 16 " in runs[2]  # the answer's top-16, benched
+    assert (tmp_path / "o" / "k16" / "speed.json").is_file() and not (tmp_path / "o" / "k16" / "loss.json").exists()
+    (tmp_path / "o" / "k256").mkdir()  # the question's row (a stand-in), unused
+    shutil.copy(RESULTS / "2026-12-07-h100-frontier-and-first-run" / "p0.95-16-64" / "speed.json",
+                tmp_path / "o" / "k256" / "speed.json")
     (tmp_path / "o" / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", {"niah_single_1": [100, 100]})))
     runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]([str(tmp_path / "o")])
     row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if line.startswith("| k16+")]
