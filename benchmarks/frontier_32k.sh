@@ -13,8 +13,9 @@
 #   env: BUDGETS ("k16 k32 k64 p0.9:16:64 p0.95:16:64 p0.98:16:64": kN = the fixed top-N; pP:FLOOR:CEILING = the
 #        adaptive budget, --top-p P --min-blocks FLOOR --topk CEILING; A+B = A's row with the question and answer at
 #        budget B, `m3c eval ruler --answer-budget B`: its loss is A's, its speed A's prefill and B's decode, so it
-#        runs no bench of its own: B's row's, and a fixed kN without a row is benched into OUT/kN; A+B+C = the same with the answer itself at budget C, `--decode-budget C`: A's prefill, C's
-#        decode; C = off: the answer at A's budget, A's decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
+#        runs no bench of its own (a fixed kN answer without a row is benched into OUT/kN); A+B+C = the same
+#        with the answer itself at budget C, `--decode-budget C`: A's prefill, C's decode; C = off: the answer at
+#        A's budget, A's decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
 #        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
 #        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,

@@ -99,7 +99,8 @@ if sys.argv[1] == "bench":  # a recorded bench JSON where --out says
     import os, shutil
     out = sys.argv[sys.argv.index("--out") + 1]
     os.makedirs(out, exist_ok=True)
-    shutil.copy({str(RESULTS / "2026-12-07-h100-frontier-and-first-run" / "k16" / "speed.json")!r}, out + "/llama3-8b.json")
+    shutil.copy({str(RESULTS / "2026-12-07-h100-frontier-and-first-run" / "k16" / "speed.json")!r},
+                out + "/llama3-8b.json")
     sys.exit(0)
 name = "loss" if sys.argv[2] == "loss" else ("dense" if "--selections dense" in args else "index")
 print(open({str(tmp_path)!r} + "/" + name + ".json").read())
