@@ -230,3 +230,23 @@ def test_a_cache_moved_after_its_build_is_found_by_triton(tmp_path, monkeypatch)
     assert FileCacheManager("KEY").get_group("k.json") is None  # a miss: the kernels would compile again
     assert kc.relocate(moved) == 1 and kc.relocate(moved) == 0
     assert FileCacheManager("KEY").get_group("k.json") == {name: str(moved.resolve() / "KEY" / name) for name in paths}
+
+
+def test_the_synthetic_runs_cover_a_stored_answer_budget(tiny_msa, tmp_path, monkeypatch):
+    """A model converted with an answer budget (the prompt's last 8 tokens and the answer at top-6 of 8-token
+    blocks, the prompt at top-2): the synthetic runs, which generate at the stored budgets, cover a real
+    generation's variants at both budgets."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "msa"
+    m3compile.convert_checkpoint(tiny_msa, out, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
+                                                                     answer_budget="k6", answer_tokens=8))
+    assert ahead.scenarios(m3compile.load(out).args, None)[2]["lengths"][0] > (6 + 2) * 8  # past the larger top-k
+    report = ahead.build(out, device="cpu", workers=1, new_tokens=2, max_cache=128)
+    built = {tuple(v) for v in json.loads((out / kc.CACHE_DIR / "variants.json").read_text())}
+    assert len(built) == report.variants
+    net = m3compile.load(out)
+    prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (83, 7)]  # lengths not built
+    with kernel_census() as census:
+        m3compile.generate(net, prompts, 3, kernels=True)
+    seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
+    assert seen and seen <= built, sorted(seen - built)[:2]
