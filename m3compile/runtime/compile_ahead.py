@@ -46,14 +46,24 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
     """The synthetic generations whose kernel variants cover a real run's (module docstring): each {"lengths": prompt
     lengths (one per sequence), "new": new tokens, "chunk": prefill chunk or None, "cache": the caches' positions
     where more than the run needs}. `args`: the model's ModelArgs. new_tokens: of the CUDA-graph runs (the eager one
-    has at most EAGER_NEW_TOKENS). max_cache: the largest cache a run allocates."""
+    has at most EAGER_NEW_TOKENS). max_cache: the largest cache a run allocates. A model that stores an answer or
+    decode budget, which generate runs by default, gets the runs twice: at its stored budgets, past the largest
+    top-k's blocks, and at its own budget alone ("answer_budget": "off", as `--answer-budget off` runs it)."""
     sparse = args.msa is not None and any(args.is_sparse(i) for i in range(args.n_layers))
-    block = args.msa.block_size if sparse else 128
     topk = args.msa.topk if sparse else 1
-    for spec in ((args.msa.answer_budget, args.msa.decode_budget) if sparse else ()):  # their variants too (generate
-        if spec not in (None, "off"):  # runs the stored budgets)
-            topk = max(topk, parse_budget(spec)["topk"])
-    past = (topk + 2) * block  # more blocks than the largest top-k keeps: the selection's paths
+    stored = [parse_budget(spec)["topk"] for spec in ((args.msa.answer_budget, args.msa.decode_budget) if sparse
+                                                       else ()) if spec not in (None, "off")]
+    if not sparse or (args.msa.answer_budget is None and args.msa.decode_budget is None):
+        return _scenarios(args, topk, sparse, max_positions, batches, new_tokens, max_cache)
+    return _scenarios(args, max([topk, *stored]), sparse, max_positions, batches, new_tokens, max_cache) + \
+        [dict(s, answer_budget="off") for s in _scenarios(args, topk, sparse, max_positions, batches, new_tokens,
+                                                         max_cache)]
+
+
+def _scenarios(args, topk: int, sparse: bool, max_positions, batches, new_tokens, max_cache) -> list[dict]:
+    """scenarios' runs for selections of at most `topk` blocks."""
+    block = args.msa.block_size if sparse else 128
+    past = (topk + 2) * block  # more blocks than the top-k keeps: the selection's paths
     odd = past + 3 if (past + 3) % 16 else past + 5
     even = -(-(past + 1) // 16) * 16
     limit = (max_positions or 1 << 62) - new_tokens
@@ -90,7 +100,8 @@ def _run_jobs(model_dir: str, device: str, jobs: list[dict]) -> list[tuple[str, 
                 s = job["scenario"]
                 prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen).tolist() for n in s["lengths"]]
                 generate(model, prompts, s["new"], prefill_chunk=s["chunk"], kv_cache_dtype=job["kv_cache"],
-                         kernels=True if interpreting() else None, cache_len=s.get("cache"))
+                         kernels=True if interpreting() else None, cache_len=s.get("cache"),
+                         answer_budget=s.get("answer_budget"))
         seen.update((name, repr(k)) for name, keys in census.variants.items() for k in keys)
         del model
     return sorted(seen)

@@ -25,18 +25,24 @@ def model(tiny_msa, tmp_path):
     return out
 
 
-def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
+def test_the_synthetic_runs_cover_a_real_generation(tiny_msa, tmp_path, monkeypatch):
     """A build under the interpreter runs every synthetic generation in two processes and records the variants they
     launch; a generation at other prompt lengths, another batch size and another cache size launches none outside
-    them, so on a GPU it compiles nothing."""
+    them, so on a GPU it compiles nothing. The model stores an answer budget (the prompt's last 8 tokens and the
+    answer at top-6, the prompt at top-2), which generate runs by default: its variants are covered too (the
+    synthetic prompts pass the larger top-k's blocks), and the model's own (a twin of each run, 18 in all)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tmp_path / "msa"
+    m3compile.convert_checkpoint(tiny_msa, model, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
+                                                                       answer_budget="k6", answer_tokens=8))
+    assert ahead.scenarios(m3compile.load(model).args, None)[2]["lengths"][0] > (6 + 2) * 8
     done = []
     report = ahead.build(model, device="cpu", workers=2, new_tokens=2, max_cache=256,
                          progress=lambda d, t: done.append((d, t)))
     assert done == [(1, 2), (2, 2)] and report.workers == 2
     manifest = json.loads((model / kc.CACHE_DIR / "manifest.json").read_text())
     assert {k: manifest[k] for k in kc.identity(model)} == kc.identity(model)
-    assert manifest["runs"] == 9 and manifest["batches"] == [1, 2] and manifest["variants"] == report.variants
+    assert manifest["runs"] == 18 and manifest["batches"] == [1, 2] and manifest["variants"] == report.variants
     built = {tuple(v) for v in json.loads((model / kc.CACHE_DIR / "variants.json").read_text())}
     assert len(built) == report.variants and {name for name, _ in built} >= {"index_topk_kernel", "gather_q_fwd_kernel"}
     assert kc.status(model) == ("valid", "")
@@ -46,6 +52,8 @@ def test_the_synthetic_runs_cover_a_real_generation(model, monkeypatch):
     with kernel_census() as census:
         m3compile.generate(net, prompts, 3, kernels=True)
         m3compile.generate(net, prompts[:1], 2, kernels=True, prefill_chunk=24, cache_len=200)  # 25 pages
+        m3compile.generate(net, [torch.randint(0, net.args.vocab_size, (83,)).tolist()], 3, kernels=True)
+        m3compile.generate(net, prompts[:2], 3, kernels=True, answer_budget="off")  # the model's budget alone
     seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
     assert seen and seen <= built, sorted(seen - built)[:2]
 
@@ -231,22 +239,3 @@ def test_a_cache_moved_after_its_build_is_found_by_triton(tmp_path, monkeypatch)
     assert kc.relocate(moved) == 1 and kc.relocate(moved) == 0
     assert FileCacheManager("KEY").get_group("k.json") == {name: str(moved.resolve() / "KEY" / name) for name in paths}
 
-
-def test_the_synthetic_runs_cover_a_stored_answer_budget(tiny_msa, tmp_path, monkeypatch):
-    """A model converted with an answer budget (the prompt's last 8 tokens and the answer at top-6 of 8-token
-    blocks, the prompt at top-2): the synthetic runs, which generate at the stored budgets, cover a real
-    generation's variants at both budgets."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    out = tmp_path / "msa"
-    m3compile.convert_checkpoint(tiny_msa, out, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
-                                                                     answer_budget="k6", answer_tokens=8))
-    assert ahead.scenarios(m3compile.load(out).args, None)[2]["lengths"][0] > (6 + 2) * 8  # past the larger top-k
-    report = ahead.build(out, device="cpu", workers=1, new_tokens=2, max_cache=128)
-    built = {tuple(v) for v in json.loads((out / kc.CACHE_DIR / "variants.json").read_text())}
-    assert len(built) == report.variants
-    net = m3compile.load(out)
-    prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (83, 7)]  # lengths not built
-    with kernel_census() as census:
-        m3compile.generate(net, prompts, 3, kernels=True)
-    seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
-    assert seen and seen <= built, sorted(seen - built)[:2]
