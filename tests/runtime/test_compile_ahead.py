@@ -29,13 +29,13 @@ def test_the_synthetic_runs_cover_a_real_generation(tiny_msa, tmp_path, monkeypa
     """A build under the interpreter runs every synthetic generation in two processes and records the variants they
     launch; a generation at other prompt lengths, another batch size and another cache size launches none outside
     them, so on a GPU it compiles nothing. The model stores an answer budget (the prompt's last 8 tokens and the
-    answer at top-6, the prompt at top-2), which generate runs by default: its variants are covered too (the
+    answer at top-4, the prompt at top-2), which generate runs by default: its variants are covered too (the
     synthetic prompts pass the larger top-k's blocks), and the model's own (a twin of each run, 18 in all)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tmp_path / "msa"
     m3compile.convert_checkpoint(tiny_msa, model, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
-                                                                       answer_budget="k6", answer_tokens=8))
-    assert ahead.scenarios(m3compile.load(model).args, None)[2]["lengths"][0] > (6 + 2) * 8
+                                                                       answer_budget="k4", answer_tokens=8))
+    assert ahead.scenarios(m3compile.load(model).args, None)[2]["lengths"][0] > (4 + 2) * 8
     done = []
     report = ahead.build(model, device="cpu", workers=2, new_tokens=2, max_cache=256,
                          progress=lambda d, t: done.append((d, t)))
