@@ -69,13 +69,11 @@ def test_a_row_with_other_exclusions_gets_its_standard_error_from_the_variances(
 
 def test_a_budget_is_refused_before_any_work(tmp_path):
     env = {**os.environ, "BUDGETS": "k16 p0.9", "M3C": "false"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = _script(env, tmp_path / "o", timeout=60)
     assert done.returncode != 0 and "p0.9: give the ceiling" in done.stderr
     assert not (tmp_path / "o").exists()  # nothing written
     env["BUDGETS"] = "top16"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = _script(env, tmp_path / "o", timeout=60)
     assert done.returncode == 2 and "a budget is kN or pP:FLOOR:CEILING, got top16" in done.stderr
 
 
@@ -110,10 +108,20 @@ log.write(f"{{time.time():.3f}} end {{args}}\\n")
     return fake
 
 
+def _script(env: dict, out: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    """benchmarks/frontier_32k.sh m d OUT with `env` (the fake m3c's model and data names)."""
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(out)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _started(tmp_path) -> list[str]:
+    """The fake m3c's command lines, in the order they started."""
+    return [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
+
+
 def _frontier(tmp_path, fake, parallel: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16 p0.95:16:64", "SPEED": "0", "PARALLEL": str(parallel)}
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return _script(env, tmp_path / "o")
 
 
 def test_the_frontier_runs_its_quality_rows_side_by_side_and_continues(tmp_path):
@@ -148,10 +156,9 @@ def test_a_row_with_an_answer_budget_runs_the_suite_with_it_and_no_bench(tmp_pat
     (its speed is k16's prefill and the answer budget's decode); a bad answer budget is refused first."""
     fake = _fake_m3c(tmp_path)
     env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+p0.95:16:40", "SPEED": "1", "DENSE": "0"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = _script(env, tmp_path / "o")
     assert done.returncode == 0, done.stderr
-    runs = [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
+    runs = _started(tmp_path)
     assert len(runs) == 2 and runs[0].startswith("eval loss") and "--topk 16 --top-p 1" in runs[0]
     assert "--answer-budget" not in runs[0]
     assert runs[1].startswith("eval ruler") and runs[1].endswith("--topk 16 --top-p 1 --answer-budget p0.95:16:40")
@@ -168,8 +175,7 @@ def test_a_row_with_an_answer_budget_runs_the_suite_with_it_and_no_bench(tmp_pat
     # A+B: A's prefill (this k16 bench timed decode alone: none) and B's decode
     assert [line for line in table.splitlines() if line.startswith("| k16+")][0].endswith("|  | 3.91x (top-45) |")
     env["BUDGETS"] = "k16+p0.95:16"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o2")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = _script(env, tmp_path / "o2", timeout=60)
     assert done.returncode != 0 and "p0.95:16: give the ceiling" in done.stderr and not (tmp_path / "o2").exists()
 
 
@@ -178,10 +184,9 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
     k16's decode."""
     fake = _fake_m3c(tmp_path)
     env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+k256+k16", "SPEED": "1", "DENSE": "0"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = _script(env, tmp_path / "o")
     assert done.returncode == 0, done.stderr
-    runs = [line.split(" ", 2)[2] for line in (tmp_path / "runs.log").read_text().splitlines() if " start " in line]
+    runs = _started(tmp_path)
     assert len(runs) == 3 and runs[1].endswith("--topk 16 --top-p 1 --answer-budget k256 --decode-budget k16")
     assert runs[2].startswith("bench model llama3-8b") and "--topk 16 " in runs[2]  # the answer's top-16, benched
     assert (tmp_path / "o" / "k16" / "speed.json").is_file() and not (tmp_path / "o" / "k16" / "loss.json").exists()
@@ -193,16 +198,14 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
     row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if line.startswith("| k16+")]
     assert row[0].endswith("|  | 4.70x (top-16) |")  # k16's decode, not k256's stand-in (3.91x)
     env["BUDGETS"] = "k16+k256+off"  # the answer at the prompt's budget: k16's decode again
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = _script(env, tmp_path / "o")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "runs.log").read_text().splitlines()[-1].endswith("--answer-budget k256 --decode-budget off")
     runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]([str(tmp_path / "o")])
     row = [line for line in (tmp_path / "o" / "frontier.md").read_text().splitlines() if "+off" in line]
     assert row[0].endswith("|  | 4.70x (top-16) |")
     env["BUDGETS"] = "k16+k256+x3"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), "m", "d", str(tmp_path / "o2")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = _script(env, tmp_path / "o2", timeout=60)
     assert done.returncode != 0 and "got x3" in done.stderr and not (tmp_path / "o2").exists()
 
 

@@ -51,13 +51,12 @@ def scenarios(args, max_positions: int | None, batches=(1, 2), new_tokens: int =
     top-k's blocks, and at its own budget alone ("answer_budget": "off", as `--answer-budget off` runs it)."""
     sparse = args.msa is not None and any(args.is_sparse(i) for i in range(args.n_layers))
     topk = args.msa.topk if sparse else 1
-    stored = [parse_budget(spec)["topk"] for spec in ((args.msa.answer_budget, args.msa.decode_budget) if sparse
-                                                       else ()) if spec not in (None, "off")]
-    if not sparse or (args.msa.answer_budget is None and args.msa.decode_budget is None):
-        return _scenarios(args, topk, sparse, max_positions, batches, new_tokens, max_cache)
-    return _scenarios(args, max([topk, *stored]), sparse, max_positions, batches, new_tokens, max_cache) + \
-        [dict(s, answer_budget="off") for s in _scenarios(args, topk, sparse, max_positions, batches, new_tokens,
-                                                         max_cache)]
+    runs = lambda k: _scenarios(args, k, sparse, max_positions, batches, new_tokens, max_cache)  # noqa: E731
+    specs = [b for b in (args.msa.answer_budget, args.msa.decode_budget) if b is not None] if sparse else []
+    if not specs:
+        return runs(topk)
+    largest = max([topk] + [parse_budget(b)["topk"] for b in specs if b != "off"])
+    return runs(largest) + [dict(s, answer_budget="off") for s in runs(topk)]
 
 
 def _scenarios(args, topk: int, sparse: bool, max_positions, batches, new_tokens, max_cache) -> list[dict]:
