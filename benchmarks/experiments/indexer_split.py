@@ -1,20 +1,22 @@
 """Where the prefill indexer's time goes: scoring vs the running top-k, per tile config, bf16 vs fp8.
 
 index_topk_kernel (kernels/indexer/_tl_indexer.py) computes, per key block, the [rows, block] token scores (one matmul),
-their causal block max, and inserts that block score into a per-row top-k kept in registers (a min + argmin + two
-selects over the k slots). This script times, on one GPU, at Llama-3-8B index shapes (8 index heads x 128 dims, one
-shared key head, block 128, top-16), variants of the same loop that differ only in what follows the block max:
+their causal block max, and inserts that block score into a per-row top-k kept in registers as int64 keys
+(order-preserving score bits << 32 | block id: one min reduction and one select over the k slots). This script times,
+on one GPU, at Llama-3-8B index shapes (8 index heads, one shared key head, block 128), variants of the same loop that
+differ only in what follows the block max:
 
     topk     the production kernel (index_topk_kernel itself, each config launched directly)
     scores   no top-k at all: a running max per row (a lower bound: the matmul, the causal mask and the block max)
-    packed   the top-k kept as int64 keys (order-preserving score bits << 32 | block id): one min reduction and one
-             select per block instead of a min, an argmin and two selects
+    minarg   the top-k kept as separate scores and ids: a min, an argmin and two selects per block (the kernel's
+             earlier insertion)
     write    the block scores written out [B, H, T, n_blocks] bf16 (the two-pass design), then torch.topk timed apart
 
-and checks that `packed` selects the production kernel's blocks (as sets per row). Prints one JSON object.
+and checks that `minarg` selects the production kernel's blocks (as sets per row). Prints one JSON object.
 (The variants loop as production does, in two loops: one loop with a branch pipelines worse and bounds nothing.)
 
-    python benchmarks/experiments/indexer_split.py [--lengths 32768,131072] [--modes topk,scores,packed,write]
+    python benchmarks/experiments/indexer_split.py [--lengths 32768,131072] [--modes topk,scores,minarg,write]
+        [--topk 16] [--dim 128]
 """
 from __future__ import annotations
 
@@ -28,42 +30,33 @@ import triton
 import triton.language as tl
 
 from m3compile.kernels._tl_common import quantize_rows_e4m3
-from m3compile.kernels.indexer._tl_indexer import _block_scores, _insert, index_topk_kernel
+from m3compile.kernels.indexer._tl_indexer import _block_scores, index_topk_kernel
 from m3compile.kernels.indexer import quantize_index_keys, select_blocks_reference
 from m3compile.kernels._common import next_pow2
 from m3compile.bench.common import median_ms
 
-MODES = {"topk": 0, "scores": 1, "packed": 2, "write": 3}
-I64_MIN = -9223372036854775807 - 1
+MODES = {"topk": 0, "scores": 1, "minarg": 2, "write": 3}
 
 
 @triton.jit
-def _pack(score, j):
-    bits = score.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float as a signed int32
-    packed = (key.to(tl.int64) << 32) | j
-    return tl.where(score == float("-inf"), -9223372036854775807 - 1, packed)  # -inf (nothing visible) never enters
-
-
-@triton.jit
-def _insert_packed(vals, new):
+def _insert_minarg(vals, ids, score, j, o_kp):
+    # replace each row's current minimum by `score` where it is larger; -inf never enters
     cur = tl.min(vals, 1)
-    hit = (new > cur)[:, None] & (vals == cur[:, None])
-    return tl.where(hit, new[:, None], vals)
+    arg = tl.argmin(vals, 1)
+    hit = (score > cur)[:, None] & (o_kp[None, :] == arg[:, None])
+    return tl.where(hit, score[:, None], vals), tl.where(hit, j, ids)
 
 
 @triton.jit
-def _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE: tl.constexpr):
+def _after(vals, ids, run, score, j, o_kp, p_sc, m_row, MODE: tl.constexpr):
     # what follows a key block's score in each variant
     if MODE == 1:
         run = tl.maximum(run, score)
     elif MODE == 2:
-        pk = _insert_packed(pk, _pack(score, j))
+        vals, ids = _insert_minarg(vals, ids, score, j, o_kp)
     elif MODE == 3:
         tl.store(p_sc + j, score.to(tl.bfloat16), mask=m_row)
-    else:
-        vals, ids = _insert(vals, ids, score, j, o_kp)
-    return vals, ids, pk, run
+    return vals, ids, run
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -92,8 +85,6 @@ def variant_kernel(
     o_kp = tl.arange(0, KP)
     vals = tl.where(o_kp[None, :] < TOPK, tl.full([ROWS, KP], float("-inf"), tl.float32), float("inf"))
     ids = tl.full([ROWS, KP], -1, tl.int32)
-    pk = tl.where(o_kp[None, :] < TOPK, -9223372036854775807 - 1 + o_kp[None, :].to(tl.int64),
-                  9223372036854775807 - o_kp[None, :].to(tl.int64)) + tl.zeros([ROWS, KP], tl.int64)
     run = tl.full([ROWS], float("-inf"), tl.float32)
     t_first = i_t * BLOCK_T
     t_last = tl.minimum(t_first + BLOCK_T, T) - 1
@@ -109,22 +100,19 @@ def variant_kernel(
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, False, HAS_SCALE, False, False)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
-        vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
+        vals, ids, run = _after(vals, ids, run, score, j, o_kp, p_sc, m_row, MODE)
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, True, HAS_SCALE, False, False)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
-        vals, ids, pk, run = _after(vals, ids, pk, run, score, j, o_kp, p_sc, m_row, MODE)
+        vals, ids, run = _after(vals, ids, run, score, j, o_kp, p_sc, m_row, MODE)
     p_o = out + i_b * stride_ob + o_h[:, None] * stride_oh + o_tok[:, None].to(tl.int64) * stride_ot + o_kp[None, :]
     m_o = m_row[:, None] & (o_kp[None, :] < TOPK)
     if MODE == 1:
         tl.store(p_o, tl.where(o_kp[None, :] == 0, run[:, None], 0.0).to(tl.int32), mask=m_o)
     elif MODE == 2:
-        got = pk > -9223372036854775807 - 1 + KP
-        tl.store(p_o, tl.where(got, (pk & 0xFFFFFFFF).to(tl.int32), -1), mask=m_o)
-    elif MODE == 0:
         tl.store(p_o, ids, mask=m_o)
 
 
@@ -148,7 +136,8 @@ def _launch(mode: str, q, k, scale, out, sc, T, H, D, block, topk, cfg, fp8):
     meta = dict(H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block, BN=max(16, next_pow2(block)), TOPK=topk,
                 KP=next_pow2(topk), HAS_SCALE=fp8, FP8_DOT=fp8, ROWS=rows, num_warps=warps, num_stages=stages)
     if mode == "topk":
-        index_topk_kernel.fn[grid](*common, *strides, T, 0, INIT=0, LOCAL=1, IEEE=False, BLOCK_SCALE=False, **meta)
+        index_topk_kernel.fn[grid](*common, out, out, *strides, T, 0, 0, D**-0.5, INIT=0, LOCAL=1, IEEE=False,
+                                   BLOCK_SCALE=False, ADAPT=False, **meta)
     else:
         variant_kernel[grid](*common, sc, *strides, T, NBP=sc.shape[-1], LOCAL=1, MODE=MODES[mode], **meta)
 
@@ -160,13 +149,13 @@ def _time(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="32768,131072")
-    ap.add_argument("--modes", default="topk,scores,packed,write")
+    ap.add_argument("--modes", default="topk,scores,minarg,write")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--sweep", default="topk,packed", help="modes whose every config is timed (others: default only)")
+    ap.add_argument("--sweep", default="topk", help="modes whose every config is timed (others: default only)")
     a = ap.parse_args()
     H, D, block, topk = a.heads, a.dim, a.block, a.topk
     cfgs = list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
@@ -195,7 +184,7 @@ def main() -> None:
                     row = dict(T=T, fp8=fp8, mode=mode, cfg=cfg, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
                     if mode == "topk" and cfg == default:
                         ref_blocks = out.clone()
-                    if mode == "packed" and cfg == default and ref_blocks is not None:
+                    if mode == "minarg" and cfg == default and ref_blocks is not None:
                         same = (out.sort(-1).values == ref_blocks.sort(-1).values).all(-1).float().mean().item()
                         row["rows_equal_to_topk"] = round(same, 5)
                     if mode == "write":

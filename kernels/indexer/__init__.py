@@ -115,7 +115,9 @@ def select_blocks(
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q_idx.device) if adapt else out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
-    from m3compile.kernels.indexer._tl_indexer import index_topk_kernel as kernel
+    from m3compile.kernels.indexer._tl_indexer import index_topk_kernel, index_topk_kernel_wide
+
+    kernel = index_topk_kernel_wide if next_pow2(topk) >= 64 else index_topk_kernel
 
     HP = next_pow2(H)
     grid = lambda meta: (-(-Tq // (meta["ROWS"] // HP)), B)  # noqa: E731

@@ -6,13 +6,33 @@ import triton.language as tl
 from m3compile.kernels._common import autotune, configs
 from m3compile.kernels._tl_common import e4m3_scale, quantize_rows_e4m3
 
+I64_MIN = tl.constexpr(-9223372036854775807 - 1)
+I64_MAX = tl.constexpr(9223372036854775807)
+
+
 @triton.jit
-def _insert(vals, ids, score, j, o_kp):
-    # replace each row's current minimum by `score` where it is larger; -inf never enters
-    cur = tl.min(vals, 1)
-    arg = tl.argmin(vals, 1)
-    hit = (score > cur)[:, None] & (o_kp[None, :] == arg[:, None])
-    return tl.where(hit, score[:, None], vals), tl.where(hit, j, ids)
+def _pack(score, j):
+    # a block score and its id as one int64 ordered as the score (ties: the later block): the float's bits made
+    # monotone as a signed int32, shifted over the id. -inf (nothing visible) packs below every slot and never enters
+    bits = score.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(score == float("-inf"), I64_MIN, (key.to(tl.int64) << 32) | j)
+
+
+@triton.jit
+def _unpack_score(pk):
+    # the score of a packed slot (_pack's map is its own inverse on the high word)
+    key = (pk >> 32).to(tl.int32)
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _insert(pk, new):
+    # replace each row's smallest slot by `new` where it is larger: one min and one select over the slots (every
+    # slot's value is distinct: ids in the low word, distinct sentinels in the empty ones)
+    cur = tl.min(pk, 1)
+    return tl.where((new > cur)[:, None] & (pk == cur[:, None]), new[:, None], pk)
+
 
 @triton.jit
 def _block_scores(b_q, p_k, p_s0, j, o_key, m_key, o_tok, m_d, CAUSAL: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -49,17 +69,21 @@ def _prune(cfgs, named_args, **kw):
     return [c for c in cfgs if c.kwargs["ROWS"] >= hp] or cfgs[-1:]
 
 
-@autotune(
-    configs=configs(
-        [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
-        interpret=dict(ROWS=64, num_warps=4, num_stages=1),
-        # M3C_AUTOTUNE=0: the fastest of the sweep at Llama-3-8B index shapes, 128K, bf16 and fp8 alike (28.7 / 22.9 ms
-        # against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py, BENCHMARKS.md)
-        default=dict(ROWS=128, num_warps=4, num_stages=2),
-    ),
-    key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "ADAPT", "tune_bucket"],
-    prune_configs_by={"early_config_prune": _prune},
-)
+def _tuned(default: dict):
+    """The kernel's autotuner, with `default` as its one config under M3C_AUTOTUNE=0."""
+    return autotune(
+        configs=configs(
+            [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
+            interpret=dict(ROWS=64, num_warps=4, num_stages=1), default=default),
+        key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "ADAPT", "tune_bucket"],
+        prune_configs_by={"early_config_prune": _prune},
+    )
+
+
+# M3C_AUTOTUNE=0: the fastest of the sweep at Llama-3-8B index shapes (8 heads), 128K, top-16, bf16 and fp8 alike
+# (28.7 / 22.9 ms against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py,
+# BENCHMARKS.md); index_topk_kernel_wide (below) for 64 slots and more
+@_tuned(dict(ROWS=128, num_warps=4, num_stages=2))
 @triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
     q, k, k_scale, out, slot_logits, lse,
@@ -95,9 +119,10 @@ def index_topk_kernel(
     l_c = tl.zeros([ROWS], tl.float32)
     q_block = o_tok // BS
     o_kp = tl.arange(0, KP)
-    # padding slots (>= TOPK) hold +inf so they are never the minimum that gets replaced
-    vals = tl.where(o_kp[None, :] < TOPK, tl.full([ROWS, KP], float("-inf"), tl.float32), float("inf"))
-    ids = tl.full([ROWS, KP], -1, tl.int32)
+    # the running top-k, packed (_pack): empty slots hold distinct values below any block's, padding slots (>= TOPK)
+    # distinct values above them, so they are never the minimum that gets replaced
+    pk = tl.where(o_kp[None, :] < TOPK, I64_MIN + o_kp[None, :].to(tl.int64),
+                  I64_MAX - o_kp[None, :].to(tl.int64)) + tl.zeros([ROWS, KP], tl.int64)
     t_first = q_start + i_t * BLOCK_T
     t_last = tl.minimum(t_first + BLOCK_T, T) - 1
     n_full = (t_first + 1) // BS  # key blocks every row of the tile sees whole
@@ -114,7 +139,7 @@ def index_topk_kernel(
             m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
         score = tl.where(j < INIT, 3.4028234663852886e38, score)
         score = tl.where(j > q_block - LOCAL, float("inf"), score)
-        vals, ids = _insert(vals, ids, score, j, o_kp)
+        pk = _insert(pk, _pack(score, j))
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
@@ -124,11 +149,21 @@ def index_topk_kernel(
             m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
-        vals, ids = _insert(vals, ids, score, j, o_kp)
+        pk = _insert(pk, _pack(score, j))
     o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
+    got = pk > I64_MIN + KP  # a block entered the slot
+    ids = tl.where(got, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
     if ADAPT:  # slot_logits shares out's strides; lse is [B, H, Tq] contiguous
+        vals = _unpack_score(pk)
         logit = tl.where(vals >= 3.4028234663852886e38, float("inf"), vals * row_scale[:, None])
+        logit = tl.where(got, logit, float("-inf"))
         tl.store(slot_logits + o_out, logit, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
         o_lse = (i_b * H + o_h) * (T - q_start) + (o_tok - q_start)
         tl.store(lse + o_lse, tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf")), mask=m_row)
+
+
+# the same kernel for top-k past 32 (KP >= 64 slots), whose running top-k takes twice the registers or more: at top-45,
+# index dim 64, 128K, 64 rows a program in 4 warps and 3 stages ran in 29.8 / 32.6 ms (fp8 / bf16 scoring) against
+# 36.5 / 34.9 at top-16's default (H100; benchmarks/experiments/indexer_split.py --topk 45)
+index_topk_kernel_wide = _tuned(dict(ROWS=64, num_warps=4, num_stages=3))(index_topk_kernel.fn)

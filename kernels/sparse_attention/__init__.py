@@ -210,9 +210,15 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             t1 - t0, t0,
-            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, num_warps=combine_warps(GP, DP),
+            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, UNROLL=min(K, COMBINE_UNROLL),
+            num_warps=combine_warps(GP, DP),
         )
     return out, (lse if want_lse else None), whole
+
+
+# slots of a token the combine merges per unrolled group: at G = 4, 128K, top-45 all 45 unrolled at once spilled
+# (45.7 ms against 6.1 at top-16, H100); top-16 and below stay one group, as before
+COMBINE_UNROLL = 16
 
 
 def combine_warps(GP: int, DP: int) -> int:

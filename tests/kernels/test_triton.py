@@ -52,6 +52,7 @@ INDEX_CASES = [  # B, T, Hi, Di, block, topk, init, local
     (1, 100, 4, 32, 16, 1, 0, 1),
     (1, 100, 1, 16, 8, 16, 0, 2),
     (2, 53, 5, 16, 8, 32, 1, 1),  # more slots than blocks: -1 slots
+    (1, 300, 2, 16, 4, 40, 1, 1),  # past 32 slots (index_topk_kernel_wide: 64 slots, 40 used)
 ]
 
 
@@ -87,6 +88,7 @@ ADAPTIVE_CASES = [  # B, T, Hi, Di, block, topk (ceiling), init, local, top_p, m
     (2, 70, 3, 24, 8, 6, 1, 1, 0.6, 0),  # ragged tail, Di not a power of two, an init block
     (1, 129, 2, 16, 8, 12, 0, 2, 0.9, 4),  # a floor, two local blocks
     (2, 53, 1, 16, 4, 32, 0, 1, 0.3, 0),  # a ceiling above the block count: -1 slots
+    (1, 300, 2, 16, 4, 48, 0, 1, 0.9, 4),  # a ceiling past 32 slots (the wide kernel)
 ]
 
 
@@ -204,6 +206,7 @@ SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
     (1, 4, 1, 64, 16, 16, 2),  # T a multiple of the block
     (1, 2, 3, 97, 16, 16, 4),  # padded head rows (G 3 of 4) in tiles past their block (the unmasked path)
     (1, 1, 4, 70, 16, 16, 4),  # several unmasked tiles per segment (the path needs blocks of >= 16)
+    (1, 1, 3, 40, 16, 2, 19),  # 19 slots: the combine takes them in two groups, the second partial
 ]
 
 
