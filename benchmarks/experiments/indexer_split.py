@@ -136,7 +136,7 @@ def _launch(mode: str, q, k, scale, out, sc, T, H, D, block, topk, cfg, fp8):
     meta = dict(H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block, BN=max(16, next_pow2(block)), TOPK=topk,
                 KP=next_pow2(topk), HAS_SCALE=fp8, FP8_DOT=fp8, ROWS=rows, num_warps=warps, num_stages=stages)
     if mode == "topk":
-        index_topk_kernel.fn[grid](*common, out, out, *strides, T, 0, 0, D**-0.5, INIT=0, LOCAL=1, IEEE=False,
+        index_topk_kernel.fn[grid](*common, *strides, T, 0, 0, D**-0.5, 1.0, 0, INIT=0, LOCAL=1, IEEE=False,
                                    BLOCK_SCALE=False, ADAPT=False, **meta)
     else:
         variant_kernel[grid](*common, sc, *strides, T, NBP=sc.shape[-1], LOCAL=1, MODE=MODES[mode], **meta)

@@ -3,8 +3,11 @@
 One program owns BLOCK_T query tokens x all index heads (the rows of one matmul: the single index key head is
 shared, so every row reads the same keys) and walks the key blocks it can see. Per key block it computes
 [rows, block] token scores, masks keys after each row's token, max-pools them to one block score per row and
-inserts that score into a per-row top-k kept in registers. No [T, T] tensor and no [T, n_blocks] score tensor is
-ever written: the only output is the block ids.
+inserts that score into a per-row top-k kept in registers: each slot one int64 (the score's bits made monotone,
+over the block id), so an insertion is one min and one select over the slots. No [T, T] tensor and no [T, n_blocks]
+score tensor is ever written: the only output is the block ids. Past 32 slots (a top-k or an adaptive ceiling above
+32) the running top-k takes twice the registers, and a program takes 64 rows instead of 128
+(`index_topk_kernel_wide`).
 
 Forced blocks (the query's own `local_blocks` most recent blocks, the first `init_blocks` blocks) enter with score
 +inf; slots that no visible block fills stay -1. Slot order carries no meaning.
@@ -94,8 +97,8 @@ def select_blocks(
     scores) -> [B, Hi, T, topk] int32 (-1 = empty slot).
     A prompt chunk over its cached prefix passes fewer queries: q_idx [B, Tq, Hi, Di] (Tq <= T) are the queries of
     the last Tq positions -> [B, Hi, Tq, topk].
-    top_p < 1: the adaptive budget (docs/msa.md 2.8): the kernel also gives each slot's logit and the candidates'
-    log-sum-exp, and naive.adaptive_keep sets the slots past the budget to -1 (min_blocks: its floor).
+    top_p < 1: the adaptive budget (docs/msa.md 2.8): the kernel also keeps the candidates' log-sum-exp and, at the
+    end, sets the slots past the budget to -1 as naive.adaptive_keep does (min_blocks: its floor).
     Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
@@ -110,9 +113,6 @@ def select_blocks(
     out = torch.empty(B, H, Tq, topk, dtype=torch.int32, device=q_idx.device)
     if Tq == 0:
         return out
-    adapt = top_p < 1
-    slot_logits = torch.empty(out.shape, dtype=torch.float32, device=q_idx.device) if adapt else out
-    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q_idx.device) if adapt else out
     scale = k_scale.float().contiguous() if fp8 else q_idx.new_empty(1, dtype=torch.float32)
     block_scale = fp8 and scale.shape[1] != T  # one scale per key block: applied after the block max
     from m3compile.kernels.indexer._tl_indexer import index_topk_kernel, index_topk_kernel_wide
@@ -124,15 +124,15 @@ def select_blocks(
 
     def launch(fp8_dot: bool) -> None:
         kernel[grid](
-            q_idx, k_idx, scale, out, slot_logits, lse,
+            q_idx, k_idx, scale, out,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
             scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
-            T, T - Tq, tune_bucket(T), D**-0.5,
+            T, T - Tq, tune_bucket(T), D**-0.5, float(top_p), int(min_blocks),
             H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
             TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
             HAS_SCALE=fp8, BLOCK_SCALE=block_scale, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
-            ADAPT=adapt,
+            ADAPT=top_p < 1,
         )
 
     launch_fp8(launch, fp8)
-    return naive.adaptive_keep(out, slot_logits, lse, top_p, min_blocks) if adapt else out
+    return out

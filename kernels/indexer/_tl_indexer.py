@@ -84,19 +84,21 @@ def _tuned(default: dict):
 # (28.7 / 22.9 ms against 35.1 / 28.2 for the earlier 128 / 8 / 3; benchmarks/experiments/indexer_split.py,
 # BENCHMARKS.md); index_topk_kernel_wide (below) for 64 slots and more
 @_tuned(dict(ROWS=128, num_warps=4, num_stages=2))
-@triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "stride_sb", "stride_ob", "stride_oh"])
+@triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "min_blocks", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
-    q, k, k_scale, out, slot_logits, lse,
+    q, k, k_scale, out,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
-    T, q_start, tune_bucket, sm_scale,
+    T, q_start, tune_bucket, sm_scale, top_p, min_blocks,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
     ADAPT: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # ADAPT (the adaptive budget): also each slot's block logit (score * sm_scale, times the row's own fp8 scale
-    # where it scores in fp8; +inf for a forced block) into slot_logits [B, H, Tq, TOPK], and the log-sum-exp of the
-    # logits of every candidate block (visible, not forced) into lse [B, H, Tq], kept online over the key blocks
+    # ADAPT (the adaptive budget, naive.adaptive_keep on chip): each candidate block's logit (score * sm_scale,
+    # times the row's own fp8 scale where it scores in fp8) and the log-sum-exp of every candidate's (visible, not
+    # forced) kept online over the key blocks; at the end the slots are sorted best first (forced blocks lead) and a
+    # candidate stays while the better candidates' probability mass is below top_p or the row holds fewer than
+    # min_blocks blocks. The other slots are written -1.
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
     BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
@@ -150,17 +152,20 @@ def index_topk_kernel(
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         pk = _insert(pk, _pack(score, j))
+    if ADAPT:
+        srt = tl.sort(tl.where(o_kp[None, :] < TOPK, pk, I64_MIN), dim=1, descending=True)
+        got = srt > I64_MIN + KP  # a block entered the slot
+        score = _unpack_score(srt)
+        forced = got & (score >= 3.4028234663852886e38)
+        lse = tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf"))
+        prob = tl.where(got & ~forced, tl.exp(score * row_scale[:, None] - lse[:, None]), 0.0)
+        before = tl.cumsum(prob, 1) - prob  # the mass of the better candidates
+        keep = forced | (got & ((before < top_p) | (o_kp[None, :] < min_blocks)))
+        ids = tl.where(keep, (srt & 0xFFFFFFFF).to(tl.int32), -1)
+    else:
+        ids = tl.where(pk > I64_MIN + KP, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
-    got = pk > I64_MIN + KP  # a block entered the slot
-    ids = tl.where(got, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
-    if ADAPT:  # slot_logits shares out's strides; lse is [B, H, Tq] contiguous
-        vals = _unpack_score(pk)
-        logit = tl.where(vals >= 3.4028234663852886e38, float("inf"), vals * row_scale[:, None])
-        logit = tl.where(got, logit, float("-inf"))
-        tl.store(slot_logits + o_out, logit, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
-        o_lse = (i_b * H + o_h) * (T - q_start) + (o_tok - q_start)
-        tl.store(lse + o_lse, tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf")), mask=m_row)
 
 
 # the same kernel for top-k past 32 (KP >= 64 slots), whose running top-k takes twice the registers or more: at top-45,
