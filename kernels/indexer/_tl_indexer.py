@@ -169,6 +169,6 @@ def index_topk_kernel(
 
 
 # the same kernel for top-k past 32 (KP >= 64 slots), whose running top-k takes twice the registers or more: at top-45,
-# index dim 64, 128K, 64 rows a program in 4 warps and 3 stages ran in 29.8 / 32.6 ms (fp8 / bf16 scoring) against
-# 36.5 / 34.9 at top-16's default (H100; benchmarks/experiments/indexer_split.py --topk 45)
+# index dim 64, 128K, 64 rows a program in 4 warps and 3 stages ran in 28.9 / 33.6 ms (fp8 / bf16 scoring) against
+# 38.6 / 34.9 at top-16's default (H100, 2026-12-07; benchmarks/experiments/indexer_split.py --topk 45, BENCHMARKS.md)
 index_topk_kernel_wide = _tuned(dict(ROWS=64, num_warps=4, num_stages=3))(index_topk_kernel.fn)
