@@ -229,13 +229,20 @@ def _check_rotation(rotation: torch.Tensor | None, hadamard: bool, D: int) -> in
     return 2 if hadamard else 1
 
 
+def default_slots_per_split(K: int) -> int:
+    """Selected pages per program of `paged_attention`: one page each for a top-k of up to 64, about 64 splits past
+    that (dense attention over every page)."""
+    return 1 if K <= 64 else -(-K // 64)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     rotation: torch.Tensor | None = None, hadamard: bool = False,
-                    backend: str = "auto") -> torch.Tensor:
+                    slots_per_split: int | None = None, backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
-    dense attention over the whole cache. fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
+    dense attention over the whole cache. slots_per_split: the selected pages one program reads (default
+    `slots_per_split(K)`). fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
     per token and head: `paged_kv_write`); their tiles are cast to the query's dtype as loaded (exact: e4m3 and
     8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities. rotation [D, D]
     fp32 (an int8 cache's, runtime.key_shift.rotation): the cached keys and values are rows times it, so the kernel
@@ -261,7 +268,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     G, K = Hq // Hkv, blocks.shape[-1]
     GP, DP = max(16, next_pow2(G)), max(16, next_pow2(D))
-    pps = 1 if K <= 64 else -(-K // 64)  # slots per split: one page each for top-k, ~64 splits for dense
+    pps = default_slots_per_split(K) if slots_per_split is None else int(slots_per_split)
+    if pps < 1:
+        raise ValueError(f"slots_per_split must be >= 1, got {slots_per_split}")
     # (K, pps and the split count are runtime arguments: every context length runs the same two binaries)
     splits = -(-K // pps)
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
