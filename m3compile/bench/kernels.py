@@ -341,7 +341,7 @@ def _autotune_choices() -> dict:
     out = {}
     import importlib
 
-    for mod, names in (("m3compile.kernels.indexer._tl_indexer", ["index_topk_kernel"]),
+    for mod, names in (("m3compile.kernels.indexer._tl_indexer", ["index_topk_kernel", "index_topk_kernel_wide"]),
                        ("m3compile.kernels.sparse_attention._tl_sparse", ["gather_q_fwd_kernel", "gather_q_bwd_kernel"]),
                        ("m3compile.kernels.decode._tl_decode", ["paged_index_scores_kernel",
                                                                 "paged_index_scores_fp8_kernel",
