@@ -96,9 +96,9 @@ def index_topk_kernel(
 ):
     # ADAPT (the adaptive budget, naive.adaptive_keep on chip): each candidate block's logit (score * sm_scale,
     # times the row's own fp8 scale where it scores in fp8) and the log-sum-exp of every candidate's (visible, not
-    # forced) kept online over the key blocks; at the end the slots are sorted best first (forced blocks lead) and a
-    # candidate stays while the better candidates' probability mass is below top_p or the row holds fewer than
-    # min_blocks blocks. The other slots are written -1.
+    # forced) kept online over the key blocks; at the end a candidate slot stays while the better candidates'
+    # probability mass is below top_p or fewer than min_blocks blocks rank above it (forced blocks lead and always
+    # stay). The other slots are written -1.
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
     BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
@@ -153,15 +153,23 @@ def index_topk_kernel(
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         pk = _insert(pk, _pack(score, j))
     if ADAPT:
-        srt = tl.sort(tl.where(o_kp[None, :] < TOPK, pk, I64_MIN), dim=1, descending=True)
-        got = srt > I64_MIN + KP  # a block entered the slot
-        score = _unpack_score(srt)
+        got = (pk > I64_MIN + KP) & (o_kp[None, :] < TOPK)  # a block entered the slot
+        score = _unpack_score(pk)
         forced = got & (score >= 3.4028234663852886e38)
         lse = tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf"))
         prob = tl.where(got & ~forced, tl.exp(score * row_scale[:, None] - lse[:, None]), 0.0)
-        before = tl.cumsum(prob, 1) - prob  # the mass of the better candidates
-        keep = forced | (got & ((before < top_p) | (o_kp[None, :] < min_blocks)))
-        ids = tl.where(keep, (srt & 0xFFFFFFFF).to(tl.int32), -1)
+        # per slot: the probability mass of the better candidates, and the blocks ranked above it (forced ones lead);
+        # one pass over the slots (a sort of the slots costs as much on a GPU and 1,000x more under the interpreter)
+        before = tl.zeros([ROWS, KP], tl.float32)
+        above = tl.zeros([ROWS, KP], tl.int32)
+        for j in range(TOPK):
+            pk_j = tl.max(tl.where(o_kp[None, :] == j, pk, I64_MIN), 1)
+            p_j = tl.sum(tl.where(o_kp[None, :] == j, prob, 0.0), 1)
+            better = pk_j[:, None] > pk
+            before += tl.where(better, p_j[:, None], 0.0)
+            above += (better & (pk_j > I64_MIN + KP)[:, None]).to(tl.int32)
+        keep = forced | (got & ((before < top_p) | (above < min_blocks)))
+        ids = tl.where(keep, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     else:
         ids = tl.where(pk > I64_MIN + KP, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
