@@ -55,13 +55,15 @@ def bench_presets() -> list[str]:
 def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | None = None, topk: int | None = None,
                  dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto",
                  index_dim: int | None = None, default_msa: tuple[int, int] = (128, 16),
+                 top_p: float | None = None, min_blocks: int | None = None,
                  ) -> tuple[Decoder, Decoder, str, dict | None]:
     """(dense model, converted model sharing its weights, description, conversion check) for a checkpoint
     directory (dense: converted in memory with block / topk / dense_layers, None: `default_msa`'s; converted: the
     dense twin without the index branch, and a block or topk other than its own is refused) or a preset (random weights built directly on `device`). The check (`conversion_check`) is None
     for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower).
     `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced).
-    `index_dim`: the conversion's index head dim (MSAConfig.index_dim; a dense model or preset only)."""
+    `index_dim`: the conversion's index head dim (MSAConfig.index_dim; a dense model or preset only). `top_p`,
+    `min_blocks`: the conversion's adaptive budget (MSAConfig's; a dense model or preset only; None: none)."""
     torch_dtype = parse_dtype(dtype)
     path = Path(model)
     if path.is_dir():
@@ -76,15 +78,18 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | No
     args = dense.args
     check = None
     if args.msa is None:  # dense: convert in memory
+        adaptive = {k: v for k, v in (("top_p", top_p), ("min_blocks", min_blocks)) if v is not None}
         gm, _ = convert(dense, MSAConfig(block_size=block or default_msa[0], topk=topk or default_msa[1],
                                          dense_layers=dense_layers,
-                                         index_dtype=index_dtype, index_dim=index_dim))
+                                         index_dtype=index_dtype, index_dim=index_dim, **adaptive))
         check = conversion_check(gm, dense)
         sparse_args = gm.meta["model_args"]
         state = dict(gm.state_dict())
     else:
         for option, asked, own in (("--index-dim", index_dim, args.msa.index_dim),
-                                   ("--block", block, args.msa.block_size), ("--topk", topk, args.msa.topk)):
+                                   ("--block", block, args.msa.block_size), ("--topk", topk, args.msa.topk),
+                                   ("--top-p", top_p, args.msa.top_p),
+                                   ("--min-blocks", min_blocks, args.msa.min_blocks)):
             if asked is not None and asked != own:
                 raise M3CompileError(f"{model} is already converted with {option[2:]} {own}: {option} {asked} "
                                      f"cannot apply to it (it needs its dense source)")

@@ -137,6 +137,13 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
 @click.option("--index-dim", type=int, default=None,
               help="The conversion's index head dim (default: the model's head dim; below its rotary width the index "
                    "head keeps the lowest RoPE frequencies).")
+@click.option("--top-p", type=float, default=None,
+              help="A dense model's conversion: the adaptive budget (as m3c convert --top-p; --topk is its ceiling) "
+                   "[default: none; a converted model's own]. A preset's random index branch gives near-uniform "
+                   "probabilities, so a small --top-p with --min-blocks N keeps about N blocks a query in --topk "
+                   "slots: the adaptive path's cost at a measured mean (e.g. --topk 64 --top-p 0.01 --min-blocks 45).")
+@click.option("--min-blocks", type=int, default=None,
+              help="A dense model's conversion: the adaptive budget's floor (as m3c convert --min-blocks).")
 @_bench_dense_max("longer ones are extrapolated per stage and marked")
 @click.option("--msa-max", default="128K", show_default=True, type=Size(),
               help="Longest prefill timed on the MSA model; longer ones are extrapolated per stage and marked.")
@@ -170,7 +177,8 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
                    "generate runs them].")
 @_bench_device
 @_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
-def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, dense_max, msa_max, dtype,
+def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, top_p, min_blocks, dense_max,
+                msa_max, dtype,
                 index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, profile_max, steps,
                 decode_steps, figure_seconds, separate_projections, device, out_dir):
     """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
@@ -189,7 +197,8 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
 
     lengths = {name: value for name, value in (("prefill_lengths", prefill_lengths),
                                                ("decode_lengths", decode_lengths)) if value is not None}
-    cfg = ModelBenchConfig(model=str(model), batch=batch, block=block, topk=topk, dense_max=dense_max,
+    cfg = ModelBenchConfig(model=str(model), batch=batch, block=block, topk=topk, top_p=top_p, min_blocks=min_blocks,
+                           dense_max=dense_max,
                            msa_max=msa_max, dtype=dtype, profile_max=profile_max,
                            index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim,
                            sparse_kernel=sparse_kernel, steps=steps, decode_steps=decode_steps,

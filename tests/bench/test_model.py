@@ -88,6 +88,24 @@ def test_model_bench_json_on_a_small_checkpoint(tmp_path, monkeypatch):
     assert "extrapolated" in r.output and "conversion kept device cpu and dtype float32: yes" in r.output
 
 
+def test_adaptive_budget_conversion(tmp_path, monkeypatch):
+    """--top-p / --min-blocks convert with the adaptive budget (--topk its ceiling) and the result records it; a
+    floor above the ceiling is one line and no output."""
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
+    out = tmp_path / "bench"
+    common = ["bench", "model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths", "64",
+              "--decode-lengths", "", "--block", "16", "--topk", "4", "--top-p", "0.01", "--steps", "1"]
+    r = CliRunner().invoke(main, [*common, "--min-blocks", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "byte-llama.json").read_text())
+    assert (data["msa"]["topk"], data["msa"]["top_p"], data["msa"]["min_blocks"]) == (4, 0.01, 3)
+    assert (data["config"]["top_p"], data["config"]["min_blocks"]) == (0.01, 3)
+    r = CliRunner().invoke(main, [*common, "--min-blocks", "5", "--out", str(tmp_path / "bad")])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and errors == [r.output.strip().splitlines()[-1]] and "min_blocks (5)" in errors[0]
+    assert not (tmp_path / "bad").exists()
+
+
 def test_decode_batch_is_what_fits():
     """Llama-3-8B shapes at 128K: 8 sequences of bf16 caches need ~146 GB; with ~118 GB free six fit. Qwen2.5-7B
     (4 KV heads) fits 8 at 128K; nothing fits at 8M."""
