@@ -1,5 +1,7 @@
+import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # the small trained byte-level Llama kept in the repository (scripts/train_byte_model.py, checkpoints/byte-llama/
 # training.json): 6 layers, hidden 192, 8 query / 2 KV heads of 24, token id = byte value
 LLAMA_BYTE = ROOT / "checkpoints" / "byte-llama"
+
+
+def with_sparse_config(src: Path, dst: Path, **keys) -> Path:
+    """A copy of the converted checkpoint `src` at `dst` (made where `dst` does not exist yet) with `keys` written into
+    its config.json's sparse_attention_config: how a test stores a value convert would never write."""
+    if not dst.exists():
+        shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["sparse_attention_config"].update(keys)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def load_script(name: str) -> dict:

@@ -16,6 +16,7 @@ import m3compile
 from m3compile import M3CompileError, MSAConfig, cli
 from m3compile.graph.tracing import trace
 from m3compile.ops import msa_select, op_args
+from tests.conftest import with_sparse_config
 
 FP8 = MSAConfig(block_size=8, topk=2, dense_layers=(0, 1), index_dtype="fp8")  # two MSA layers: keeps it quick
 
@@ -117,13 +118,7 @@ def test_cli_convert_and_eval_index_dtype(tmp_path):
 
 
 def test_a_bad_index_dtype_in_config_json_is_one_line(fp8_dir, tmp_path):
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(fp8_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["sparse_attention_config"]["sparse_index_dtype"] = "int4"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = with_sparse_config(fp8_dir, tmp_path / "bad", sparse_index_dtype="int4")
     r = CliRunner().invoke(cli.main, ["eval", "loss", str(bad), "--data", str(bad / "config.json"), "--seq-len", "8"])
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and "sparse_index_dtype" in lines[0], r.output

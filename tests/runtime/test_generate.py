@@ -5,14 +5,13 @@ Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so th
 code the GPU runs, at small shapes.
 """
 import json
-import shutil
 
 import pytest
 import torch
 
 import m3compile
 from m3compile import M3CompileError, MSAConfig
-from tests.conftest import LLAMA_BYTE
+from tests.conftest import LLAMA_BYTE, with_sparse_config
 
 TINY = MSAConfig(block_size=8, topk=2, dense_layers=(0,))
 
@@ -244,17 +243,11 @@ def test_a_bad_stored_budget_is_refused_before_any_output(tmp_path, options, nee
 
 
 def test_a_config_with_a_bad_stored_budget_is_one_error_naming_its_key(llama_dir, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(llama_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["sparse_attention_config"]["sparse_answer_budget"] = "k0"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = with_sparse_config(llama_dir, tmp_path / "bad", sparse_answer_budget="k0")
     with pytest.raises(M3CompileError) as e:
         m3compile.load(bad)
     assert "sparse_attention_config.sparse_answer_budget k0: topk must be >= 1" in str(e.value)
-    cfg["sparse_attention_config"]["sparse_answer_budget"] = "k4"
-    cfg["sparse_attention_config"]["sparse_answer_tokens"] = -3
-    (bad / "config.json").write_text(json.dumps(cfg))
+    with_sparse_config(bad, bad, sparse_answer_budget="k4", sparse_answer_tokens=-3)
     with pytest.raises(M3CompileError, match="sparse_answer_tokens"):
         m3compile.load(bad)
 

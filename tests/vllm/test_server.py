@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import m3compile
 from m3compile import MSAConfig, cli, convert_checkpoint
-from tests.conftest import EVAL_DATA, LLAMA_BYTE, ROOT
+from tests.conftest import EVAL_DATA, LLAMA_BYTE, ROOT, with_sparse_config
 from tests.test_readme import blocks
 from tests.vllm.test_engine import vllm_env
 
@@ -175,11 +175,7 @@ def bad_models(model, root) -> dict[str, tuple[list[str], str]]:
         if f.is_file() and f.suffix == ".json":
             shutil.copy(f, dense / f.name)
     shutil.copy(LLAMA_BYTE / "model.safetensors", dense / "model.safetensors")
-    newer = root / "newer"
-    shutil.copytree(model, newer)
-    config = json.loads((newer / "config.json").read_text())
-    config["sparse_attention_config"]["m3compile_format_version"] = 2
-    (newer / "config.json").write_text(json.dumps(config))
+    newer = with_sparse_config(model, root / "newer", m3compile_format_version=2)
     return {
         "not converted": (["--model", str(dense)], "not a converted model"),
         "block size": (["--model", str(model), "--block-size", "16"], "the model's MSA block is 64 tokens"),
