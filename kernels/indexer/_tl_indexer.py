@@ -152,8 +152,9 @@ def index_topk_kernel(
         score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
         score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
         pk = _insert(pk, _pack(score, j))
+    keep = (pk > I64_MIN + KP) & (o_kp[None, :] < TOPK)  # a block entered the slot
     if ADAPT:
-        got = (pk > I64_MIN + KP) & (o_kp[None, :] < TOPK)  # a block entered the slot
+        got = keep
         score = _unpack_score(pk)
         forced = got & (score >= 3.4028234663852886e38)
         lse = tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf"))
@@ -169,10 +170,8 @@ def index_topk_kernel(
             before += tl.where(better, p_j[:, None], 0.0)
             above += (better & (pk_j > I64_MIN + KP)[:, None]).to(tl.int32)
         keep = forced | (got & ((before < top_p) | (above < min_blocks)))
-        ids = tl.where(keep, (pk & 0xFFFFFFFF).to(tl.int32), -1)
-    else:
-        ids = tl.where(pk > I64_MIN + KP, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
+    ids = tl.where(keep, (pk & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
 
 
