@@ -242,7 +242,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     slots_per_split: int | None = None, backend: str = "auto") -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence), blocks [B, Hkv, K] -> [B, Hq, D]. Pass every page as `blocks` for
     dense attention over the whole cache. slots_per_split: the selected pages one program reads (default
-    `slots_per_split(K)`). fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
+    `default_slots_per_split(K)`). fp8 (e4m3) and int8 caches need k_scale and v_scale [P, BS, Hkv] fp32 (one
     per token and head: `paged_kv_write`); their tiles are cast to the query's dtype as loaded (exact: e4m3 and
     8-bit integers are bf16 and fp16 values) and the scales applied to scores and probabilities. rotation [D, D]
     fp32 (an int8 cache's, runtime.key_shift.rotation): the cached keys and values are rows times it, so the kernel

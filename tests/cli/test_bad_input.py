@@ -589,6 +589,7 @@ CASES.update({
     "option-lr-decay-constant": (lambda b, t: (["train", b / "msa", "--data", b / "d.npy", "--out", t / "o", "--lr-decay-steps", 5, *_TRAIN], t / "o"), "lr_decay_steps shapes the cosine schedule"),
     "option-dense-layers-all": (lambda b, t: (["convert", b / "dense", t / "o", "--dense-layers", "0,1,2"], t / "o"), "the output would have no MSA layer"),
     "option-bench-block-converted": (lambda b, t: (["bench", "model", b / "msa", "--device", "cpu", "--block", 32, "--out", t / "o"], t / "o"), "already converted with block 8: --block 32 cannot apply"),
+    "option-bench-top-p-converted": (lambda b, t: (["bench", "model", b / "msa", "--device", "cpu", "--top-p", 0.5, "--out", t / "o"], t / "o"), "already converted with top-p 1.0: --top-p 0.5 cannot apply"),
     "option-bench-topk-converted": (lambda b, t: (["bench", "distill", b / "msa", "--device", "cpu", "--topk", 4, "--out", t / "o"], t / "o"), "already converted with topk 2: --topk 4 cannot apply"),
     "option-index-dtype-dense-ruler": (lambda b, t: (["eval", "ruler", b / "dense", "--data", _text(t), "--index-dtype", "fp8", *_RULER], None), "applies to MSA layers"),
     "option-kv-cache-batch": (lambda b, t: (["eval", "loss", b / "msa", "--data", b / "d.npy", "--seq-len", 16, "--kv-cache", "fp8", "--batch", 2], None), "--batch 2 cannot apply"),
