@@ -159,7 +159,8 @@ def main() -> None:
     a = ap.parse_args()
     H, D, block, topk = a.heads, a.dim, a.block, a.topk
     cfgs = list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
-    default = (128, 4, 2)  # the production default (kernels/indexer/_tl_indexer.py)
+    # the production defaults (kernels/indexer/_tl_indexer.py): index_topk_kernel_wide's from 64 slots
+    default = (64, 4, 3) if next_pow2(topk) >= 64 else (128, 4, 2)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "shape": dict(heads=H, dim=D, block=block, topk=topk), "rows": []}
     for T in [int(x) for x in a.lengths.split(",")]:

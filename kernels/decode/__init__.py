@@ -230,9 +230,13 @@ def _check_rotation(rotation: torch.Tensor | None, hadamard: bool, D: int) -> in
 
 
 def default_slots_per_split(K: int) -> int:
-    """Selected pages per program of `paged_attention`: one page each for a top-k of up to 64, about 64 splits past
-    that (dense attention over every page)."""
-    return 1 if K <= 64 else -(-K // 64)
+    """Selected pages per program of `paged_attention`: one page each up to a top-k of 16, two up to 64, about 64
+    splits past that (dense attention over every page). At the llama3-8b preset's shapes, 128K, fp8 pages (H100,
+    benchmarks/experiments/decode_slots_per_split.py): two pages a program took top-32 / 45 / 64 from 60.3 / 81.6 /
+    109.9 to 56.5 / 74.5 / 103.0 us at batch 8 and top-45 from 21.6 to 18.3 at batch 1, where one page stays best at
+    top-16 (10.5 against 11.9 us at batch 1, 33.1 against 33.4 at batch 8). Larger programs gained at batch 8 (8
+    pages: 70.3 us at top-45) but lost at batch 1 (33.3), where too few programs are left to fill the GPU."""
+    return 1 if K <= 16 else 2 if K <= 64 else -(-K // 64)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,

@@ -438,7 +438,7 @@ def test_paged_attention_over_every_page_splits_the_pages(D):
 
 
 def test_paged_attention_any_pages_per_split():
-    """slots_per_split: programs of 1, 3 or all 7 selected pages (a -1 slot among them, the last split short) give
+    """slots_per_split: programs of 1, 2, 3 or all 7 selected pages (a -1 slot among them, the last split short) give
     the reference's output; fewer than one page is refused."""
     lens, bs = [61, 40], 4
     k_cache, v_cache, _, table, seq_lens = _paged(lens, bs, 2, 16, 16)
@@ -446,7 +446,7 @@ def test_paged_attention_any_pages_per_split():
                            [[9, 0, 2, 4, 6, -1, 1], [3, 8, 5, 0, 1, 2, 9]]], dtype=torch.int32)
     q = torch.randn(2, 6, 16)
     want = dk.paged_attention_reference(q, k_cache, v_cache, blocks, table, seq_lens)
-    for pps in (1, 3, 7):
+    for pps in (1, 2, 3, 7):
         out = dk.paged_attention(q, k_cache, v_cache, blocks, table, seq_lens, slots_per_split=pps, backend="triton")
         assert rel_err(out, want) < 1e-5, pps
     with pytest.raises(ValueError, match="slots_per_split must be >= 1"):
