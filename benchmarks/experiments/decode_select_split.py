@@ -5,11 +5,13 @@ sequence read, one score per (sequence, index head, page)), then the top-k: `top
 each TOPK_CHUNK pages) and `topk_merge_kernel` (one program per row), or the first alone where a row is one chunk.
 This script times each launch alone and the whole selection, as CUDA graph replays, at M3's decode shapes (batch 8,
 4 index heads x 128 dims, block 128, top-16 by default), the top-k for each chunk size of --chunks and as one
-chunk per row (a single pass, one program per row), torch.topk over the same scores, and the bytes the scoring must
-read (index keys, their scales) over the device-to-device copy rate measured in the same run. Prints one JSON
-object per row, then one with all rows.
+chunk per row (a single pass, one program per row), each stage's way of finding its best keys (`--ways`: serial
+maxima in both stages, ranks in both, ranks in the merge alone, and the defaults of TOPK_RANK_FROM /
+TOPK_RANK_MERGE), torch.topk over the same scores, and the bytes the scoring must read (index keys, their scales)
+over the device-to-device copy rate measured in the same run. Prints one JSON object per row, then one with all rows.
 
     python benchmarks/experiments/decode_select_split.py [--lengths 131072,1048576] [--batch 8] [--chunks 128,256,512]
+        [--topk 16] [--heads 4] [--dim 128] [--ways default,serial,ranks,merge-ranks]
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def stage_ms(q, cache, table, lens, topk, scale, chunk, scores: bool) -> tuple[d
     return {name: round(_graph_ms(launch), 4) for name, launch in launches if scores or name != "scores"}, out
 
 
+# (TOPK_RANK_FROM, TOPK_RANK_MERGE) of each way; None: the module's own
+WAYS = {"default": None, "serial": (10**9, 0), "ranks": (1, 10**9), "merge-ranks": (10**9, 10**9)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="131072,1048576")
@@ -58,8 +64,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--chunks", default="128,256,512", help="top-k chunk sizes (pages, powers of two) to time")
+    ap.add_argument("--ways", default="default,serial,ranks,merge-ranks", help=f"of {', '.join(WAYS)}")
     a = ap.parse_args()
     default_chunk = dk.TOPK_CHUNK
+    default_ways = dk.TOPK_RANK_FROM, dk.TOPK_RANK_MERGE
 
     dev = "cuda"
     tbps = copy_tbps()
@@ -83,6 +91,13 @@ def main() -> None:
                 stages, sel = stage_ms(q, cache, table, lens, a.topk, scale, chunk, scores=False)
                 assert torch.equal(sel, want), f"chunk {chunk} selects other blocks than chunk {default_chunk}"
                 by_chunk[chunk] = dict(stages, topk_ms=round(sum(stages.values()), 4))
+            by_way = {}
+            for way in a.ways.split(","):
+                dk.TOPK_RANK_FROM, dk.TOPK_RANK_MERGE = WAYS[way] or default_ways
+                stages, sel = stage_ms(q, cache, table, lens, a.topk, scale, default_chunk, scores=False)
+                assert torch.equal(sel, want), f"the top-k's way {way} selects other blocks than the default"
+                by_way[way] = dict(stages, topk_ms=round(sum(stages.values()), 4))
+            dk.TOPK_RANK_FROM, dk.TOPK_RANK_MERGE = default_ways
             dk.TOPK_CHUNK = default_chunk
             select_ms = _graph_ms(lambda: dk.paged_select(q, cache, table, lens, topk=a.topk, idx_scale=scale))
             scores = torch.randn(B, H, pages, device=dev, dtype=torch.float32, generator=g)
@@ -93,7 +108,8 @@ def main() -> None:
             row = dict(T=T, batch=B, keys=name, chunk=default_chunk, select_ms=round(select_ms, 4),
                        scores_ms=scores_ms, topk_ms=default["topk_ms"],
                        single_pass_topk_ms=by_chunk[next_pow2(pages)]["topk_ms"],
-                       topk_by_chunk={str(c): by_chunk[c] for c in sorted(by_chunk)}, torch_topk_ms=round(torch_topk_ms, 4),
+                       topk_by_chunk={str(c): by_chunk[c] for c in sorted(by_chunk)}, topk_by_way=by_way,
+                       torch_topk_ms=round(torch_topk_ms, 4),
                        key_gb=round(key_bytes / 1e9, 3), scale_share=0 if scale is None else
                        round(scale.numel() * 4 / key_bytes, 4),
                        floor_ms=round(floor_ms, 4), share_of_floor=round(floor_ms / select_ms, 3))

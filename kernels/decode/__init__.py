@@ -74,6 +74,12 @@ def _check_select(q_idx, idx_cache, block_table, seq_lens, idx_scale) -> bool:
 # 128 would double the merge's candidates, and the merge is one program per row. At 128K (1024 pages) a row is 4
 # chunks: 128 programs at batch 8, then 64 candidates.
 TOPK_CHUNK = 256
+# Each stage finds its best keys one of two ways: TOPK maxima in turn (serial: each waits on a reduction), or every
+# key's rank counted against all the others (n x n comparisons at once) and the best stored at their ranks. Stage 1
+# ranks from TOPK_RANK_FROM slots (in 4 warps: CHUNK x CHUNK comparisons), the merge while its candidates n satisfy
+# n * n <= topk * TOPK_RANK_MERGE (0: never).
+TOPK_RANK_FROM = 32
+TOPK_RANK_MERGE = 8192
 
 
 def _top_blocks_launches(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, block_size: int,
@@ -89,22 +95,25 @@ def _top_blocks_launches(scores: torch.Tensor, seq_lens: torch.Tensor, out: torc
         raise ValueError(f"TOPK_CHUNK must be a power of two, got {chunk}")
     n_chunks = -(-max_pages // chunk)
     common = dict(BS=block_size, CHUNK=chunk, TOPK=topk, INIT=init_blocks, LOCAL=local_blocks)
-    # one warp per 256 pages: a chunk's reductions then stay in warp shuffles (no shared-memory round trip between
-    # warps), which is what each of its TOPK serial maxima waits on
-    stage1_warps = max(1, min(8, chunk // 256))
+    # serial maxima: one warp per 256 pages, so a chunk's reductions stay in warp shuffles (no shared-memory round
+    # trip between warps), which each of its TOPK serial maxima waits on; ranks: 4 warps share the comparisons
+    kc = min(topk, chunk)
+    rank = kc >= TOPK_RANK_FROM
+    stage1_warps = 4 if rank else max(1, min(8, chunk // 256))
     if n_chunks == 1:
         return [("topk", lambda: topk_chunk_kernel[(B, H, 1)](
             scores, seq_lens, out, out, max_pages, scores.stride(0), scores.stride(1), 0, 0, out.stride(0),
-            out.stride(1), KC=topk, FINAL=True, num_warps=stage1_warps, **common))]
-    kc = min(topk, chunk)
+            out.stride(1), KC=topk, FINAL=True, RANK=rank, num_warps=stage1_warps, **common))]
     cand = torch.empty(B, H, n_chunks * kc, dtype=torch.int64, device=scores.device)
     return [
         ("topk_chunks", lambda: topk_chunk_kernel[(B, H, n_chunks)](
             scores, seq_lens, cand, out, max_pages, scores.stride(0), scores.stride(1), cand.stride(0),
-            cand.stride(1), out.stride(0), out.stride(1), KC=kc, FINAL=False, num_warps=stage1_warps, **common)),
+            cand.stride(1), out.stride(0), out.stride(1), KC=kc, FINAL=False, RANK=rank, num_warps=stage1_warps,
+            **common)),
         ("topk_merge", lambda: topk_merge_kernel[(B, H)](
             cand, seq_lens, out, cand.stride(0), cand.stride(1), out.stride(0), out.stride(1),
-            BS=block_size, CHUNK=chunk, KC=kc, TOPK=topk, MT=4 * chunk, num_warps=4)),
+            math.isqrt(topk * TOPK_RANK_MERGE), BS=block_size, CHUNK=chunk, KC=kc, TOPK=topk, MT=4 * chunk,
+            TOPKP=next_pow2(topk), num_warps=4)),
     ]
 
 

@@ -109,47 +109,86 @@ def _key_page(key):
     return tl.where((key >> 32) <= _NINF_HI, -1, page).to(tl.int32)
 
 
+@triton.jit
+def _chunk_keys(scores, o_p, q_block, max_pages, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    # the keys of pages o_p of one row: forced blocks applied (init -> FLT_MAX, local -> +inf), pages past the
+    # sequence -> -inf
+    visible = (o_p <= q_block) & (o_p < max_pages)
+    x = tl.load(scores + o_p, mask=visible, other=float("-inf"))
+    x = tl.where(visible & (o_p < INIT), 3.4028234663852886e38, x)
+    x = tl.where(visible & (o_p > q_block - LOCAL), float("inf"), x)
+    return _page_keys(x, o_p)
+
+
+@triton.jit
+def _ranks(keys, p_other, col0, n, RC: tl.constexpr, FROM_SCORES: tl.constexpr, q_block, max_pages,
+           INIT: tl.constexpr, LOCAL: tl.constexpr):
+    # per key, how many of the n keys from col0 on are larger (keys are distinct: the rank is the key's slot in the
+    # best-first order), counted RC at a time; the others are re-read: the row's pages' scores at p_other
+    # (FROM_SCORES: their keys made again), else keys at p_other
+    rank = tl.zeros(keys.shape, tl.int32)
+    o_c = tl.arange(0, RC)
+    for c0 in range(0, n, RC):
+        if FROM_SCORES:
+            other = _chunk_keys(p_other, col0 + c0 + o_c, q_block, max_pages, INIT, LOCAL)
+        else:
+            other = tl.load(p_other + c0 + o_c, mask=c0 + o_c < n, other=_EMPTY)
+        rank += tl.sum((other[None, :] > keys[:, None]).to(tl.int32), 1)
+    return rank
+
+
 @triton.jit(do_not_specialize=["max_pages", "stride_sb", "stride_sh", "stride_cb", "stride_ch"])
 def topk_chunk_kernel(
     scores, seq_lens, cand, out, max_pages, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
     BS: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr, TOPK: tl.constexpr, INIT: tl.constexpr,
-    LOCAL: tl.constexpr, FINAL: tl.constexpr,
+    LOCAL: tl.constexpr, FINAL: tl.constexpr, RANK: tl.constexpr,
 ):
     # one program: pages [i_c * CHUNK, (i_c + 1) * CHUNK) of one (sequence, index head) row, with the forced blocks
     # applied (init blocks -> FLT_MAX, local blocks -> +inf: when they outnumber the slots, local blocks win, then
     # the lower pages), pages past the sequence -> -inf. Not FINAL: its best KC keys to cand [B, H, n_chunks * KC];
     # chunks past the sequence write nothing (stage 2 reads only the sequence's chunks). FINAL (the row is one
-    # chunk): its best TOPK pages to out [B, H, TOPK], -1 where no visible block is left
+    # chunk): its best TOPK pages to out [B, H, TOPK], -1 where no visible block is left.
+    # RANK: every key's rank counted against the chunk's others (CHUNK x CHUNK comparisons, no serial step), each of
+    # the best KC stored at its rank; else KC maxima in turn, each taken key masked out
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_c = tl.program_id(2)
     seq_len = tl.load(seq_lens + i_b)
     q_block = (seq_len - 1) // BS
     if i_c * CHUNK <= q_block:
+        p_s = scores + i_b * stride_sb + i_h * stride_sh
         o_p = i_c * CHUNK + tl.arange(0, CHUNK)
-        visible = (o_p <= q_block) & (o_p < max_pages)
-        x = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_p, mask=visible, other=float("-inf"))
-        x = tl.where(visible & (o_p < INIT), 3.4028234663852886e38, x)
-        x = tl.where(visible & (o_p > q_block - LOCAL), float("inf"), x)
-        keys = _page_keys(x, o_p)
-        for i in range(KC):
-            best = tl.max(keys, 0)
+        keys = _chunk_keys(p_s, o_p, q_block, max_pages, INIT, LOCAL)
+        if RANK:
+            RC: tl.constexpr = 32 if CHUNK > 32 else CHUNK
+            rank = _ranks(keys, p_s, i_c * CHUNK, CHUNK, RC, True, q_block, max_pages, INIT, LOCAL)
             if FINAL:
-                tl.store(out + i_b * stride_ob + i_h * stride_oh + i, _key_page(best))
+                tl.store(out + i_b * stride_ob + i_h * stride_oh + rank, _key_page(keys), mask=rank < KC)
+                for i in range(CHUNK, KC):  # slots past the chunk's pages
+                    tl.store(out + i_b * stride_ob + i_h * stride_oh + i, -1)
             else:
-                tl.store(cand + i_b * stride_cb + i_h * stride_ch + i_c * KC + i, best)
-            keys = tl.where(keys == best, _EMPTY, keys)
+                tl.store(cand + i_b * stride_cb + i_h * stride_ch + i_c * KC + rank, keys, mask=rank < KC)
+        else:
+            for i in range(KC):
+                best = tl.max(keys, 0)
+                if FINAL:
+                    tl.store(out + i_b * stride_ob + i_h * stride_oh + i, _key_page(best))
+                else:
+                    tl.store(cand + i_b * stride_cb + i_h * stride_ch + i_c * KC + i, best)
+                keys = tl.where(keys == best, _EMPTY, keys)
 
 
-@triton.jit(do_not_specialize=["stride_cb", "stride_ch"])
+@triton.jit(do_not_specialize=["stride_cb", "stride_ch", "rank_max"])
 def topk_merge_kernel(
-    cand, seq_lens, out, stride_cb, stride_ch, stride_ob, stride_oh,
+    cand, seq_lens, out, stride_cb, stride_ch, stride_ob, stride_oh, rank_max,
     BS: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr, TOPK: tl.constexpr, MT: tl.constexpr,
+    TOPKP: tl.constexpr,
 ):
     # one program: one row's candidates (KC keys from each chunk holding a visible page) -> its TOPK pages, best
-    # first, -1 where fewer blocks are visible. Up to MT candidates (a fixed tile, so no context length compiles a
-    # new binary): held in registers, TOPK maxima over them. More: each slot re-reads them in MT-wide tiles
-    # (from L1/L2) for the largest key below the slot before's
+    # first, -1 where fewer blocks are visible. n <= rank_max: each candidate's rank counted against the others
+    # (n x n comparisons in 256 x 32 tiles, no serial step) and the best TOPK stored at their ranks. Else up to MT
+    # candidates (a fixed tile, so no context length compiles a new binary): held in registers, TOPK maxima over
+    # them; more: each slot re-reads them in MT-wide tiles (from L1/L2) for the largest key below the slot before's
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     seq_len = tl.load(seq_lens + i_b)
@@ -157,7 +196,17 @@ def topk_merge_kernel(
     p_c = cand + i_b * stride_cb + i_h * stride_ch
     p_o = out + i_b * stride_ob + i_h * stride_oh
     o_m = tl.arange(0, MT)
-    if n <= MT:
+    if n <= rank_max:
+        RT: tl.constexpr = 256 if MT > 256 else MT
+        o_r = tl.arange(0, RT)
+        for r0 in range(0, n, RT):
+            m_r = r0 + o_r < n
+            keys = tl.load(p_c + r0 + o_r, mask=m_r, other=_EMPTY)
+            rank = _ranks(keys, p_c, 0, n, 32, False, 0, 0, 0, 0)
+            tl.store(p_o + rank, _key_page(keys), mask=m_r & (rank < TOPK))
+        o_k = tl.arange(0, TOPKP)
+        tl.store(p_o + o_k, tl.full([TOPKP], -1, tl.int32), mask=(o_k >= n) & (o_k < TOPK))  # fewer candidates
+    elif n <= MT:
         keys = tl.load(p_c + o_m, mask=o_m < n, other=_EMPTY)
         for i in range(TOPK):
             best = tl.max(keys, 0)

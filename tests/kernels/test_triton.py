@@ -490,16 +490,22 @@ TOP_BLOCKS_CASES = [  # chunk, lens, block, index heads, topk, init, local, scor
     (4, [61, 22], 4, 2, 4, 0, 1, "one-chunk"),  # the best blocks all in one chunk
     (4, [37, 9], 4, 3, 6, 1, 1, "ties"),  # equal scores across and inside chunks: the lower page first
     (256, [30, 7], 4, 3, 4, 2, 1, "ties"),  # one chunk: the single pass
+    (4, [1100, 3], 4, 2, 7, 1, 1, "ties"),  # 276 chunks: the ranked merge's 1,104 candidates span 5 row tiles
+    (4, [9, 2], 4, 2, 6, 0, 1, "randn"),  # one chunk of 4 pages for 6 slots: the single pass writes -1 past them
 ]
 
 
+@pytest.mark.parametrize("how", ["serial", "ranks"])
 @pytest.mark.parametrize("case", TOP_BLOCKS_CASES, ids=lambda c: "chunk{}-lens{}-bs{}-Hi{}-k{}-init{}-local{}-{}".format(
     c[0], "_".join(map(str, c[1])), *c[2:]))
-def test_top_blocks_two_stages_match_reference(case, monkeypatch):
+def test_top_blocks_two_stages_match_reference(case, how, monkeypatch):
     """The top-k over chunks then a merge equals the reference slot for slot (best first, equal scores to the lower
-    page), with small chunks so that rows span several, and the page past the sequences' last one never read."""
+    page), with small chunks so that rows span several, and the page past the sequences' last one never read; with
+    each stage's maxima taken in turn, and with every key's rank counted (TOPK_RANK_FROM, TOPK_RANK_MERGE)."""
     chunk, lens, bs, H, k, init, local, kind = case
     monkeypatch.setattr(dk, "TOPK_CHUNK", chunk)
+    monkeypatch.setattr(dk, "TOPK_RANK_FROM", 1 if how == "ranks" else 10**9)
+    monkeypatch.setattr(dk, "TOPK_RANK_MERGE", 10**9 if how == "ranks" else 0)
     max_pages = max(-(-L // bs) for L in lens) + 1
     scores = torch.randn(len(lens), H, max_pages)
     if kind == "ties":
