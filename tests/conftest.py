@@ -30,6 +30,24 @@ from m3compile import MSAConfig, convert_checkpoint  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# Longest first: with `--dist loadgroup` xdist hands the next scope (a test, or all tests of one xdist_group) in
+# collection order to whichever worker is free, so a long scope collected late left the other worker idle at the end
+# (a run on 2 cores: 462 s, of which the scopes below are 90, 89, 47, 30 and 30 s). These start at once, longest
+# first; the rest keep their order.
+LONGEST_FIRST = ("tests/runtime/test_compile_ahead.py::test_the_synthetic_runs_cover_a_real_generation", "vllm",
+                 "onnx_export", "tests/export/test_remote_code.py::test_adaptive_budget_matches_m3compile",
+                 "tests/runtime/test_generate.py::test_an_answer_budget_through_the_kernels_matches_the_references",
+                 "shard")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        group = item.get_closest_marker("xdist_group")
+        scope = (group.args[0] if group.args else group.kwargs.get("name")) if group else item.nodeid.split("@")[0]
+        return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # the small trained byte-level Llama kept in the repository (scripts/train_byte_model.py, checkpoints/byte-llama/
 # training.json): 6 layers, hidden 192, 8 query / 2 KV heads of 24, token id = byte value
