@@ -6,8 +6,8 @@ each TOPK_CHUNK pages) and `topk_merge_kernel` (one program per row), or the fir
 This script times each launch alone and the whole selection, as CUDA graph replays, at M3's decode shapes (batch 8,
 4 index heads x 128 dims, block 128, top-16 by default), the top-k for each chunk size of --chunks and as one
 chunk per row (a single pass, one program per row), each stage's way of finding its best keys (`--ways`: serial
-maxima in both stages, ranks in both, ranks in the merge alone, and the defaults of TOPK_RANK_FROM /
-TOPK_RANK_MERGE), torch.topk over the same scores, and the bytes the scoring must read (index keys, their scales)
+maxima in both stages, ranks in both, ranks in the merge alone, the defaults of TOPK_RANK_FROM / TOPK_RANK_MERGE,
+and ranks in stage 1 from 32 slots with the merge's up to topk x 8192 candidates squared), torch.topk over the same scores, and the bytes the scoring must read (index keys, their scales)
 over the device-to-device copy rate measured in the same run. Prints one JSON object per row, then one with all rows.
 
     python benchmarks/experiments/decode_select_split.py [--lengths 131072,1048576] [--batch 8] [--chunks 128,256,512]
@@ -52,7 +52,8 @@ def stage_ms(q, cache, table, lens, topk, scale, chunk, scores: bool) -> tuple[d
 
 
 # (TOPK_RANK_FROM, TOPK_RANK_MERGE) of each way; None: the module's own
-WAYS = {"default": None, "serial": (10**9, 0), "ranks": (1, 10**9), "merge-ranks": (10**9, 10**9)}
+WAYS = {"default": None, "serial": (10**9, 0), "ranks": (1, 10**9), "merge-ranks": (10**9, 10**9),
+        "ranks-from-32": (32, 8192)}
 
 
 def main() -> None:
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--chunks", default="128,256,512", help="top-k chunk sizes (pages, powers of two) to time")
-    ap.add_argument("--ways", default="default,serial,ranks,merge-ranks", help=f"of {', '.join(WAYS)}")
+    ap.add_argument("--ways", default="default,serial,ranks,merge-ranks,ranks-from-32", help=f"of {', '.join(WAYS)}")
     a = ap.parse_args()
     default_chunk = dk.TOPK_CHUNK
     default_ways = dk.TOPK_RANK_FROM, dk.TOPK_RANK_MERGE
