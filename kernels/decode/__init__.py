@@ -77,12 +77,12 @@ TOPK_CHUNK = 256
 # Each stage finds its best keys one of two ways: TOPK maxima in turn (serial: each waits on a reduction), or every
 # key's rank counted against all the others (n x n comparisons at once) and the best stored at their ranks. Stage 1
 # ranks from TOPK_RANK_FROM slots (in 4 warps: CHUNK x CHUNK comparisons), the merge while its candidates n satisfy
-# n * n <= topk * TOPK_RANK_MERGE (0: never). Both stay serial by default, the way every decode figure of
-# BENCHMARKS.md was measured, until the ranks are timed on a GPU (benchmarks/experiments/decode_select_split.py
-# --ways; at top-45 the serial stages take 0.43 + 0.28 ms of a 128K step at batch 8, H200); TOPK_RANK_FROM = 32 and
-# TOPK_RANK_MERGE = 8192 are the settings to time.
-TOPK_RANK_FROM = 1 << 30
-TOPK_RANK_MERGE = 0
+# n * n <= topk * TOPK_RANK_MERGE (0: never). At the llama3-8b preset's index shapes, 128K, batch 8 (H100,
+# benchmarks/experiments/decode_select_split.py --ways): top-16's top-k 10.3 -> 7.0 us a layer (stage 1 ranked
+# too: 12.0), top-45's 23.7 -> 14.6 (the merge alone ranked: 14.2); the whole model's decode step at top-45,
+# batch 4, 9.93 -> 9.68 ms.
+TOPK_RANK_FROM = 32
+TOPK_RANK_MERGE = 8192
 
 
 def _top_blocks_launches(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, block_size: int,
