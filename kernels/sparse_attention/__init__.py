@@ -205,12 +205,13 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
         if lse_only:  # merge the per-block log-sum-exps of each (token, head) in torch: [B, C, K, Hq] -> [B, C, Hq]
             lse[:, t0:t1] = torch.logsumexp(part_lse[:, : t1 - t0] * math.log(2.0), 2) / math.log(2.0)
             continue
-        combine_kernel[(B * (t1 - t0), Hkv)](
+        tok = COMBINE_TOKENS_INTERPRETED if interpreting() else 1
+        combine_kernel[(B * -(-(t1 - t0) // tok), Hkv)](
             part_o, part_lse, entry, blocks, out, lse,
             blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             t1 - t0, t0,
-            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, UNROLL=min(K, COMBINE_UNROLL),
+            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, UNROLL=min(K, COMBINE_UNROLL), TOK=tok,
             num_warps=combine_warps(GP, DP),
         )
     return out, (lse if want_lse else None), whole
@@ -219,6 +220,9 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
 # slots of a token the combine merges per unrolled group: at G = 4, 128K, top-45 all 45 unrolled at once spilled
 # (45.7 ms against 6.1 at top-16, H100); top-16 and below stay one group, as before
 COMBINE_UNROLL = 16
+# tokens a combine program takes under the interpreter (a power of two), whose cost is per program and operation:
+# one token a program made the combine the largest share of a small model's interpreted generate; on a GPU, one
+COMBINE_TOKENS_INTERPRETED = 16
 
 
 def combine_warps(GP: int, DP: int) -> int:

@@ -171,33 +171,69 @@ def combine_kernel(
     stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh, stride_xb, stride_xt,
     C, t0,
     HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    STORE_LSE: tl.constexpr, UNROLL: tl.constexpr,
+    STORE_LSE: tl.constexpr, UNROLL: tl.constexpr, TOK: tl.constexpr = 1,
 ):
     # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials, found
     # through `entry` (the CSR position of each (batch, head, token, slot)). The slots go in groups of UNROLL, each
     # unrolled so that its partial loads are independent and issue together; a loop over the groups bounds the
-    # registers in flight (all K slots unrolled at once spill past about 16: top-45 combined 3x slower)
-    i_b, i_tl, i_h, o_g, o_d, m_g, m_gd, o_hq = _token_group(C, G, GP, D, DP)
-    m_acc = tl.full([GP], float("-inf"), tl.float32)
-    l_acc = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
-    p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
-    p_ent = entry + ((i_b * HKV + i_h) * C + i_tl) * K
-    for s0 in range(0, K, UNROLL):
-        for u in tl.static_range(UNROLL):
-            s = s0 + u
-            slot = tl.load(p_blk + s, mask=s < K, other=-1)
-            valid = (tl.zeros([GP], tl.int32) + slot) >= 0  # the slot's block id, per row
-            o_row = tl.load(p_ent + s, mask=s < K, other=0).to(tl.int64) * GP + o_g
-            lse = tl.load(part_lse + o_row, mask=m_g & valid, other=float("-inf"))
-            o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_gd & valid[:, None],
-                        other=0.0).to(tl.float32)
-            m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
-    l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
-    p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
-    tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)
-    if STORE_LSE:  # the token's log-sum-exp over all its blocks (base 2, scale included), kept for backward
-        tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc), mask=m_g)
+    # registers in flight (all K slots unrolled at once spill past about 16: top-45 combined 3x slower).
+    # TOK > 1 (the interpreter's: COMBINE_TOKENS_INTERPRETED): TOK consecutive tokens a program, TOK x GP rows, the
+    # same merge per row; the interpreter's cost is per program and per operation, not per row
+    if TOK == 1:
+        i_b, i_tl, i_h, o_g, o_d, m_g, m_gd, o_hq = _token_group(C, G, GP, D, DP)
+        m_acc = tl.full([GP], float("-inf"), tl.float32)
+        l_acc = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
+        p_ent = entry + ((i_b * HKV + i_h) * C + i_tl) * K
+        for s0 in range(0, K, UNROLL):
+            for u in tl.static_range(UNROLL):
+                s = s0 + u
+                slot = tl.load(p_blk + s, mask=s < K, other=-1)
+                valid = (tl.zeros([GP], tl.int32) + slot) >= 0  # the slot's block id, per row
+                o_row = tl.load(p_ent + s, mask=s < K, other=0).to(tl.int64) * GP + o_g
+                lse = tl.load(part_lse + o_row, mask=m_g & valid, other=float("-inf"))
+                o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_gd & valid[:, None],
+                            other=0.0).to(tl.float32)
+                m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
+        l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
+        p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_gd)
+        if STORE_LSE:  # the token's log-sum-exp over all its blocks (base 2, scale included), kept for backward
+            tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc),
+                     mask=m_g)
+    else:
+        n_tiles = tl.cdiv(C, TOK)
+        i_b = (tl.program_id(0) // n_tiles).to(tl.int64)
+        i_h = tl.program_id(1)
+        o_r = tl.arange(0, TOK * GP)
+        i_tl = ((tl.program_id(0) % n_tiles) * TOK + o_r // GP).to(tl.int64)  # each row's token in the chunk
+        o_g = o_r % GP
+        o_hq = i_h * G + o_g
+        o_d = tl.arange(0, DP)
+        m_r = (i_tl < C) & (o_g < G)
+        m_rd = m_r[:, None] & (o_d < D)[None, :]
+        m_acc = tl.full([TOK * GP], float("-inf"), tl.float32)
+        l_acc = tl.zeros([TOK * GP], tl.float32)
+        acc = tl.zeros([TOK * GP, DP], tl.float32)
+        p_blk = blocks + i_b * stride_bb + i_h * stride_bh + (t0 + i_tl) * stride_bt
+        p_ent = entry + ((i_b * HKV + i_h) * C + i_tl) * K
+        for s0 in range(0, K, UNROLL):
+            for u in tl.static_range(UNROLL):
+                s = s0 + u
+                m_s = m_r & (o_r * 0 + s < K)
+                valid = tl.load(p_blk + s, mask=m_s, other=-1) >= 0
+                o_row = tl.load(p_ent + s, mask=m_s, other=0).to(tl.int64) * GP + o_g
+                lse = tl.load(part_lse + o_row, mask=m_r & valid, other=float("-inf"))
+                o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_rd & valid[:, None],
+                            other=0.0).to(tl.float32)
+                m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
+        l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
+        p_out = out + i_b * stride_ob + (t0 + i_tl)[:, None] * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_out, (acc / l_acc[:, None]).to(out.dtype.element_ty), mask=m_rd)
+        if STORE_LSE:
+            tl.store(lse_out + i_b * stride_xb + (t0 + i_tl) * stride_xt + o_hq, m_acc + tl.math.log2(l_acc),
+                     mask=m_r)
 
 
 @autotune(

@@ -210,17 +210,22 @@ SPARSE_CASES = [  # B, Hkv, G, T, D, block, topk
 ]
 
 
+@pytest.mark.parametrize("tokens", [1, 16], ids=["combine-1-token", "combine-16-tokens"])
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: "B{}-Hkv{}-G{}-T{}-D{}-bs{}-k{}".format(*c))
-def test_sparse_prefill_matches_reference(case):
+def test_sparse_prefill_matches_reference(case, tokens, monkeypatch):
+    """Output against the reference, and the combine's log-sum-exp against the LSE-only gather pass's, with one
+    token a combine program (a GPU's) and 16 (the interpreter's default: the rest of the suite)."""
+    monkeypatch.setattr(sa, "COMBINE_TOKENS_INTERPRETED", tokens)
     B, Hkv, G, T, D, bs, k = case
     q = torch.randn(B, T, Hkv * G, D).transpose(1, 2)  # head-major view of token-major memory, as in the graph
     kk, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k)
     blocks = blocks[..., torch.randperm(k)].int()  # no slot order may be assumed
-    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton")
+    got, lse = sa.sparse_attention_lse(q, kk, v, blocks, block_size=bs, backend="triton")
     want = sparse_attention(q, kk, v, blocks, block_size=bs)
     assert got.shape == want.shape
     assert rel_err(got, want) < 1e-5
+    torch.testing.assert_close(lse, sa.selected_lse(q, kk, blocks, block_size=bs), rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
