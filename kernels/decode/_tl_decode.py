@@ -121,20 +121,10 @@ def _chunk_keys(scores, o_p, q_block, max_pages, INIT: tl.constexpr, LOCAL: tl.c
 
 
 @triton.jit
-def _ranks(keys, p_other, col0, n, RC: tl.constexpr, FROM_SCORES: tl.constexpr, q_block, max_pages,
-           INIT: tl.constexpr, LOCAL: tl.constexpr):
-    # per key, how many of the n keys from col0 on are larger (keys are distinct: the rank is the key's slot in the
-    # best-first order), counted RC at a time; the others are re-read: the row's pages' scores at p_other
-    # (FROM_SCORES: their keys made again), else keys at p_other
-    rank = tl.zeros(keys.shape, tl.int32)
-    o_c = tl.arange(0, RC)
-    for c0 in range(0, n, RC):
-        if FROM_SCORES:
-            other = _chunk_keys(p_other, col0 + c0 + o_c, q_block, max_pages, INIT, LOCAL)
-        else:
-            other = tl.load(p_other + c0 + o_c, mask=c0 + o_c < n, other=_EMPTY)
-        rank += tl.sum((other[None, :] > keys[:, None]).to(tl.int32), 1)
-    return rank
+def _larger(keys, other):
+    # per key, how many of `other` are larger (keys are distinct: summed over all of a row's keys, the count is the
+    # key's slot in the best-first order)
+    return tl.sum((other[None, :] > keys[:, None]).to(tl.int32), 1)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_sb", "stride_sh", "stride_cb", "stride_ch"])
@@ -161,7 +151,10 @@ def topk_chunk_kernel(
         keys = _chunk_keys(p_s, o_p, q_block, max_pages, INIT, LOCAL)
         if RANK:
             RC: tl.constexpr = 32 if CHUNK > 32 else CHUNK
-            rank = _ranks(keys, p_s, i_c * CHUNK, CHUNK, RC, True, q_block, max_pages, INIT, LOCAL)
+            rank = tl.zeros([CHUNK], tl.int32)
+            for c0 in range(0, CHUNK, RC):  # the chunk's keys again, RC at a time
+                rank += _larger(keys, _chunk_keys(p_s, i_c * CHUNK + c0 + tl.arange(0, RC), q_block, max_pages,
+                                                  INIT, LOCAL))
             if FINAL:
                 tl.store(out + i_b * stride_ob + i_h * stride_oh + rank, _key_page(keys), mask=rank < KC)
                 for i in range(CHUNK, KC):  # slots past the chunk's pages
@@ -202,7 +195,10 @@ def topk_merge_kernel(
         for r0 in range(0, n, RT):
             m_r = r0 + o_r < n
             keys = tl.load(p_c + r0 + o_r, mask=m_r, other=_EMPTY)
-            rank = _ranks(keys, p_c, 0, n, 32, False, 0, 0, 0, 0)
+            rank = tl.zeros([RT], tl.int32)
+            for c0 in range(0, n, 32):  # the candidates again, 32 at a time (from L1/L2)
+                rank += _larger(keys, tl.load(p_c + c0 + tl.arange(0, 32), mask=c0 + tl.arange(0, 32) < n,
+                                              other=_EMPTY))
             tl.store(p_o + rank, _key_page(keys), mask=m_r & (rank < TOPK))
         o_k = tl.arange(0, TOPKP)
         tl.store(p_o + o_k, tl.full([TOPKP], -1, tl.int32), mask=(o_k >= n) & (o_k < TOPK))  # fewer candidates
