@@ -228,6 +228,39 @@ def test_sparse_prefill_matches_reference(case, tokens, monkeypatch):
     torch.testing.assert_close(lse, sa.selected_lse(q, kk, blocks, block_size=bs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", [SPARSE_CASES[i] for i in (0, 2, 4, 8)],
+                         ids=lambda c: "B{}-Hkv{}-G{}-T{}-D{}-bs{}-k{}".format(*c))
+def test_sparse_prefill_int8_partials_within_their_rounding(case):
+    """int8 partial outputs (a scale per (token, slot, head) row: its largest magnitude over 127). The output is a
+    convex combination of partial rows, each off by at most half its own step, so every element stays within
+    max|v| / 254 of the reference; D 24 stores its int8 rows by pointer, the others by TMA descriptor."""
+    B, Hkv, G, T, D, bs, k = case
+    q = torch.randn(B, T, Hkv * G, D).transpose(1, 2)
+    kk, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D) * 3
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k).int()
+    want = sparse_attention(q, kk, v, blocks, block_size=bs)
+    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton", int8_partials=True)
+    err = (got - want).abs().max().item()
+    assert err <= v.abs().max().item() / 254 * 1.001 + 1e-6
+    assert T == 1 or err > 1e-5  # the rows were rounded
+
+
+def test_int8_partials_are_the_default_of_16_bit_inference_only():
+    """fp16 inputs without autograd store int8 partials (INT8_PARTIALS); fp32 inputs and a differentiable forward
+    keep partials in their own dtype."""
+    B, Hkv, G, T, D, bs, k = 1, 1, 2, 40, 16, 8, 3
+    q, kk, v = (torch.randn(B, h, T, D).half() for h in (Hkv * G, Hkv, Hkv))
+    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=k).int()
+    run = lambda x, **kw: sa.sparse_attention(x, kk, v, blocks, block_size=bs, backend="triton", **kw)  # noqa: E731
+    exact, int8 = run(q, int8_partials=False), run(q, int8_partials=True)
+    assert not torch.equal(exact, int8)
+    assert torch.equal(run(q), int8)
+    assert torch.equal(run(q.clone().requires_grad_()).detach(), exact)
+    q32, k32, v32 = q.float(), kk.float(), v.float()
+    assert torch.equal(sa.sparse_attention(q32, k32, v32, blocks, block_size=bs, backend="triton"),
+                       sa.sparse_attention(q32, k32, v32, blocks, block_size=bs, backend="triton", int8_partials=False))
+
+
 def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
     """Blocks chosen at random among the visible ones, the token's own block not forced: a segment's first tile then
     holds some of the block's own tokens (masked causally) and later ones (which see the whole block)."""
