@@ -392,7 +392,7 @@ def sparse_attention_lse(
     kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter).
     With `return_csr`, also the BlockCSR the forward walked (None where it was not built whole: the reference, or
     several query chunks), which the fused KL over the same selection takes instead of building its own."""
-    out = _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
+    out = _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True, None)
     return out if return_csr else out[:2]
 
 
