@@ -55,12 +55,6 @@ def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor | Non
     return fp8
 
 
-def two_pass_default(topk: int, top_p: float, n_blocks: int) -> bool:
-    """Whether select_blocks takes its two-pass path by default: past 32 slots (the wide kernel's running top-k) or
-    with the adaptive budget's cut, in contexts of at most TWO_PASS_MAX_BLOCKS blocks."""
-    return n_blocks <= TWO_PASS_MAX_BLOCKS and (next_pow2(topk) >= 64 or top_p < 1)
-
-
 def select_blocks_reference(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -94,7 +88,6 @@ def select_blocks(
     top_p: float = 1.0,
     min_blocks: int = 0,
     backend: str = "auto",
-    method: str = "auto",
 ) -> torch.Tensor:
     """Top-k key blocks per (index head, query token).
 
@@ -106,9 +99,7 @@ def select_blocks(
     the last Tq positions -> [B, Hi, Tq, topk].
     top_p < 1: the adaptive budget (docs/msa.md 2.8): the kernel also keeps the candidates' log-sum-exp and, at the
     end, sets the slots past the budget to -1 as naive.adaptive_keep does (min_blocks: its floor).
-    Runs the Triton kernels on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`. method:
-    "fused" (the running top-k), "two-pass" (block scores to memory, then a bisection per row; contexts of at most
-    TWO_PASS_MAX_BLOCKS blocks) or "auto" (`two_pass_default`).
+    Runs the fused Triton kernel on CUDA (or under TRITON_INTERPRET=1), otherwise `select_blocks_reference`.
     """
     fp8 = _check(q_idx, k_idx, k_scale, block_size, topk)
     B, Tq, H, D = q_idx.shape
@@ -119,13 +110,6 @@ def select_blocks(
                                        min_blocks=min_blocks)
     if k_idx.stride(-1) != 1 or q_idx.stride(-1) != 1:
         raise ValueError("q_idx and k_idx must be contiguous in their last dimension")
-    if method not in ("auto", "fused", "two-pass"):
-        raise ValueError(f"method must be auto, fused or two-pass, got {method!r}")
-    n_blocks = -(-T // block_size)
-    if method == "two-pass" and n_blocks > TWO_PASS_MAX_BLOCKS:
-        raise ValueError(f"the two-pass selection takes at most {TWO_PASS_MAX_BLOCKS} key blocks, got {n_blocks}")
-    if method == "auto":
-        method = "two-pass" if two_pass_default(topk, top_p, n_blocks) else "fused"
     out = torch.empty(B, H, Tq, topk, dtype=torch.int32, device=q_idx.device)
     if Tq == 0:
         return out
@@ -140,65 +124,15 @@ def select_blocks(
 
     def launch(fp8_dot: bool) -> None:
         kernel[grid](
-            q_idx, k_idx, scale, out, out, out,
+            q_idx, k_idx, scale, out,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-            scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
+            scale.stride(0) if fp8 else 0, out.stride(0), out.stride(1), out.stride(2),
             T, T - Tq, tune_bucket(T), D**-0.5, float(top_p), int(min_blocks),
             H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
             TOPK=topk, KP=next_pow2(topk), INIT=init_blocks, LOCAL=local_blocks,
             HAS_SCALE=fp8, BLOCK_SCALE=block_scale, IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot,
-            ADAPT=top_p < 1, SCORES=False,
+            ADAPT=top_p < 1,
         )
 
-    if method == "two-pass":
-        launch_fp8(lambda fp8_dot: _two_pass(q_idx, k_idx, scale, out, block_size, topk, init_blocks, local_blocks,
-                                             fp8, block_scale, fp8_dot, top_p, min_blocks), fp8)
-    else:
-        launch_fp8(launch, fp8)
+    launch_fp8(launch, fp8)
     return out
-
-
-# the two-pass selection: a program of the second pass holds its rows' every block score, so it serves contexts of
-# at most TWO_PASS_MAX_BLOCKS key blocks (256K tokens in blocks of 128); the first pass's score buffer holds at most
-# TWO_PASS_BYTES (queries in chunks past that)
-TWO_PASS_MAX_BLOCKS = 2048
-TWO_PASS_BYTES = 1 << 30
-# block scores a program of the second pass holds (rows x blocks)
-TWO_PASS_TILE = 8192
-
-
-def _two_pass(q_idx, k_idx, scale, out, block_size, topk, init, local, fp8, block_scale, fp8_dot, top_p, min_blocks):
-    """select_blocks in two passes: index_topk_kernel (SCORES) writes every visible block score of a query chunk,
-    then index_select_kernel cuts each row's budget by bisection, with no running top-k (module docstring)."""
-    from m3compile.kernels.indexer._tl_indexer import index_select_kernel, index_topk_kernel
-
-    B, Tq, H, D = q_idx.shape
-    T = k_idx.shape[1]
-    q_start, HP, adapt = T - Tq, next_pow2(H), top_p < 1
-    n_blocks = -(-T // block_size)
-    C = max(1, min(Tq, TWO_PASS_BYTES // (B * n_blocks * HP * 4)))
-    buf = torch.empty(B * n_blocks * C * HP, dtype=torch.float32, device=q_idx.device)
-    rscale = torch.empty(B, C * HP if adapt else 1, dtype=torch.float32, device=q_idx.device)
-    for c0 in range(0, Tq, C):
-        c1 = min(Tq, c0 + C)
-        Tc, nbc = c1 - c0, -(-(q_start + c1) // block_size)  # the chunk's rows and the blocks its last row sees
-        sc = buf[: B * nbc * Tc * HP].view(B, nbc, Tc * HP)
-        qc = q_idx[:, c0:c1]
-        index_topk_kernel[lambda meta: (-(-Tc // (meta["ROWS"] // HP)), B)](
-            qc, k_idx, scale, out, sc, rscale,
-            qc.stride(0), qc.stride(1), qc.stride(2), k_idx.stride(0), k_idx.stride(1),
-            scale.stride(0) if fp8 else 0, 0, 0, 0, sc.stride(0), sc.stride(1), rscale.stride(0),
-            q_start + c1, q_start + c0, tune_bucket(T), D**-0.5, float(top_p), int(min_blocks),
-            H=H, HP=HP, D=D, DP=max(16, next_pow2(D)), BS=block_size, BN=max(16, next_pow2(block_size)),
-            TOPK=1, KP=1, INIT=init, LOCAL=local, HAS_SCALE=fp8, BLOCK_SCALE=block_scale,
-            IEEE=q_idx.dtype == torch.float32 and not fp8, FP8_DOT=fp8_dot, ADAPT=adapt, SCORES=True,
-        )
-        NBP = next_pow2(nbc)
-        TOKB = max(1, TWO_PASS_TILE // (HP * NBP))
-        oc = out[:, :, c0:c1]
-        index_select_kernel[(-(-Tc // TOKB), B)](
-            sc, rscale, oc, sc.stride(0), sc.stride(1), rscale.stride(0), oc.stride(0), oc.stride(1), oc.stride(2),
-            Tc, q_start + c0, D**-0.5, float(top_p), int(min_blocks),
-            H=H, HP=HP, BS=block_size, TOPK=topk, KP=next_pow2(topk), INIT=init, LOCAL=local, ADAPT=adapt,
-            NBP=NBP, TOKB=TOKB, num_warps=8 if TOKB * HP * NBP >= 4096 else 4,
-        )

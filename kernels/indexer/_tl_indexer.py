@@ -75,7 +75,7 @@ def _tuned(default: dict):
         configs=configs(
             [dict(ROWS=r, num_warps=w, num_stages=s) for r in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
             interpret=dict(ROWS=64, num_warps=4, num_stages=1), default=default),
-        key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "ADAPT", "SCORES", "tune_bucket"],
+        key=["HP", "DP", "BS", "KP", "HAS_SCALE", "BLOCK_SCALE", "FP8_DOT", "ADAPT", "tune_bucket"],
         prune_configs_by={"early_config_prune": _prune},
     )
 
@@ -86,22 +86,19 @@ def _tuned(default: dict):
 @_tuned(dict(ROWS=128, num_warps=4, num_stages=2))
 @triton.jit(do_not_specialize=["T", "q_start", "tune_bucket", "min_blocks", "stride_sb", "stride_ob", "stride_oh"])
 def index_topk_kernel(
-    q, k, k_scale, out, scores, rscale,
+    q, k, k_scale, out,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_ob, stride_oh, stride_ot,
-    stride_cb, stride_cj, stride_rb,
     T, q_start, tune_bucket, sm_scale, top_p, min_blocks,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
-    ADAPT: tl.constexpr, SCORES: tl.constexpr, ROWS: tl.constexpr,
+    ADAPT: tl.constexpr, ROWS: tl.constexpr,
 ):
     # ADAPT (the adaptive budget, naive.adaptive_keep on chip): each candidate block's logit (score * sm_scale,
     # times the row's own fp8 scale where it scores in fp8) and the log-sum-exp of every candidate's (visible, not
     # forced) kept online over the key blocks; at the end a candidate slot stays while the better candidates'
     # probability mass is below top_p or fewer than min_blocks blocks rank above it (forced blocks lead and always
     # stay). The other slots are written -1.
-    # SCORES (the two-pass selection's first pass): no top-k; each visible block's score per row goes to
-    # scores [B, blocks, rows] (row = query row x HP + head), and with ADAPT each row's logit scale to rscale
     i_t = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (last tokens) start first
     i_b = tl.program_id(1).to(tl.int64)
     BLOCK_T: tl.constexpr = ROWS // HP  # query tokens per program, each with all its index heads
@@ -135,152 +132,50 @@ def index_topk_kernel(
     o_n = tl.arange(0, BN)
     p_k0 = k + i_b * stride_kb + o_d[None, :]
     p_s0 = k_scale + i_b * stride_sb
-    p_c = scores + i_b * stride_cb + (o_tok - q_start).to(tl.int64) * HP + o_h  # SCORES: block j at + j * stride_cj
-    if SCORES and ADAPT:
-        tl.store(rscale + i_b * stride_rb + (o_tok - q_start) * HP + o_h, row_scale, mask=m_row)
     for j in range(0, n_full):
         o_key = j * BS + o_n
         m_key = o_n < BS
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, False, HAS_SCALE, BLOCK_SCALE, IEEE)
-        if SCORES:
-            tl.store(p_c + j * stride_cj, score, mask=m_row)
-        else:
-            if ADAPT:
-                m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
-            score = tl.where(j < INIT, 3.4028234663852886e38, score)
-            score = tl.where(j > q_block - LOCAL, float("inf"), score)
-            pk = _insert(pk, _pack(score, j))
+        if ADAPT:
+            m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
+        score = tl.where(j < INIT, 3.4028234663852886e38, score)
+        score = tl.where(j > q_block - LOCAL, float("inf"), score)
+        pk = _insert(pk, _pack(score, j))
     for j in range(n_full, n_all):
         o_key = j * BS + o_n
         m_key = (o_n < BS) & (o_key < T)
         score = _block_scores(b_q, p_k0 + o_key[:, None].to(tl.int64) * stride_kt, p_s0, j, o_key, m_key,
                               o_tok, m_d, True, HAS_SCALE, BLOCK_SCALE, IEEE)
-        if SCORES:
-            tl.store(p_c + j * stride_cj, score, mask=m_row)
-        else:
-            if ADAPT:
-                m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
-            score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
-            score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
-            pk = _insert(pk, _pack(score, j))
-    if not SCORES:
-        keep = (pk > I64_MIN + KP) & (o_kp[None, :] < TOPK)  # a block entered the slot
         if ADAPT:
-            got = keep
-            score = _unpack_score(pk)
-            forced = got & (score >= 3.4028234663852886e38)
-            lse = tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf"))
-            prob = tl.where(got & ~forced, tl.exp(score * row_scale[:, None] - lse[:, None]), 0.0)
-            # per slot: the probability mass of the better candidates, and the blocks ranked above it (forced ones
-            # lead); one pass over the slots (a sort of the slots costs as much on a GPU and 1,000x more under the
-            # interpreter)
-            before = tl.zeros([ROWS, KP], tl.float32)
-            above = tl.zeros([ROWS, KP], tl.int32)
-            for j in range(TOPK):
-                pk_j = tl.max(tl.where(o_kp[None, :] == j, pk, I64_MIN), 1)
-                p_j = tl.sum(tl.where(o_kp[None, :] == j, prob, 0.0), 1)
-                better = pk_j[:, None] > pk
-                before += tl.where(better, p_j[:, None], 0.0)
-                above += (better & (pk_j > I64_MIN + KP)[:, None]).to(tl.int32)
-            keep = forced | (got & ((before < top_p) | (above < min_blocks)))
-        o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
-        ids = tl.where(keep, (pk & 0xFFFFFFFF).to(tl.int32), -1)
-        tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
+            m_c, l_c = _candidate_lse(m_c, l_c, score * row_scale, (j >= INIT) & (j <= q_block - LOCAL))
+        score = tl.where((j <= q_block) & (j < INIT), 3.4028234663852886e38, score)
+        score = tl.where((j <= q_block) & (j > q_block - LOCAL), float("inf"), score)
+        pk = _insert(pk, _pack(score, j))
+    keep = (pk > I64_MIN + KP) & (o_kp[None, :] < TOPK)  # a block entered the slot
+    if ADAPT:
+        got = keep
+        score = _unpack_score(pk)
+        forced = got & (score >= 3.4028234663852886e38)
+        lse = tl.where(l_c > 0, m_c + tl.log(tl.maximum(l_c, 1e-30)), float("-inf"))
+        prob = tl.where(got & ~forced, tl.exp(score * row_scale[:, None] - lse[:, None]), 0.0)
+        # per slot: the probability mass of the better candidates, and the blocks ranked above it (forced ones lead);
+        # one pass over the slots (a sort of the slots costs as much on a GPU and 1,000x more under the interpreter)
+        before = tl.zeros([ROWS, KP], tl.float32)
+        above = tl.zeros([ROWS, KP], tl.int32)
+        for j in range(TOPK):
+            pk_j = tl.max(tl.where(o_kp[None, :] == j, pk, I64_MIN), 1)
+            p_j = tl.sum(tl.where(o_kp[None, :] == j, prob, 0.0), 1)
+            better = pk_j[:, None] > pk
+            before += tl.where(better, p_j[:, None], 0.0)
+            above += (better & (pk_j > I64_MIN + KP)[:, None]).to(tl.int32)
+        keep = forced | (got & ((before < top_p) | (above < min_blocks)))
+    o_out = i_b * stride_ob + o_h[:, None] * stride_oh + o_row * stride_ot + o_kp[None, :]
+    ids = tl.where(keep, (pk & 0xFFFFFFFF).to(tl.int32), -1)
+    tl.store(out + o_out, ids, mask=m_row[:, None] & (o_kp[None, :] < TOPK))
 
 
 # the same kernel for top-k past 32 (KP >= 64 slots), whose running top-k takes twice the registers or more: at top-45,
 # index dim 64, 128K, 64 rows a program in 4 warps and 3 stages ran in 28.9 / 33.6 ms (fp8 / bf16 scoring) against
 # 38.6 / 34.9 at top-16's default (H100, 2026-12-07; benchmarks/experiments/indexer_split.py --topk 45, BENCHMARKS.md)
 index_topk_kernel_wide = _tuned(dict(ROWS=64, num_warps=4, num_stages=3))(index_topk_kernel.fn)
-
-
-I32_MIN = tl.constexpr(-2147483647 - 1)
-
-
-@triton.jit
-def _kth_key(key, n, ROWS: tl.constexpr):
-    # per row the n-th largest of key [ROWS, NBP] (int32; n >= 1 and at most the row's keys above I32_MIN): the
-    # largest t with at least n keys >= t, by bisection over the int32 range (32 halvings of [lo, hi))
-    lo = tl.full([ROWS], -2147483648, tl.int64)
-    hi = tl.full([ROWS], 2147483648, tl.int64)
-    for _ in range(32):
-        mid = (lo + hi) >> 1
-        ok = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= n
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    return lo.to(tl.int32)
-
-
-@triton.jit(do_not_specialize=["Tc", "q_start", "min_blocks", "stride_cb", "stride_cj", "stride_rb", "stride_ob",
-                               "stride_oh"])
-def index_select_kernel(
-    scores, rscale, out,
-    stride_cb, stride_cj, stride_rb, stride_ob, stride_oh, stride_ot,
-    Tc, q_start, sm_scale, top_p, min_blocks,
-    H: tl.constexpr, HP: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr, ADAPT: tl.constexpr, NBP: tl.constexpr, TOKB: tl.constexpr,
-):
-    # the two-pass selection's second pass: one program takes TOKB query rows x HP heads with every block score
-    # they see (index_topk_kernel's SCORES pass), finds each row's budget and its threshold by bisection (no
-    # running top-k), and writes the selected block ids in ascending order, then -1 slots. Keys are the scores'
-    # bits made monotone (int32); forced blocks key above every score (local ones above init ones), later blocks
-    # first among equal keys, as index_topk_kernel ranks them. ADAPT: the fewest best candidates whose
-    # probability reaches top_p (at least min_blocks blocks with the forced ones), within the top-k
-    ROWS: tl.constexpr = TOKB * HP
-    i_t = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_r = tl.arange(0, ROWS)
-    o_tl = i_t * TOKB + o_r // HP  # query row in the chunk
-    o_h = o_r % HP
-    m_row = (o_tl < Tc) & (o_h < H)
-    q_block = (q_start + o_tl) // BS
-    o_j = tl.arange(0, NBP)
-    vis = m_row[:, None] & (o_j[None, :] <= q_block[:, None])
-    s = tl.load(scores + i_b * stride_cb + o_j[None, :].to(tl.int64) * stride_cj + (o_tl * HP + o_h)[:, None],
-                mask=vis, other=float("-inf"))
-    local = o_j[None, :] > (q_block - LOCAL)[:, None]
-    forced = vis & ((o_j[None, :] < INIT) | local)
-    bits = s.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = tl.where(forced, tl.where(local, 2139095040, 2139095039), key)  # the keys of +inf and of the largest float
-    key = tl.where(vis, key, I32_MIN)
-    n_top = tl.minimum(tl.sum(vis.to(tl.int32), 1), TOPK)
-    if ADAPT:
-        cand = vis & ~forced
-        logit = s * tl.load(rscale + i_b * stride_rb + o_tl * HP + o_h, mask=m_row, other=0.0)[:, None]
-        m = tl.max(tl.where(cand, logit, float("-inf")), 1)
-        e = tl.where(cand, tl.exp(logit - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
-        prob = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
-        # t: the largest key whose candidates at or above it hold top_p (I32_MIN where all of them hold less)
-        lo = tl.full([ROWS], -2147483648, tl.int64)
-        hi = tl.full([ROWS], 2147483648, tl.int64)
-        for _ in range(32):
-            mid = (lo + hi) >> 1
-            ok = tl.sum(tl.where(key >= mid.to(tl.int32)[:, None], prob, 0.0), 1) >= top_p
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        t = lo.to(tl.int32)[:, None]
-        above = cand & (key > t)
-        at = cand & (key == t)
-        mass_above = tl.sum(tl.where(above, prob, 0.0), 1)
-        p_at = tl.max(tl.where(at, prob, 0.0), 1)
-        # candidates kept while the better ones hold less than top_p: those above t, then as many at t as needed
-        need = tl.where(p_at > 0.0, tl.math.ceil((top_p - mass_above) / tl.maximum(p_at, 1e-30)), 0.0)
-        need = tl.minimum(tl.maximum(need, 1.0), NBP).to(tl.int32)
-        n_p = tl.sum(above.to(tl.int32), 1) + tl.minimum(tl.sum(at.to(tl.int32), 1), need)
-        n_forced = tl.minimum(tl.sum(forced.to(tl.int32), 1), n_top)
-        n_sel = n_forced + tl.minimum(n_top - n_forced, tl.maximum(n_p, min_blocks - n_forced))
-    else:
-        n_sel = n_top
-    t = _kth_key(key, n_sel, ROWS)[:, None]
-    above = key > t
-    at = key == t
-    n_at = n_sel - tl.sum(above.to(tl.int32), 1)
-    sel = above | (at & (tl.cumsum(at.to(tl.int32), 1, reverse=True) <= n_at[:, None]))  # later blocks first
-    slot = tl.cumsum(sel.to(tl.int32), 1) - 1
-    p_out = out + i_b * stride_ob + o_h[:, None] * stride_oh + (o_tl * stride_ot)[:, None]
-    tl.store(p_out + slot, o_j[None, :] + tl.zeros([ROWS, NBP], tl.int32), mask=sel & m_row[:, None])
-    o_kp = tl.arange(0, KP)
-    tl.store(p_out + o_kp[None, :], tl.full([ROWS, KP], -1, tl.int32),
-             mask=m_row[:, None] & (o_kp[None, :] >= n_sel[:, None]) & (o_kp[None, :] < TOPK))

@@ -28,12 +28,10 @@ from m3compile.kernels.sparse_attention import naive
 from m3compile.kernels._common import interpreting, next_pow2, tune_bucket, use_triton
 
 __all__ = ["sparse_attention", "sparse_attention_lse", "selected_lse", "forward_stage", "build_csr", "block_csr",
-           "BlockCSR", "attention_chunk", "PARTIAL_BYTES", "INT8_PARTIALS"]
+           "BlockCSR", "attention_chunk", "PARTIAL_BYTES"]
 
 # bytes of partial outputs one query chunk may hold (per call); 8 GiB keeps 1M-token prefill within an H200
 PARTIAL_BYTES = 8 << 30
-# whether 16-bit inference forwards store int8 partial outputs (`sparse_attention`'s int8_partials)
-INT8_PARTIALS = True
 
 
 class BlockCSR(NamedTuple):
@@ -146,20 +144,17 @@ def attention_chunk(G: int, entries: int = 0) -> int:
     return _chunk(next_pow2(G), rows=entries * next_pow2(G))
 
 
-def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, int8=False):
+def _forward(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse):
     """Gather pass + combine per query chunk. Returns (out [B, T, Hq, D], lse [B, T, Hq] base 2 or None).
 
     stage "lse" (with want_lse): only the per-head log-sum-exp over the selected keys (no P V, no output, partials
     of 4 bytes per (token, slot, head)), the fused KL's teacher normaliser; `out` is then a placeholder."""
-    return _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse,
-                        int8=int8)[:2]
+    return _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)[:2]
 
 
-def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, csr=None,
-                 int8=False):
+def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse, csr=None):
     """_forward that also returns the CSR it walked when one query chunk held every query (else None); `csr`, a
-    BlockCSR of `blocks` at this kernel's chunk, is used instead of building one. `int8`: int8 partial outputs
-    (`int8_partials`)."""
+    BlockCSR of `blocks` at this kernel's chunk, is used instead of building one."""
     from m3compile.kernels.sparse_attention._tl_sparse import combine_kernel, gather_q_fwd_kernel
 
     B, Hq, T, D = q.shape
@@ -171,10 +166,9 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     lse_only = stage == "lse"
     out = q.new_empty(1, 1, 1, 1) if lse_only else torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device) if want_lse else out.new_empty(1, 1)
-    int8 = int8 and not lse_only
-    part_dtype = torch.int8 if int8 else q.dtype
-    # partials per query token: K slots x Hkv groups x GP head rows of (D outputs +) one log-sum-exp (+ a scale)
-    row_bytes = K * Hq * 4 if lse_only else K * Hkv * GP * (D * part_dtype.itemsize + 4 + 4 * int8)
+    part_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+    # partials per query token: K slots x Hkv groups x GP head rows of (D outputs +) one log-sum-exp
+    row_bytes = K * Hq * 4 if lse_only else K * Hkv * GP * (D * part_dtype.itemsize + 4)
     C = max(1, min(T, max_partial_bytes // max(1, B * row_bytes), query_chunk or T))
     if lse_only:  # per (token, slot, head), merged in torch
         part_o = q.new_empty(1, 1)
@@ -182,7 +176,6 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
     else:  # in CSR entry order: row = entry * GP + head, entry = the CSR position of (batch, head, token, slot)
         part_o = torch.empty(B * Hkv * C * K * GP, D, dtype=part_dtype, device=q.device)
         part_lse = torch.empty(B * Hkv * C * K * GP, dtype=torch.float32, device=q.device)
-    part_scale = torch.empty(B * Hkv * C * K * GP if int8 else 1, dtype=torch.float32, device=q.device)
     chunk = attention_chunk(G, B * Hkv * C * K)  # one for every query chunk, so a whole-range CSR is reusable
     tma = not lse_only and _tma_store(part_o, D, DP)
     o_desc = _descriptor(part_o, GP, DP) if tma else part_o
@@ -200,12 +193,12 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
         if lse_only:
             part_lse.fill_(float("-inf"))  # -1 slots are never written: they must add nothing to the merge
         gather_q_fwd_kernel[(tile_seg.numel(),)](
-            q, k, v, part_o, part_lse, part_scale, o_desc, tile_seg, tile_start, seg_off, payload,
+            q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *lse_strides,
             Tk, t0, Tk - T, n_seg, scale * math.log2(math.e), tune_bucket(Tk),
             HKV=Hkv, NB=n_blocks, K=K, G=G, GP=GP, D=D, DP=DP, BS=block_size, BN=max(16, next_pow2(block_size)),
-            CHUNK=chunk, IEEE=ieee, LSE_ONLY=lse_only, TMA=tma, INT8=int8,
+            CHUNK=chunk, IEEE=ieee, LSE_ONLY=lse_only, TMA=tma,
         )
         if stage == "gather":  # benchmarks time the gather pass alone through this
             continue
@@ -214,12 +207,11 @@ def _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_ch
             continue
         tok = COMBINE_TOKENS_INTERPRETED if interpreting() else 1
         combine_kernel[(B * -(-(t1 - t0) // tok), Hkv)](
-            part_o, part_lse, part_scale, entry, blocks, out, lse,
+            part_o, part_lse, entry, blocks, out, lse,
             blocks.stride(0), blocks.stride(1), blocks.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             t1 - t0, t0,
-            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, UNROLL=min(K, COMBINE_UNROLL), INT8=int8,
-            TOK=tok,
+            HKV=Hkv, K=K, G=G, GP=GP, D=D, DP=DP, STORE_LSE=want_lse, UNROLL=min(K, COMBINE_UNROLL), TOK=tok,
             num_warps=combine_warps(GP, DP),
         )
     return out, (lse if want_lse else None), whole
@@ -357,7 +349,6 @@ def sparse_attention(
     backend: str = "auto",
     max_partial_bytes: int = PARTIAL_BYTES,
     query_chunk: int | None = None,
-    int8_partials: bool | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of every query head over its group's selected key blocks; differentiable in q, k, v
     (the backward runs on the same CSR: dK/dV per block on chip, dQ as per-slot shares summed by a second kernel).
@@ -367,12 +358,8 @@ def sparse_attention(
     blocks) being those of the last T positions.
     query_chunk: queries per CSR pass (default: as many as `max_partial_bytes` of partial outputs allow). Smaller
     chunks keep the gathered query rows of one pass in L2 at the cost of re-reading each K/V block once per pass.
-    int8_partials: store each (token, slot, head) partial output as int8 with one fp32 scale (its largest magnitude
-    over 127), about half the bytes of bf16 partials written and read back (default: INT8_PARTIALS for bf16 and
-    fp16 inputs without autograd; a differentiable forward keeps its input dtype).
     """
-    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, "all", False,
-                      int8_partials)[0]
+    return _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, "all", False)[0]
 
 
 def sparse_attention_lse(
@@ -392,7 +379,7 @@ def sparse_attention_lse(
     kernel writes it at no extra pass. None where the torch reference runs (CPU without the interpreter).
     With `return_csr`, also the BlockCSR the forward walked (None where it was not built whole: the reference, or
     several query chunks), which the fused KL over the same selection takes instead of building its own."""
-    out = _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True, None)
+    out = _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, None, "all", True)
     return out if return_csr else out[:2]
 
 
@@ -409,12 +396,10 @@ def forward_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tor
                   scale: float | None = None, stage: str = "gather") -> torch.Tensor:
     """One stage of the sparse forward alone, for profiling: "gather" (partials, no combine) or "all"."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    int8 = INT8_PARTIALS and q.dtype in (torch.bfloat16, torch.float16)  # as sparse_attention's inference forward
-    return _forward(q, k, v, blocks, block_size, scale, PARTIAL_BYTES, None, stage, False, int8)[0]
+    return _forward(q, k, v, blocks, block_size, scale, PARTIAL_BYTES, None, stage, False)[0]
 
 
-def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse,
-               int8_partials=False):
+def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, query_chunk, stage, want_lse):
     check_attention_inputs(q, k, v, cached_prefix=True)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -430,8 +415,5 @@ def _attention(q, k, v, blocks, block_size, scale, backend, max_partial_bytes, q
         if k.shape[2] != T:
             raise ValueError("the sparse attention's backward needs one query per key (no cached prefix)")
         return _SparseAttention.apply(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk)
-    if int8_partials is None:
-        int8_partials = INT8_PARTIALS and q.dtype in (torch.bfloat16, torch.float16)
-    out, lse, csr = _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse,
-                                 int8=int8_partials)
+    out, lse, csr = _forward_csr(q, k, v, blocks, block_size, scale, max_partial_bytes, query_chunk, stage, want_lse)
     return out.transpose(1, 2), lse, csr

@@ -52,26 +52,25 @@ def _descriptor_block(nargs):
         default=dict(ROWS=64, num_warps=4, num_stages=2),
         pre_hook=_descriptor_block,
     ),
-    key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "TMA", "INT8", "tune_bucket"],
+    key=["GP", "DP", "BN", "CHUNK", "IEEE", "LSE_ONLY", "TMA", "tune_bucket"],
     prune_configs_by={"early_config_prune": _prune},
 )
 # NB, like T, is a runtime value: a prompt of another length (in blocks) runs the same binary, no compile
 @triton.jit(do_not_specialize=["T", "t0", "q_start", "n_seg", "tune_bucket", "NB", "stride_lb"])
 def gather_q_fwd_kernel(
-    q, k, v, part_o, part_lse, part_scale, o_desc, tile_seg, tile_start, seg_off, payload,
+    q, k, v, part_o, part_lse, o_desc, tile_seg, tile_start, seg_off, payload,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_lb, stride_lt, stride_ls,
     T, t0, q_start, n_seg, scale_log2, tune_bucket, NB,
     HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, TMA: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr,
+    IEEE: tl.constexpr, LSE_ONLY: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
 ):
     # one program: one (batch, KV head, key block) segment of the CSR, up to CHUNK of the queries that chose it;
     # K/V of the block are loaded once and every TOK-token x G-head tile of gathered queries sweeps them.
     # Partial outputs and log-sum-exps are written in CSR entry order (row = entry * GP + head: a tile's rows are
     # one contiguous range, stored whole by TMA where TMA is on); LSE_ONLY writes its log-sum-exps per (token,
-    # slot, head) instead, for a torch merge. INT8: each partial row in int8 with its scale (its largest magnitude
-    # over 127) in part_scale. T keys; query row r (of q, the selection) is at position q_start + r
+    # slot, head) instead, for a torch merge. T keys; query row r (of q, the selection) is at position q_start + r
     pid = tl.program_id(0)
     seg = tl.load(tile_seg + pid)
     if seg < n_seg:
@@ -137,13 +136,8 @@ def gather_q_fwd_kernel(
                     o = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
                 else:
                     o = tl.dot(p.to(b_v.dtype), b_v)
-                o = o * (1.0 / l)[:, None]
+                o = (o * (1.0 / l)[:, None]).to(part_o.dtype.element_ty)
                 o_row = (e0 + o_r // GP).to(tl.int64) * GP + o_g  # entry e0 + r // GP, head r % GP
-                if INT8:  # round to nearest over the row's largest magnitude: |o| <= amax, so no clamp
-                    amax = tl.max(tl.abs(o), 1)
-                    o = tl.math.floor(o * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5)
-                    tl.store(part_scale + o_row, amax * (1.0 / 127.0), mask=m_row)
-                o = o.to(part_o.dtype.element_ty)
                 p_o = part_o + o_row[:, None] * D + o_d[None, :]
                 if TMA:
                     if e0 + TOK <= end:  # a whole tile; padding heads (GP > G) land in rows nothing reads
@@ -173,17 +167,16 @@ def _token_group(C, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.c
 
 @triton.jit(do_not_specialize=["C", "t0", "stride_bb", "stride_bh", "stride_xb"])
 def combine_kernel(
-    part_o, part_lse, part_scale, entry, blocks, out, lse_out,
+    part_o, part_lse, entry, blocks, out, lse_out,
     stride_bb, stride_bh, stride_bt, stride_ob, stride_ot, stride_oh, stride_xb, stride_xt,
     C, t0,
     HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    STORE_LSE: tl.constexpr, UNROLL: tl.constexpr, INT8: tl.constexpr = False, TOK: tl.constexpr = 1,
+    STORE_LSE: tl.constexpr, UNROLL: tl.constexpr, TOK: tl.constexpr = 1,
 ):
     # one program: one (batch, query token, KV group); log-sum-exp merge of the token's per-block partials, found
     # through `entry` (the CSR position of each (batch, head, token, slot)). The slots go in groups of UNROLL, each
     # unrolled so that its partial loads are independent and issue together; a loop over the groups bounds the
     # registers in flight (all K slots unrolled at once spill past about 16: top-45 combined 3x slower).
-    # INT8: int8 partials, each row times its scale
     # TOK > 1 (the interpreter's: COMBINE_TOKENS_INTERPRETED): TOK consecutive tokens a program, TOK x GP rows, the
     # same merge per row; the interpreter's cost is per program and per operation, not per row
     if TOK == 1:
@@ -202,8 +195,6 @@ def combine_kernel(
                 lse = tl.load(part_lse + o_row, mask=m_g & valid, other=float("-inf"))
                 o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_gd & valid[:, None],
                             other=0.0).to(tl.float32)
-                if INT8:
-                    o = o * tl.load(part_scale + o_row, mask=m_g & valid, other=0.0)[:, None]
                 m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
         l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
         p_out = out + i_b * stride_ob + (t0 + i_tl) * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]
@@ -236,8 +227,6 @@ def combine_kernel(
                 lse = tl.load(part_lse + o_row, mask=m_r & valid, other=float("-inf"))
                 o = tl.load(part_o + o_row[:, None] * D + o_d[None, :], mask=m_rd & valid[:, None],
                             other=0.0).to(tl.float32)
-                if INT8:
-                    o = o * tl.load(part_scale + o_row, mask=m_r & valid, other=0.0)[:, None]
                 m_acc, l_acc, acc = lse_merge(m_acc, l_acc, acc, lse, o)
         l_acc = tl.where(l_acc == 0.0, 1.0, l_acc)
         p_out = out + i_b * stride_ob + (t0 + i_tl)[:, None] * stride_ot + o_hq[:, None] * stride_oh + o_d[None, :]

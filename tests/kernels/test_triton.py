@@ -56,13 +56,12 @@ INDEX_CASES = [  # B, T, Hi, Di, block, topk, init, local
 ]
 
 
-@pytest.mark.parametrize("method", ["fused", "two-pass"])
 @pytest.mark.parametrize("case", INDEX_CASES, ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}".format(*c))
-def test_indexer_matches_reference(case, method):
+def test_indexer_matches_reference(case):
     B, T, H, D, bs, k, init, local = case
     q_idx, k_idx = torch.randn(B, T, H, D), torch.randn(B, T, D)
     got = indexer.select_blocks(q_idx, k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
-                                backend="triton", method=method)
+                                backend="triton")
     want = naive.select_blocks(q_idx.transpose(1, 2), k_idx, block_size=bs, topk=k, init_blocks=init, local_blocks=local)
     assert got.shape == (B, H, T, k) and got.dtype == torch.int32
     assert_same_selection(got, want, naive.block_scores(q_idx.transpose(1, 2), k_idx, bs))
@@ -93,11 +92,10 @@ ADAPTIVE_CASES = [  # B, T, Hi, Di, block, topk (ceiling), init, local, top_p, m
 ]
 
 
-@pytest.mark.parametrize("method", ["fused", "two-pass"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("case", ADAPTIVE_CASES,
                          ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}-p{}-min{}".format(*c))
-def test_indexer_adaptive_budget_matches_reference(case, fp8, method):
+def test_indexer_adaptive_budget_matches_reference(case, fp8):
     """The kernel's slot logits and candidate log-sum-exp (fp8: the query row's own scale applied) cut the
     selection where the reference's adaptive budget does."""
     B, T, H, D, bs, k, init, local, p, floor = case
@@ -106,7 +104,7 @@ def test_indexer_adaptive_budget_matches_reference(case, fp8, method):
     if fp8:
         k_idx, scale = indexer.quantize_index_keys(k_idx, bs)
     kw = dict(block_size=bs, topk=k, init_blocks=init, local_blocks=local, k_scale=scale, top_p=p, min_blocks=floor)
-    got = indexer.select_blocks(q_idx, k_idx, backend="triton", method=method, **kw)
+    got = indexer.select_blocks(q_idx, k_idx, backend="triton", **kw)
     want = indexer.select_blocks_reference(q_idx, k_idx, **kw)
     keys = indexer.dequantize_index_keys(k_idx, scale, bs) if fp8 else k_idx
     logits = naive.block_scores((fp8_round(q_idx) if fp8 else q_idx).transpose(1, 2), keys, bs)
@@ -128,11 +126,10 @@ FP8_CASES = [  # B, T, Hi, Di, block, topk, init, local, query dtype
 ]
 
 
-@pytest.mark.parametrize("method", ["fused", "two-pass"])
 @pytest.mark.parametrize("per_block", [False, True], ids=["token-scale", "block-scale"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "B{}-T{}-Hi{}-Di{}-bs{}-k{}-init{}-local{}-{}".format(
     *c[:-1], str(c[-1]).split(".")[-1]))
-def test_indexer_fp8_matches_reference(case, per_block, method):
+def test_indexer_fp8_matches_reference(case, per_block):
     """fp8 scoring: the kernel (query rows quantised inside it, fp8 keys with one scale per key or per key block)
     against quantise-dequantise-score."""
     B, T, H, D, bs, k, init, local, dtype = case
@@ -142,7 +139,7 @@ def test_indexer_fp8_matches_reference(case, per_block, method):
     keys = indexer.dequantize_index_keys(k8, scale, bs)
     assert rel_err(keys, k_idx) < 0.05  # e4m3 keeps ~3 significant bits
     got = indexer.select_blocks(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local, k_scale=scale,
-                                backend="triton", method=method)
+                                backend="triton")
     want = indexer.select_blocks_reference(q_idx, k8, block_size=bs, topk=k, init_blocks=init, local_blocks=local,
                                            k_scale=scale)
     assert got.shape == (B, H, T, k) and got.dtype == torch.int32
@@ -192,25 +189,6 @@ def test_kernel_quantises_query_rows_as_torch_does(fp8_dot):
     assert torch.equal(out, quantize_index_keys(x)[0].float())
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_two_pass_selection_over_query_chunks_and_a_cached_prefix(top_p, monkeypatch):
-    """The two-pass path in several query chunks (a score buffer of a few rows; each chunk's second pass sees a
-    different number of blocks) and for a prompt chunk's queries over a cached prefix selects what the fused
-    kernel selects; more key blocks than it serves is refused."""
-    B, T, Tq, H, D, bs, k = 2, 203, 150, 3, 16, 8, 6
-    q_idx, k_idx = torch.randn(B, Tq, H, D) * 2, torch.randn(B, T, D)
-    kw = dict(block_size=bs, topk=k, init_blocks=1, local_blocks=2, top_p=top_p, min_blocks=3, backend="triton")
-    want = indexer.select_blocks(q_idx, k_idx, method="fused", **kw)
-    monkeypatch.setattr(indexer, "TWO_PASS_BYTES", B * 26 * 4 * 4 * 37)  # 37 query rows a chunk: 5 chunks
-    got = indexer.select_blocks(q_idx, k_idx, method="two-pass", **kw)
-    assert torch.equal(got.long().sort(-1).values, want.long().sort(-1).values)
-    assert (got[..., :-1] < got[..., 1:]).logical_or(got[..., 1:] < 0).all()  # ascending ids, then -1 slots
-    monkeypatch.setattr(indexer, "TWO_PASS_MAX_BLOCKS", 25)
-    with pytest.raises(ValueError, match="at most 25 key blocks, got 26"):
-        indexer.select_blocks(q_idx, k_idx, method="two-pass", **kw)
-    assert indexer.two_pass_default(k, top_p, 25) == (top_p < 1) and not indexer.two_pass_default(k, top_p, 26)
-
-
 def test_indexer_half_precision():
     B, T, H, D, bs, k = 1, 90, 4, 32, 16, 3
     q_idx, k_idx = torch.randn(B, T, H, D).half(), torch.randn(B, T, D).half()
@@ -248,39 +226,6 @@ def test_sparse_prefill_matches_reference(case, tokens, monkeypatch):
     assert got.shape == want.shape
     assert rel_err(got, want) < 1e-5
     torch.testing.assert_close(lse, sa.selected_lse(q, kk, blocks, block_size=bs), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("case", [SPARSE_CASES[i] for i in (0, 2, 4, 8)],
-                         ids=lambda c: "B{}-Hkv{}-G{}-T{}-D{}-bs{}-k{}".format(*c))
-def test_sparse_prefill_int8_partials_within_their_rounding(case):
-    """int8 partial outputs (a scale per (token, slot, head) row: its largest magnitude over 127). The output is a
-    convex combination of partial rows, each off by at most half its own step, so every element stays within
-    max|v| / 254 of the reference; D 24 stores its int8 rows by pointer, the others by TMA descriptor."""
-    B, Hkv, G, T, D, bs, k = case
-    q = torch.randn(B, T, Hkv * G, D).transpose(1, 2)
-    kk, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D) * 3
-    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 16), torch.randn(B, T, 16), block_size=bs, topk=k).int()
-    want = sparse_attention(q, kk, v, blocks, block_size=bs)
-    got = sa.sparse_attention(q, kk, v, blocks, block_size=bs, backend="triton", int8_partials=True)
-    err = (got - want).abs().max().item()
-    assert err <= v.abs().max().item() / 254 * 1.001 + 1e-6
-    assert T == 1 or err > 1e-5  # the rows were rounded
-
-
-def test_int8_partials_are_the_default_of_16_bit_inference_only():
-    """fp16 inputs without autograd store int8 partials (INT8_PARTIALS); fp32 inputs and a differentiable forward
-    keep partials in their own dtype."""
-    B, Hkv, G, T, D, bs, k = 1, 1, 2, 40, 16, 8, 3
-    q, kk, v = (torch.randn(B, h, T, D).half() for h in (Hkv * G, Hkv, Hkv))
-    blocks = naive.select_blocks(torch.randn(B, Hkv, T, 8), torch.randn(B, T, 8), block_size=bs, topk=k).int()
-    run = lambda x, **kw: sa.sparse_attention(x, kk, v, blocks, block_size=bs, backend="triton", **kw)  # noqa: E731
-    exact, int8 = run(q, int8_partials=False), run(q, int8_partials=True)
-    assert not torch.equal(exact, int8)
-    assert torch.equal(run(q), int8)
-    assert torch.equal(run(q.clone().requires_grad_()).detach(), exact)
-    q32, k32, v32 = q.float(), kk.float(), v.float()
-    assert torch.equal(sa.sparse_attention(q32, k32, v32, blocks, block_size=bs, backend="triton"),
-                       sa.sparse_attention(q32, k32, v32, blocks, block_size=bs, backend="triton", int8_partials=False))
 
 
 def test_sparse_prefill_tiles_mixing_a_blocks_own_tokens_with_later_ones():
