@@ -257,3 +257,23 @@ def test_generate_batch_compares_a_batch_with_one_prompt(byte_msa, tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "generate_batch.sh"), str(byte_msa), str(text)],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode != 0 and "holds 2,000 characters; 3 prompts of 1,000 need 3,000" in done.stderr
+
+
+def test_guided_answer_block_mass_is_the_question_s_causal_attention_per_block():
+    """benchmarks/experiments/guided_answer.py's block mass: the softmax of each question token and head over the keys
+    up to it, summed per key block and KV group (each group's mass totals its tokens x heads; no key past the last
+    token weighs)."""
+    import torch
+
+    block_mass = runpy.run_path(str(ROOT / "benchmarks" / "experiments" / "guided_answer.py"))["block_mass"]
+    Hq, Hkv, C, T, D, bs = 6, 2, 5, 37, 8, 8
+    q, k = torch.randn(1, Hq, C, D), torch.randn(1, Hkv, T, D)
+    mass = block_mass(q, k, 0.3, bs)
+    assert mass.shape == (Hkv, 5)
+    torch.testing.assert_close(mass.sum(-1), torch.full((Hkv,), C * Hq / Hkv))
+    want = torch.zeros(Hkv, 5)
+    for h in range(Hq):
+        for c in range(C):
+            p = torch.softmax(q[0, h, c] @ k[0, h // 3, : T - C + c + 1].T * 0.3, -1)
+            want[h // 3].index_add_(0, torch.arange(p.shape[0]) // bs, p)
+    torch.testing.assert_close(mass, want)
