@@ -7,8 +7,9 @@ This script times each launch alone and the whole selection, as CUDA graph repla
 4 index heads x 128 dims, block 128, top-16 by default), the top-k for each chunk size of --chunks and as one
 chunk per row (a single pass, one program per row), each stage's way of finding its best keys (`--ways`: serial
 maxima in both stages, ranks in both, ranks in the merge alone, the defaults of TOPK_RANK_FROM / TOPK_RANK_MERGE,
-and ranks in stage 1 from 32 slots with the merge's up to topk x 8192 candidates squared), torch.topk over the same scores, and the bytes the scoring must read (index keys, their scales)
-over the device-to-device copy rate measured in the same run. Prints one JSON object per row, then one with all rows.
+and ranks in stage 1 from 32 slots with the merge's up to topk x 8192 candidates squared), torch.topk over the same
+scores, and the bytes the scoring must read (index keys, their scales) over the device-to-device copy rate measured
+in the same run. Prints one JSON object per row, then one with all rows.
 
     python benchmarks/experiments/decode_select_split.py [--lengths 131072,1048576] [--batch 8] [--chunks 128,256,512]
         [--topk 16] [--heads 4] [--dim 128] [--ways default,serial,ranks,merge-ranks]

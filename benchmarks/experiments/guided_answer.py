@@ -9,7 +9,8 @@ tokens, prefilled at `--answer-budget`) sees every block; this script records, f
 attention mass per key block summed over the question's tokens and the group's heads (the softmax over every cached
 key, causal), keeps the `--guide` blocks of most mass (`--beyond`: of the blocks after the first and before the
 question's own, which the index's init and local blocks cover and where every query's mass lands), and adds them to
-every decode step's index selection (duplicates dropped). Everything else is `m3c eval ruler`, whose options follow `--`. Runs the torch paths (CPU).
+every decode step's index selection (duplicates dropped). Everything else is `m3c eval ruler`, whose options follow
+`--`. Runs the torch paths (CPU).
 
     python benchmarks/experiments/guided_answer.py --guide 4 -- MODEL --data data/long_code_eval.txt --lengths 4K \\
         --samples 10 --tasks niah_single_2,niah_multikey_1,niah_multivalue --topk 4 --answer-budget k64 \\
@@ -35,9 +36,6 @@ import m3compile.runtime.paged_cache as pc
 # of at most QUESTION_MAX tokens (a question pass; a longer body pass records nothing)
 GUIDED: dict[tuple[int, int], torch.Tensor] = {}
 QUESTION_MAX = 256
-# --beyond: rank only the blocks before the question's own and after the first (the attention sink), which the
-# index's local and init blocks cover or the mass of every query lands on
-BEYOND = {"on": False}
 _STEP = {"cache": None, "layer": None, "extended": 0, "added": 0}
 
 
@@ -53,8 +51,9 @@ def block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) 
     return F.pad(p, (0, nb * block_size - T)).view(Hkv, nb, block_size).sum(-1)
 
 
-def install(n: int) -> None:
-    """Patch the paged prefill (record the question's blocks) and the decode selection (add them)."""
+def install(n: int, beyond: bool) -> None:
+    """Patch the paged prefill (record the question's blocks) and the decode selection (add them). beyond: rank only
+    the blocks after the first (the attention sink) and before the question's own (the index's local blocks)."""
     prompt_attend, step_attend, select = pc.PromptView.attend, pc.StepView.attend, pc.paged.paged_select
 
     def recording_attend(self, attn, q, k, v, q_idx, k_idx):
@@ -63,7 +62,7 @@ def install(n: int) -> None:
         if m is not None and self.end - self.start <= QUESTION_MAX:
             keys, _ = self.cache.keys_values(attn.layer, self.b, self.end)
             mass = block_mass(q, keys, attn.scale, m.block_size)
-            if BEYOND["on"]:
+            if beyond:
                 j = torch.arange(mass.shape[-1], device=mass.device)
                 mass = mass.masked_fill((j == 0) | (j >= self.start // m.block_size), float("-inf"))
             top = mass.topk(min(n, mass.shape[-1]), -1)
@@ -108,9 +107,8 @@ def main() -> None:
         sys.exit(f"error: --guide must be >= 0, got {a.guide}")
     if "--json" not in args:
         sys.exit("error: pass --json among the ruler's arguments (this script adds to its JSON)")
-    BEYOND["on"] = a.beyond
     if a.guide:
-        install(a.guide)
+        install(a.guide, a.beyond)
     from m3compile import cli
 
     buf = io.StringIO()
