@@ -20,6 +20,11 @@ one stage of distillation or of continued training that records its speed and pe
     python3 benchmarks/recipe_distill.py train MODEL_DIR DATA OUT_DIR --steps N --record RUNS.jsonl [options]
         The same with m3compile.train (every parameter through the sparse attention, plus --loss-coeff x the index
         KL; lr 1e-5 and no block loss unless given); its state is OUT_DIR/train_state.
+
+    python3 benchmarks/recipe_distill.py budget MODEL_DIR OUT_DIR [--topk N] [--top-p P] [--min-blocks N]
+        A copy of the converted MODEL_DIR (its files hard-linked where the file system allows) whose stored
+        selection budget is the one given (sparse_attention_config: topk the ceiling, top-p and its floor), so that
+        a later distillation or training runs at it; checked as m3compile reads a config. OUT_DIR must not exist.
 """
 from __future__ import annotations
 
@@ -55,6 +60,46 @@ def prepare(a) -> None:
         train = load_tokens(a.calib_txt, vocab, a.tokenizer_dir).numpy().astype(np.int32)
     _save(out / "train_ids.npy", train)
     _save(out / "eval_ids.npy", load_tokens(a.eval_txt, vocab, a.tokenizer_dir).numpy().astype(np.int32))
+
+
+def budget(a) -> int:
+    import os
+    import shutil
+
+    from m3compile.io.hf_config import args_from_config, read_config
+
+    src, out = Path(a.model_dir), Path(a.out_dir)
+    if out.exists():
+        print(f"error: {out} exists", file=sys.stderr)
+        return 2
+    config = json.loads((src / "config.json").read_text())
+    sparse = config.get("sparse_attention_config")
+    if not isinstance(sparse, dict) or "sparse_topk_blocks" not in sparse:
+        print(f"error: {src} is not a model m3compile converted (no sparse_attention_config)", file=sys.stderr)
+        return 2
+    for key, value in (("sparse_topk_blocks", a.topk), ("sparse_top_p", a.top_p), ("sparse_min_blocks", a.min_blocks)):
+        if value is not None:
+            sparse[key] = value
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        args_from_config(read_config(tmp))
+    except M3CompileError as e:
+        shutil.rmtree(tmp)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tmp.rename(out)
+    print(f"wrote {out}: topk {sparse['sparse_topk_blocks']}, top-p {sparse.get('sparse_top_p', 1.0)}, "
+          f"floor {sparse.get('sparse_min_blocks', 0)}", file=sys.stderr)
+    return 0
 
 
 def _save(path: Path, ids: np.ndarray) -> None:
@@ -130,10 +175,18 @@ def main() -> int:
     p.add_argument("--train-chars", type=int, default=0, help="0: the whole file")
     for name, what in (("distill", "one stage of distillation"), ("train", "one stage of continued training")):
         _stage_options(sub.add_parser(name, help=what), training=name == "train")
+    b = sub.add_parser("budget", help="a copy of a converted model with another stored selection budget")
+    b.add_argument("model_dir")
+    b.add_argument("out_dir")
+    b.add_argument("--topk", type=int, help="the ceiling (the fixed top-k when --top-p is 1)")
+    b.add_argument("--top-p", type=float)
+    b.add_argument("--min-blocks", type=int, help="the adaptive budget's floor")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a)
         return 0
+    if a.cmd == "budget":
+        return budget(a)
     return run_stage(a)
 
 

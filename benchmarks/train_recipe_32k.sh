@@ -15,7 +15,12 @@
 #   benchmarks/train_recipe_32k.sh MODEL_DIR LONG_CODE_DIR OUT_DIR
 #   MODEL_DIR: a converted, distilled model (e.g. OUT/b128k16/distill of benchmarks/distill_recipe_32k.sh)
 #   LONG_CODE_DIR: what `python3 scripts/long_code.py DIR` writes (long_code_calib.txt, long_code_eval.txt)
-#   env: TOKENS ("0 5M 10M 20M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole steps), RULER_AT (the
+#   env: TRAIN_DATA (OUT/train_ids.npy: LONG_CODE_DIR's calibration text; a longer text's ids, e.g. what
+#        `scripts/long_code.py DIR --calib-bytes 80000000 --exclude LONG_CODE_DIR/long_code_eval.txt` writes, avoid
+#        repeating 4.6M tokens), BUDGET (none: the model's stored budget; else `recipe_distill.py budget` options,
+#        e.g. "--topk 64 --top-p 0.95 --min-blocks 16": the training runs and the output keeps that budget; the
+#        model is then copied to OUT/model), RULER_OPTS (none: more `m3c eval ruler` options),
+#        TOKENS ("0 5M 10M 20M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole steps), RULER_AT (the
 #        TOKENS entries that get the suite; default all; "none": none), SEQ_LEN (32768), BATCH (1), LR (1e-5),
 #        LOSS_COEFF (1.0), CHECKPOINT_EVERY (100), SAMPLES (25), LENGTHS (4K,8K,16K,32K), LOSS_WINDOWS (4: 32K windows),
 #        SHORT_WINDOWS (64: 2K windows),
@@ -35,6 +40,11 @@ mkdir -p "$OUT"
 if [ ! -f "$OUT/eval_ids.npy" ]; then  # the token files, through the model's tokenizer
   t $PY "$HERE/recipe_distill.py" prepare "$MODEL" "$LONG/long_code_calib.txt" "$LONG/long_code_eval.txt" "$OUT"
 fi
+TRAIN_DATA=${TRAIN_DATA:-$OUT/train_ids.npy}
+if [ -n "${BUDGET:-}" ]; then  # the model at the budget the training runs at
+  [ -d "$OUT/model" ] || t $PY "$HERE/recipe_distill.py" budget "$MODEL" "$OUT/model" $BUDGET
+  MODEL=$OUT/model
+fi
 for spec in $TOKENS; do
   steps=$(steps_of "$spec")
   S=$OUT/steps-$(printf %06d $steps)
@@ -44,7 +54,7 @@ for spec in $TOKENS; do
   if [ $steps -gt 0 ]; then
     evaluated=$OUT/train
     if [ ! -f "$S/train.json" ]; then
-      t to_json "$S/train.json" $PY "$HERE/recipe_distill.py" train "$MODEL" "$OUT/train_ids.npy" "$OUT/train" \
+      t to_json "$S/train.json" $PY "$HERE/recipe_distill.py" train "$MODEL" "$TRAIN_DATA" "$OUT/train" \
         --steps $steps --record "$OUT/runs.jsonl" --seq-len $SEQ_LEN --batch $BATCH --lr $LR \
         --loss-coeff $LOSS_COEFF --checkpoint-every $CHECKPOINT_EVERY --device "$DEVICE"
     fi
@@ -54,7 +64,7 @@ for spec in $TOKENS; do
   [ -f "$S/loss2k.json" ] || t to_json "$S/loss2k.json" eval_loss --seq-len 2048 --max-windows $SHORT_WINDOWS --no-oracle
   if wants_ruler "$spec" && [ ! -f "$S/ruler.json" ]; then
     t to_json "$S/ruler.json" $M3C eval ruler "$evaluated" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" \
-      --samples $SAMPLES --selections index --dtype bfloat16 --device "$DEVICE" --json
+      --samples $SAMPLES --selections index --dtype bfloat16 --device "$DEVICE" --json ${RULER_OPTS:-}
   fi
 done
 $PY - "$OUT" <<'PY'

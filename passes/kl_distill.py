@@ -23,6 +23,10 @@ the `strip_kl_distill` pass undoes it exactly: the graph's code is again the inf
 alone): the output's logits become None and dead code is removed, so the step no longer runs the lm head (at 32K
 tokens with a 151,936-token vocabulary: 8.9 TFLOP and a 10 GB bf16 logits tensor per sequence for Qwen2.5-0.5B's
 width), the final norm, or the last layer's o_proj and MLP. Such a graph cannot be stripped back.
+`hidden_output` is for a step that makes the next-token loss itself: the output's logits become the lm head's input
+(the final norm's output), and the step applies the returned head a few thousand tokens at a time
+(m3compile.train.lm_loss), so no step holds the whole [T, vocabulary] logits. Such a graph cannot be stripped back
+either.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from m3compile.graph.pass_manager import Pass, PassReport, register_pass
 from m3compile.ops import is_op, msa_attention, msa_attention_lse, msa_block_loss, msa_index_kl, msa_select, op_args, \
     set_op_arg
 
-__all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES", "drop_logits"]
+__all__ = ["KLDistill", "StripKLDistill", "KLHook", "DistillGraph", "MODES", "drop_logits", "hidden_output"]
 
 MODES = ("warmup", "sparse")
 
@@ -62,7 +66,8 @@ class DistillGraph:
     layers: list[int]
     output_before: tuple
     block_loss: bool = False  # the output carries the block-ranking loss per layer
-    logits: bool = True  # False after drop_logits: the output's first item is None and the lm head is gone
+    logits: bool = True  # False after drop_logits (the output's first item is None) or hidden_output (the hidden
+    #                      state the lm head would read): the lm head node is gone
 
 
 @register_pass
@@ -185,6 +190,30 @@ def drop_logits(gm: torch.fx.GraphModule) -> int:
     return before - len(g.nodes)
 
 
+def hidden_output(gm: torch.fx.GraphModule) -> torch.nn.Linear:
+    """Return the lm head's input (the final hidden state, [batch, T, hidden]) in place of the logits from a hooked
+    graph, remove the lm head's node, and return the head (the module itself: its weight stays the graph's
+    parameter, tied to the embeddings where the model ties them). Irreversible: strip_kl_distill refuses the graph
+    afterwards."""
+    state: DistillGraph | None = gm.meta.get("m3_kl_distill")
+    if state is None:
+        raise M3CompileError("hidden_output needs a graph with distillation hooks (run kl_distill first)")
+    if not state.logits:
+        raise M3CompileError("the graph's logits are already dropped or replaced")
+    g = gm.graph
+    out = g.output_node()
+    head = out.args[0][0]
+    module = gm.get_submodule(head.target) if isinstance(head, torch.fx.Node) and head.op == "call_module" else None
+    if not isinstance(module, torch.nn.Linear) or len(head.args) != 1 or head.kwargs or len(head.users) != 1:
+        raise M3CompileError(f"hidden_output: the graph's logits do not come from one linear lm head ({head})")
+    out.args = ((head.args[0], *out.args[0][1:]),)
+    g.erase_node(head)
+    g.lint()
+    gm.recompile()
+    state.logits = False
+    return module
+
+
 def _hooks(gm: torch.fx.GraphModule):
     """(attention node, its KLHook, its msa_index_kl node) for every hooked layer."""
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -215,8 +244,8 @@ class StripKLDistill(Pass):
         if state is None:
             return report
         if not state.logits:
-            raise M3CompileError("the graph's logits were dropped (drop_logits): its inference graph cannot be "
-                                 "restored; trace the model again")
+            raise M3CompileError("the graph's logits were dropped (drop_logits, hidden_output): its inference graph "
+                                 "cannot be restored; trace the model again")
         del gm.meta["m3_kl_distill"]
         g = gm.graph
         out = g.output_node()

@@ -2,6 +2,7 @@
 """Long-context code data: whole, long Python files from this Python's standard library and installed packages.
 
     python3 scripts/long_code.py OUT_DIR [--min-bytes 60000] [--eval-files 10] [--calib-bytes 16000000]
+                                 [--exclude LONG_CODE_EVAL_TXT ...]
 
 writes two text files into OUT_DIR (created if missing):
 
@@ -13,7 +14,8 @@ A file qualifies when it is a `.py` file of at least --min-bytes bytes under one
 line `# ---- path ----` with its path relative to its `sys.path` folder (a folder that is itself on `sys.path` is
 read as its own entry, not as part of its parent); files with the same bytes count once. Files are ranked by the
 sha1 of their relative path: the first --eval-files go to eval, the next ones to calib until --calib-bytes would be
-passed (0: all of them). Each output lists its files sorted by path. Which files exist depends on what is
+passed (0: all of them). --exclude names a file of the same format (an eval file made on another machine): its files,
+matched by relative path or by text, go to neither output, so a larger training text made here never holds them. Each output lists its files sorted by path. Which files exist depends on what is
 installed, so the split is stable for a given set of packages, not across machines.
 
 Each file is written under a temporary name and renamed when complete: an interrupted run leaves no partial file.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +84,11 @@ def long_files(folders: list[str], min_bytes: int) -> list[LongFile]:
 
 
 def write(out_dir: str | os.PathLike, min_bytes: int = MIN_BYTES, eval_files: int = EVAL_FILES,
-          calib_bytes: int = CALIB_BYTES, folders: list[str] | None = None, echo: bool = True) -> dict[str, Path]:
+          calib_bytes: int = CALIB_BYTES, folders: list[str] | None = None, echo: bool = True,
+          exclude: list[str | os.PathLike] = ()) -> dict[str, Path]:
     """Write long_code_calib.txt and long_code_eval.txt into `out_dir`; returns {"calib": path, "eval": path}.
-    folders: where to look (default: sys.path). echo: print one line per file written."""
+    folders: where to look (default: sys.path). echo: print one line per file written. exclude: files of this
+    script's format whose pieces (by relative path or text) are left out of both outputs."""
     out_dir = Path(out_dir)
     if min_bytes < 1 or eval_files < 1 or calib_bytes < 0:
         raise ScriptError(f"--min-bytes and --eval-files must be >= 1 and --calib-bytes >= 0, got {min_bytes:,}, "
@@ -91,6 +96,14 @@ def write(out_dir: str | os.PathLike, min_bytes: int = MIN_BYTES, eval_files: in
     if out_dir.exists() and not out_dir.is_dir():
         raise ScriptError(f"{out_dir} is a file, not a directory")
     files = long_files(sys.path if folders is None else folders, min_bytes)
+    paths_out, texts_out = set(), set()
+    for path in exclude:
+        for relpath, text in pieces(path):
+            paths_out.add(relpath)
+            texts_out.add(text)
+    excluded = len(files)
+    files = [f for f in files if f.relpath not in paths_out and f.text not in texts_out]
+    excluded -= len(files)
     if len(files) <= eval_files:
         raise ScriptError(f"{len(files)} Python files of >= {min_bytes:,} bytes found: too few for {eval_files} eval "
                           f"files and at least one calibration file (lower --min-bytes or --eval-files)")
@@ -111,8 +124,22 @@ def write(out_dir: str | os.PathLike, min_bytes: int = MIN_BYTES, eval_files: in
         write_atomic(paths[name], lambda f: f.write(text.encode("utf-8")))
         if echo:
             print(f"wrote {paths[name]}: {len(text.encode('utf-8')):,} bytes, {len(chosen):,} files "
-                  f"(of {len(files):,} of >= {min_bytes:,} bytes)")
+                  f"(of {len(files):,} of >= {min_bytes:,} bytes"
+                  + (f"; {excluded:,} left out by --exclude)" if exclude else ")"))
     return paths
+
+
+def pieces(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(relative path, text) of each file in a file this script wrote."""
+    try:
+        data = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScriptError(f"--exclude {path}: cannot read it as UTF-8 text ({e})") from None
+    parts = re.split(r"(?m)^# ---- (.+) ----\n", data)
+    if len(parts) < 3 or parts[0]:
+        raise ScriptError(f"--exclude {path}: not a file of this script (no '# ---- path ----' line first)")
+    # piece() adds a newline to a text without one: the text as read then ends with it
+    return [(parts[i], parts[i + 1]) for i in range(1, len(parts), 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-bytes", type=int, default=CALIB_BYTES, metavar="N",
                     help=f"most bytes of long_code_calib.txt, whole files only; 0: every other file "
                          f"(default {CALIB_BYTES:,})")
+    ap.add_argument("--exclude", type=Path, action="append", default=[], metavar="FILE",
+                    help="a long_code_eval.txt (or _calib.txt) made elsewhere: its files, by path or text, go to "
+                         "neither output; repeatable")
     a = ap.parse_args(argv)
     here = Path(__file__).resolve().parent
     folders = [p for p in sys.path if p and Path(p).resolve() != here]
     try:
-        write(a.out_dir, a.min_bytes, a.eval_files, a.calib_bytes, folders)
+        write(a.out_dir, a.min_bytes, a.eval_files, a.calib_bytes, folders, exclude=a.exclude)
     except ScriptError as e:
         ap.fail(e)
     return 0

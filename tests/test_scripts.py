@@ -88,6 +88,15 @@ def test_long_code_keeps_long_files_whole_and_holds_some_out(tmp_path, monkeypat
         assert f"# ---- {rel} ----\n{texts[rel]}" in calib
     again = write(tmp_path / "again", min_bytes=1000, eval_files=3, echo=False)
     assert again["eval"].read_text() == held_out and again["calib"].read_text() == calib
+    # an eval file made elsewhere: its files (one by path, one by text under another path) go to neither output
+    other = tmp_path / "other_eval.txt"
+    other.write_text(f"# ---- pkg/m1.py ----\nchanged elsewhere\n# ---- elsewhere/m2.py ----\n{texts['pkg/m2.py']}")
+    kept = write(tmp_path / "kept", min_bytes=1000, eval_files=3, echo=False, exclude=[other])
+    both = headers(kept["calib"].read_bytes()) + headers(kept["eval"].read_bytes())
+    assert sorted(both) == sorted(set(texts) - {"pkg/m1.py", "pkg/m2.py"}), both
+    out = run(SCRIPTS / "long_code.py", tmp_path / "bad", "--exclude", tmp_path / "missing.txt")
+    assert out.returncode != 0 and "--exclude" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -43,9 +43,10 @@ from m3compile.io.tensor_names import checkpoint_names, written_together
 from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_non_finite
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import lowering, scope
-from m3compile.passes.kl_distill import drop_logits
+from m3compile.passes.kl_distill import drop_logits, hidden_output
 from m3compile.pipelines import run_pipeline
 from m3compile.train.holdout import HeldOut, split_holdout
+from m3compile.train.lm_loss import lm_loss
 from m3compile.train.shard import (
     copy_rows, full_tensor, local_bytes, materialize, needs_sharding, process_group, shard_graph,
 )
@@ -368,6 +369,10 @@ class DistillStep:
             # the index branch learns from the hooks' outputs alone: no lm head, final norm or last o_proj / MLP.
             # (A sharded run keeps them: its held-out loss runs this graph, train/holdout.py.)
             drop_logits(self.gm)
+        # training, unsharded: the graph returns the final hidden state and the step applies the lm head a chunk of
+        # tokens at a time (train/lm_loss.py): at 32K the whole logits and their backward would hold about 60 GB.
+        # (A sharded graph keeps its logits: FSDP gathers the head's weight inside the graph's forward.)
+        self.head = hidden_output(self.gm) if self.training and not shard else None
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
@@ -418,11 +423,12 @@ class DistillStep:
         parameters are); returns detached (kl, recall, lm, block), lm None when distilling, block (the block-ranking
         loss per layer) None without config.block_loss."""
         with scope("m3c.forward"), self.config.autocast_context(self.device, cache), lowering(self.lowered):
-            logits, kl, recall, *block = self.net(x)
+            out, kl, recall, *block = self.net(x)  # out: the hidden state (self.head), the logits or None
             block = block[0] if block else None
             lm = None
             if self.training:  # next-token loss through the sparse attention + the index KL
-                lm = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                lm = (lm_loss(out, self.head, y) if self.head is not None
+                      else torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten()))
         self.opt.zero_grad(set_to_none=True)
         with scope("m3c.backward"):
             with scope("m3c.loss"):

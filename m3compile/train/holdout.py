@@ -26,6 +26,7 @@ from m3compile.data import windows
 from m3compile.errors import M3CompileError
 from m3compile.models.decoder import Attention
 from m3compile.ops import lowering
+from m3compile.train.lm_loss import lm_loss
 
 __all__ = ["DEFAULT_HOLDOUT_WINDOWS", "split_holdout", "HeldOut", "summary"]
 
@@ -116,7 +117,7 @@ class HeldOut:
             attention = [m for m in self.model.modules() if isinstance(m, Attention)]
             before = [m.selection for m in attention]
             self.model.set_selection("index" if sparse else "dense")
-            forward, context = self.model, lowering(str(self.device).startswith("cuda"))
+            context = lowering(str(self.device).startswith("cuda"))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batch = max(1, self.config.batch * (self.wins.shape[1] - 1) // (wins.shape[1] - 1))  # the tokens of a batch
         try:
@@ -124,9 +125,13 @@ class HeldOut:
                 for b in range(0, wins.shape[0], batch):
                     chunk = wins[b:b + batch].to(self.device)
                     with self.config.autocast_context(self.device):
-                        logits = forward(chunk[:, :-1])
-                    total += F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(),
-                                             reduction="sum").double()
+                        if stepper.sharded:
+                            loss = F.cross_entropy(forward(chunk[:, :-1]).float().flatten(0, 1),
+                                                   chunk[:, 1:].flatten(), reduction="sum")
+                        else:  # the logits a chunk of tokens at a time: a 32K window's whole logits hold 20 GB
+                            loss = lm_loss(self.model.model(chunk[:, :-1]), self.model.lm_head, chunk[:, 1:],
+                                           reduction="sum")
+                    total += loss.double()
         finally:
             if not stepper.sharded:
                 for m, s in zip(attention, before):

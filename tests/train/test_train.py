@@ -12,7 +12,57 @@ from tests.cli.test_cli import run
 from tests.train.test_distill import digest, tensors, two_processes_and_one
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_lm_loss_in_chunks_matches_the_whole_logits(bias):
+    """The loss and its gradients (hidden state, head weight and bias) from chunks of 5 rows equal those of the whole
+    logits, on 2 x 11 tokens (chunks that do not divide them, the last of 2 rows) and on one token."""
+    import torch.nn.functional as F
+    from m3compile.train.lm_loss import lm_loss
 
+    torch.manual_seed(0)
+    for shape in ((2, 11), (1, 1)):
+        head = torch.nn.Linear(8, 37, bias=bias)
+        h = torch.randn(*shape, 8, requires_grad=True)
+        y = torch.randint(0, 37, shape)
+        grads = []
+        for loss in (F.cross_entropy(head(h).flatten(0, 1), y.flatten()), lm_loss(h, head, y, rows=5)):
+            params = [h, *head.parameters()]
+            grads.append((loss.detach(), *torch.autograd.grad(loss, params)))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(lm_loss(h, head, y, reduction="sum", rows=3),
+                                       F.cross_entropy(head(h).flatten(0, 1), y.flatten(), reduction="sum"))
+
+
+def test_training_step_makes_the_whole_logits_loss_in_chunks(byte_msa):
+    """The training step's graph returns the final hidden state (hidden_output) and its LM loss, made a chunk of
+    tokens at a time, equals the cross-entropy of the untouched graph's whole logits, gradients included."""
+    from m3compile.graph.tracing import trace
+    from m3compile.passes.kl_distill import KLDistill, hidden_output
+    from m3compile.graph.pass_manager import PassManager
+    from m3compile.train.lm_loss import lm_loss
+
+    x = windows(load_tokens(CALIB_DATA, 256), 96, 1)
+    graphs = []
+    for _ in range(2):
+        gm = trace(load(byte_msa, dtype="float32"))
+        PassManager([KLDistill("sparse")]).run(gm)
+        graphs.append(gm)
+    head = hidden_output(graphs[1])
+    assert head is graphs[1].lm_head and not any(n.target == "lm_head" for n in graphs[1].graph.nodes)
+    logits, kl, _ = graphs[0](x[:, :-1])
+    hidden, kl2, _ = graphs[1](x[:, :-1])
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    got = lm_loss(hidden, head, x[:, 1:], rows=40)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl2, kl, rtol=0, atol=0)
+    (want + kl.sum()).backward()
+    (got + kl2.sum()).backward()
+    a, b = dict(graphs[0].named_parameters()), dict(graphs[1].named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name].grad, a[name].grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_training_updates_the_backbone_and_fits_its_data(byte_msa, tmp_path):

@@ -1,0 +1,44 @@
+"""The next-token loss of a long sequence without its whole logits.
+
+At 32K tokens a 151,936-token vocabulary (Qwen2.5) makes logits of 10 GB in bf16 and 20 GB in fp32, and
+cross_entropy's backward holds as much again: more than the rest of a 0.5B model's training step. `lm_loss` applies
+the lm head LOGIT_ROWS tokens at a time; under autograd each chunk is a torch.utils.checkpoint region, so its logits
+are freed after the forward and made again in the backward, and the loss never holds more than one chunk's logits
+(4,096 x 151,936 fp32: 2.5 GB). The price is one more lm-head matmul per step (at 32K on Qwen2.5-0.5B, 8.9 TFLOP).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from m3compile.errors import M3CompileError
+
+__all__ = ["lm_loss", "LOGIT_ROWS"]
+
+LOGIT_ROWS = 4096  # tokens whose logits exist at once
+
+
+def lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, reduction: str = "mean",
+            rows: int = LOGIT_ROWS) -> torch.Tensor:
+    """Cross-entropy of `head(hidden)` against `targets` (fp32; "mean" over the tokens or their "sum"), the logits
+    made `rows` tokens at a time. `hidden` [..., hidden_size], `targets` the same leading shape. Under autocast the
+    head runs in the autocast dtype, as a whole-logits loss would."""
+    h = hidden.flatten(0, -2)
+    y = targets.flatten()
+    if h.shape[0] != y.shape[0]:
+        raise M3CompileError(f"lm_loss: {h.shape[0]} hidden rows against {y.shape[0]} targets")
+    if reduction not in ("mean", "sum"):
+        raise M3CompileError(f"lm_loss: reduction is 'mean' or 'sum', got {reduction!r}")
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], rows):
+        args = (h[i:i + rows], head.weight, head.bias, y[i:i + rows])
+        # the head has no randomness: no RNG state to save (a CUDA graph's capture could not read it)
+        total = total + (checkpoint(_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
+                         else _chunk(*args))
+    return total / max(1, y.numel()) if reduction == "mean" else total
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight, bias).float(), y, reduction="sum")
