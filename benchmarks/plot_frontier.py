@@ -136,7 +136,7 @@ def table(out: list[dict], lengths: list[str], dense_cells: dict) -> str:
                  f" | {_cell(dense_cells.get('all'))} | 1x | 1x |")
     for r in out:
         blocks = f"{_num(r['blocks'], '.1f')} ({_num(r['blocks_p90'], '.0f')}), {_num(r['oracle_blocks'], '.1f')}"
-        loss = f"+{r['loss']:.3f}%, " + (f"+{r['oracle_loss']:.3f}%" if r["oracle_loss"] is not None else "")
+        loss = f"{r['loss']:+.3f}%, " + (f"{r['oracle_loss']:+.3f}%" if r["oracle_loss"] is not None else "")
         speed = [f"{x:.2f}x (top-{k})" if x is not None else ""
                  for x, k in ((r["prefill"], r["bench_topk"]), (r["decode"], r["decode_topk"]))]
         lines.append(f"| {r['name']} | {blocks} | {loss} | " + " | ".join(_cell(r["ruler"].get(n)) for n in lengths) +

@@ -8,9 +8,10 @@
 #                    holds every key, so its loss is the model's own; steps-000000's dense loss is the source model's
 #     ruler.json     the RULER-style suite with the index selection (the RULER_AT stages)
 # and OUT/runs.jsonl, one line per training call: steps, tokens, seconds, tokens/s, peak GPU memory. Every file that
-# exists is skipped, so the same command called again continues. The table (tokens; 32K loss against the source's
-# dense, and the oracle's; 2K loss against the source's; the suite's averages; tokens/s and peak memory) is printed
-# last and written to OUT/recipe_table.md.
+# exists is skipped, so the same command called again continues. Each stage evaluates OUT/train, the state of lowest
+# held-out loss so far (m3c train's rule). The table (tokens; 32K loss against the source's dense, against the
+# stage's own dense, and the oracle's; 2K loss against the source's; the suite's averages; tokens/s and peak memory)
+# is printed last and written to OUT/recipe_table.md.
 #
 #   benchmarks/train_recipe_32k.sh MODEL_DIR LONG_CODE_DIR OUT_DIR
 #   MODEL_DIR: a converted, distilled model (e.g. OUT/b128k16/distill of benchmarks/distill_recipe_32k.sh)
@@ -82,8 +83,8 @@ def pct(loss, ref):
     return f"{100 * (loss / ref - 1):+.2f}%" if loss is not None and ref else ""
 
 
-rows = ["| steps | tokens | 32K loss vs the source's dense | its oracle | 2K loss vs the source's | RULER (index) by "
-        "length | tokens/s | peak GB |", "| --- " * 8 + "|"]
+rows = ["| steps | tokens | 32K loss vs the source's dense | vs its own dense | its oracle vs its own dense | 2K loss vs "
+        "the source's | RULER (index) by length | tokens/s | peak GB |", "| --- " * 9 + "|"]
 for s in stages:
     steps = int(s.name.split("-")[1])
     l32, l2, r = read(s / "loss32k.json") or {}, read(s / "loss2k.json") or {}, read(s / "ruler.json") or {}
@@ -92,7 +93,7 @@ for s in stages:
     ruler = " / ".join(f"{v:.1f}" for k, v in r.get("average", {}).get("index", {}).items() if k != "all")
     speed = f"{run['tokens_per_s']:,.0f}" if run else ""
     rows.append(f"| {steps} | {tokens:,} | {pct(l32.get('sparse_loss'), source32.get('dense_loss'))} | "
-                f"{pct(l32.get('oracle_loss'), source32.get('dense_loss'))} | "
+                f"{pct(l32.get('sparse_loss'), l32.get('dense_loss'))} | {pct(l32.get('oracle_loss'), l32.get('dense_loss'))} | "
                 f"{pct(l2.get('sparse_loss'), source2.get('dense_loss'))} | {ruler} | {speed} | {run.get('peak_gb', '')} |")
 (out / "recipe_table.md").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
