@@ -20,7 +20,8 @@
 #        `scripts/long_code.py DIR --calib-bytes 80000000 --exclude LONG_CODE_DIR/long_code_eval.txt` writes, avoid
 #        repeating 4.6M tokens), BUDGET (none: the model's stored budget; else `recipe_distill.py budget` options,
 #        e.g. "--topk 64 --top-p 0.95 --min-blocks 16": the training runs and the output keeps that budget; the
-#        model is then copied to OUT/model), RULER_OPTS (none: more `m3c eval ruler` options),
+#        model is then copied to OUT/model), LM_TARGET (data | dense: `m3c train --lm-target`), RULER_OPTS (none:
+#        more `m3c eval ruler` options),
 #        TOKENS ("0 5M 10M 20M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole steps), RULER_AT (the
 #        TOKENS entries that get the suite; default all; "none": none), SEQ_LEN (32768), BATCH (1), LR (1e-5),
 #        LOSS_COEFF (1.0), CHECKPOINT_EVERY (100), SAMPLES (25), LENGTHS (4K,8K,16K,32K), LOSS_WINDOWS (4: 32K windows),
@@ -57,7 +58,8 @@ for spec in $TOKENS; do
     if [ ! -f "$S/train.json" ]; then
       t to_json "$S/train.json" $PY "$HERE/recipe_distill.py" train "$MODEL" "$TRAIN_DATA" "$OUT/train" \
         --steps $steps --record "$OUT/runs.jsonl" --seq-len $SEQ_LEN --batch $BATCH --lr $LR \
-        --loss-coeff $LOSS_COEFF --checkpoint-every $CHECKPOINT_EVERY --device "$DEVICE"
+        --loss-coeff $LOSS_COEFF --lm-target "${LM_TARGET:-data}" --checkpoint-every $CHECKPOINT_EVERY \
+        --device "$DEVICE"
     fi
   fi
   eval_loss() { $M3C eval loss "$evaluated" --data "$OUT/eval_ids.npy" --dtype bfloat16 --device "$DEVICE" --json "$@"; }
@@ -83,8 +85,8 @@ def pct(loss, ref):
     return f"{100 * (loss / ref - 1):+.2f}%" if loss is not None and ref else ""
 
 
-rows = ["| steps | tokens | 32K loss vs the source's dense | vs its own dense | its oracle vs its own dense | 2K loss vs "
-        "the source's | RULER (index) by length | tokens/s | peak GB |", "| --- " * 9 + "|"]
+rows = ["| steps | tokens | 32K loss vs the source's dense | vs its own dense | its oracle vs its own dense | "
+        "2K loss vs the source's | RULER (index) by length | tokens/s | peak GB |", "| --- " * 9 + "|"]
 for s in stages:
     steps = int(s.name.split("-")[1])
     l32, l2, r = read(s / "loss32k.json") or {}, read(s / "loss2k.json") or {}, read(s / "ruler.json") or {}
@@ -93,8 +95,10 @@ for s in stages:
     ruler = " / ".join(f"{v:.1f}" for k, v in r.get("average", {}).get("index", {}).items() if k != "all")
     speed = f"{run['tokens_per_s']:,.0f}" if run else ""
     rows.append(f"| {steps} | {tokens:,} | {pct(l32.get('sparse_loss'), source32.get('dense_loss'))} | "
-                f"{pct(l32.get('sparse_loss'), l32.get('dense_loss'))} | {pct(l32.get('oracle_loss'), l32.get('dense_loss'))} | "
-                f"{pct(l2.get('sparse_loss'), source2.get('dense_loss'))} | {ruler} | {speed} | {run.get('peak_gb', '')} |")
+                f"{pct(l32.get('sparse_loss'), l32.get('dense_loss'))} | "
+                f"{pct(l32.get('oracle_loss'), l32.get('dense_loss'))} | "
+                f"{pct(l2.get('sparse_loss'), source2.get('dense_loss'))} | {ruler} | {speed} | "
+                f"{run.get('peak_gb', '')} |")
 (out / "recipe_table.md").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY

@@ -15,8 +15,9 @@ line `# ---- path ----` with its path relative to its `sys.path` folder (a folde
 read as its own entry, not as part of its parent); files with the same bytes count once. Files are ranked by the
 sha1 of their relative path: the first --eval-files go to eval, the next ones to calib until --calib-bytes would be
 passed (0: all of them). --exclude names a file of the same format (an eval file made on another machine): its files,
-matched by relative path or by text, go to neither output, so a larger training text made here never holds them. Each output lists its files sorted by path. Which files exist depends on what is
-installed, so the split is stable for a given set of packages, not across machines.
+matched by relative path or by text, go to neither output, so a larger training text made here never holds them.
+Each output lists its files sorted by path. Which files exist depends on what is installed, so the split is stable
+for a given set of packages, not across machines.
 
 Each file is written under a temporary name and renamed when complete: an interrupted run leaves no partial file.
 The outputs are read as text with a checkpoint's tokenizer (`m3c eval --data long_code_eval.txt`).

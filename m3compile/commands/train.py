@@ -162,9 +162,16 @@ def _training(verb: str, run, config, params: dict) -> None:
     out="Output directory: the trained checkpoint plus its resumable state.",
     lr=1e-5, lr_help="AdamW learning rate of every parameter.", dtype="Compute and weight dtype.",
     after_lr=[click.option("--loss-coeff", default=1.0, show_default=True,
-                           help="Weight of the index KL added to the LM loss.")])
+                           help="Weight of the index KL added to the LM loss."),
+              click.option("--lm-target", type=click.Choice(["data", "dense"]), default="data", show_default=True,
+                           help="What the LM loss fits: the next token of --data (cross-entropy), or the model's own "
+                                "next-token distribution with dense attention (KL from a frozen copy of MODEL_DIR, "
+                                "computed on the same text): the sparse model learns to match the dense one rather "
+                                "than the text (raw text moves an instruct model's answers: docs/training.md). It "
+                                "costs a dense forward a step and a second copy of the weights; not with --shard.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
-          loss_coeff, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, as_json, shard):
+          loss_coeff, lm_target, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, as_json,
+          shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (docs/msa.md section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -175,7 +182,7 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_w
     """
     from m3compile.train.distill import TrainConfig, train
 
-    config = TrainConfig(steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff,
+    config = TrainConfig(steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff, lm_target=lm_target,
                          checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast,
                          holdout_tokens=holdout_tokens, lr_schedule=lr_schedule, lr_warmup_steps=lr_warmup_steps,
                          lr_decay_steps=lr_decay_steps, lr_min=lr_min)

@@ -17,6 +17,7 @@ Output directory: a loadable converted checkpoint (config.json, safetensors in t
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -46,7 +47,7 @@ from m3compile.ops import lowering, scope
 from m3compile.passes.kl_distill import drop_logits, hidden_output
 from m3compile.pipelines import run_pipeline
 from m3compile.train.holdout import HeldOut, split_holdout
-from m3compile.train.lm_loss import lm_loss
+from m3compile.train.lm_loss import lm_kl, lm_loss
 from m3compile.train.shard import (
     copy_rows, full_tensor, local_bytes, materialize, needs_sharding, process_group, shard_graph,
 )
@@ -197,18 +198,30 @@ class DistillConfig:
 @dataclass(frozen=True)
 class TrainConfig(DistillConfig):
     """Continued training of a converted model (docs/msa.md section 4): every parameter learns from the LM loss with
-    sparse attention active, plus `loss_coeff` x the index KL (which reaches only the index branch)."""
+    sparse attention active, plus `loss_coeff` x the index KL (which reaches only the index branch).
+
+    `lm_target` is what the LM loss fits: "data", the next token of the training data (cross-entropy); "dense", the
+    model's own output with dense attention, from a frozen copy of the model as given (the KL from its next-token
+    distribution to the sparse model's, over the whole vocabulary): the sparse model learns to match what the dense
+    one did on the same text rather than to fit the text itself."""
 
     loss_coeff: float = 1.0
     block_loss: float = 0.0  # continued training has no block loss unless asked (its LM loss moves the backbone too)
+    lm_target: str = "data"
 
     def __post_init__(self):
         super().__post_init__()
         if self.loss_coeff < 0:
             raise M3CompileError(f"loss_coeff must be >= 0, got {self.loss_coeff}")
+        if self.lm_target not in LM_TARGETS:
+            raise M3CompileError(f"lm_target must be one of {', '.join(LM_TARGETS)}, got {self.lm_target!r}")
 
     def fingerprint(self, world_size: int) -> dict:
-        return {**super().fingerprint(world_size), "loss_coeff": self.loss_coeff}
+        extra = {} if self.lm_target == "data" else {"lm_target": self.lm_target}  # a state saved before it resumes
+        return {**super().fingerprint(world_size), "loss_coeff": self.loss_coeff, **extra}
+
+
+LM_TARGETS = ("data", "dense")
 
 
 @dataclass
@@ -319,6 +332,17 @@ def train(
     return _launch(model_dir, data, out_dir, config, device, resume, force, shard, progress)
 
 
+def _dense_teacher(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """A frozen copy of `model` (in `dtype` when given) that runs dense attention: lm_target "dense"'s teacher."""
+    teacher = copy.deepcopy(model)
+    if dtype is not None:
+        teacher.to(dtype)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    teacher.set_selection("dense")
+    return teacher.eval()
+
+
 class DistillStep:
     """One optimisation step, shared by the run loop and `m3c bench distill`: the traced model with its KL hooks
     (lowered to the Triton kernels on CUDA), the trained parameters, AdamW, and the compute dtype.
@@ -373,6 +397,14 @@ class DistillStep:
         # tokens at a time (train/lm_loss.py): at 32K the whole logits and their backward would hold about 60 GB.
         # (A sharded graph keeps its logits: FSDP gathers the head's weight inside the graph's forward.)
         self.head = hidden_output(self.gm) if self.training and not shard else None
+        # lm_target "dense": a frozen copy of the model as given, its attention dense, in the compute dtype (a resumed
+        # run loads its trained state into the graph's parameters after this, so the copy stays the start's)
+        self.teacher = None
+        if self.training and config.lm_target == "dense":
+            if shard:
+                raise M3CompileError("--lm-target dense keeps a whole frozen copy of the model: not with --shard "
+                                     "(each process would hold every weight)")
+            self.teacher = _dense_teacher(model, self.amp)
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
@@ -426,7 +458,11 @@ class DistillStep:
             out, kl, recall, *block = self.net(x)  # out: the hidden state (self.head), the logits or None
             block = block[0] if block else None
             lm = None
-            if self.training:  # next-token loss through the sparse attention + the index KL
+            if self.teacher is not None:  # the dense copy's next-token distribution, made a chunk of tokens at a time
+                with torch.no_grad():
+                    target = self.teacher.model(x)
+                lm = lm_kl(out, self.head, target, self.teacher.lm_head)
+            elif self.training:  # next-token loss through the sparse attention + the index KL
                 lm = (lm_loss(out, self.head, y) if self.head is not None
                       else torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten()))
         self.opt.zero_grad(set_to_none=True)
@@ -708,7 +744,8 @@ class _Run:
                 hint = ""
                 if key == "lr_schedule" and isinstance(saved.get(key), dict) and "decay_steps" in saved[key]:
                     hint = f" (pass --lr-decay-steps {saved[key]['decay_steps']} to keep the run's learning-rate curve)"
-                raise M3CompileError(f"--resume: {self.out_dir} was distilled with {key} = {saved.get(key)!r}, "
+                verb = "trained" if isinstance(self.config, TrainConfig) else "distilled"
+                raise M3CompileError(f"--resume: {self.out_dir} was {verb} with {key} = {saved.get(key)!r}, "
                                      f"this run has {value!r}{hint}")
         step = int(state["step"])
         if step >= self.config.steps:

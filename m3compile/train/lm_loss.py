@@ -5,6 +5,8 @@ cross_entropy's backward holds as much again: more than the rest of a 0.5B model
 the lm head LOGIT_ROWS tokens at a time; under autograd each chunk is a torch.utils.checkpoint region, so its logits
 are freed after the forward and made again in the backward, and the loss never holds more than one chunk's logits
 (4,096 x 151,936 fp32: 2.5 GB). The price is one more lm-head matmul per step (at 32K on Qwen2.5-0.5B, 8.9 TFLOP).
+`lm_kl` does the same for the KL from a teacher's next-token distribution (its own hidden state and head) to the
+model's, KL_ROWS tokens at a time (it holds two distributions a chunk).
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from torch.utils.checkpoint import checkpoint
 
 from m3compile.errors import M3CompileError
 
-__all__ = ["lm_loss", "LOGIT_ROWS"]
+__all__ = ["lm_loss", "lm_kl", "LOGIT_ROWS", "KL_ROWS"]
 
 LOGIT_ROWS = 4096  # tokens whose logits exist at once
+KL_ROWS = 2048  # the same for lm_kl, whose chunk holds the teacher's distribution too
 
 
 def lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, reduction: str = "mean",
@@ -42,3 +45,29 @@ def lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, weight, bias).float(), y, reduction="sum")
+
+
+def lm_kl(hidden: torch.Tensor, head: torch.nn.Linear, teacher_hidden: torch.Tensor, teacher_head: torch.nn.Linear,
+          reduction: str = "mean", rows: int = KL_ROWS) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, summed over the vocabulary (fp32; "mean" over the tokens
+    or their "sum"): the teacher's are softmax(teacher_head(teacher_hidden)), which gets no gradient; the model's
+    softmax(head(hidden)). The logits are made `rows` tokens at a time, as in lm_loss."""
+    h, t = hidden.flatten(0, -2), teacher_hidden.flatten(0, -2)
+    if h.shape[0] != t.shape[0]:
+        raise M3CompileError(f"lm_kl: {h.shape[0]} hidden rows against the teacher's {t.shape[0]}")
+    if reduction not in ("mean", "sum"):
+        raise M3CompileError(f"lm_kl: reduction is 'mean' or 'sum', got {reduction!r}")
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], rows):
+        args = (h[i:i + rows], head.weight, head.bias, t[i:i + rows].detach(), teacher_head.weight, teacher_head.bias)
+        total = total + (checkpoint(_kl_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
+                         else _kl_chunk(*args))
+    return total / max(1, h.shape[0]) if reduction == "mean" else total
+
+
+def _kl_chunk(h, weight, bias, t, t_weight, t_bias) -> torch.Tensor:
+    log_q = F.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
+    with torch.no_grad():
+        log_p = F.log_softmax(F.linear(t, t_weight, t_bias).float(), dim=-1)
+    return F.kl_div(log_q, log_p, reduction="sum", log_target=True)

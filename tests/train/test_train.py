@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m3compile import DistillInterrupted, TrainConfig, load, train
+from m3compile import DistillInterrupted, M3CompileError, TrainConfig, load, train
 from m3compile.data import load_tokens, windows
 from tests.conftest import CALIB_DATA
 from tests.cli.test_cli import run
@@ -63,6 +63,62 @@ def test_training_step_makes_the_whole_logits_loss_in_chunks(byte_msa):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name].grad, a[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lm_kl_in_chunks_matches_the_whole_distributions():
+    """The KL from a teacher's next-token distributions to the model's, from chunks of 5 rows, equals the whole
+    logits' (value, and the gradients of the hidden state and the head); the teacher gets no gradient."""
+    import torch.nn.functional as F
+    from m3compile.train.lm_loss import lm_kl
+
+    torch.manual_seed(1)
+    head, teacher_head = torch.nn.Linear(8, 37), torch.nn.Linear(8, 37)
+    h = torch.randn(2, 11, 8, requires_grad=True)
+    t = torch.randn(2, 11, 8)
+    want = F.kl_div(F.log_softmax(head(h), -1).flatten(0, 1), F.log_softmax(teacher_head(t), -1).flatten(0, 1),
+                    reduction="batchmean", log_target=True)
+    got = lm_kl(h, head, t, teacher_head, rows=5)
+    params = [h, *head.parameters()]
+    for a, b in zip(torch.autograd.grad(want, params), torch.autograd.grad(got, params)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in teacher_head.parameters())
+    assert lm_kl(h, head, h.detach(), head).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_training_on_the_dense_copy_fits_the_models_own_dense_output(byte_msa, tmp_path):
+    """--lm-target dense: the first step's LM loss is the KL from the model's dense next-token distributions to its
+    sparse ones, computed here independently; zero where top-4 of 16-token blocks hold every key (64 tokens); it falls
+    as the model trains on one window; a data run does not resume as one on the dense copy."""
+    import torch.nn.functional as F
+
+    data = tmp_path / "one_window.bin"
+    data.write_bytes(CALIB_DATA.read_bytes()[:257])
+    x = windows(load_tokens(data, 256), 256, 1)[:, :-1]
+    model = load(byte_msa, dtype="float32")
+    with torch.no_grad():
+        model.set_selection("dense")
+        p = F.log_softmax(model(x).float(), -1).flatten(0, 1)
+        model.set_selection("index")
+        q = F.log_softmax(model(x).float(), -1).flatten(0, 1)
+    want = F.kl_div(q, p, reduction="batchmean", log_target=True).item()
+    report = train(byte_msa, data, tmp_path / "dense", TrainConfig(steps=6, seq_len=256, lr=1e-4, lm_target="dense",
+                                                                   holdout_tokens=0))
+    lm = [h["lm"] for h in report.history]
+    assert want > 1e-3 and lm[0] == pytest.approx(want, rel=1e-4), (lm[0], want)
+    assert lm[-1] < 0.8 * lm[0], lm
+    short = train(byte_msa, CALIB_DATA, tmp_path / "short", TrainConfig(steps=1, seq_len=64, lr=1e-5, lm_target="dense",
+                                                                        holdout_tokens=0))
+    assert short.history[0]["lm"] == pytest.approx(0.0, abs=1e-6)
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", tmp_path / "short", "--steps", "2",
+                       "--seq-len", "64", "--holdout-tokens", "0", "--resume")
+    assert code == 2 and "lm_target" in output, output
+    with pytest.raises(M3CompileError, match="lm_target"):
+        TrainConfig(steps=1, lm_target="text")
+    from m3compile.train.distill import DistillStep
+    with pytest.raises(M3CompileError, match="not with --shard"):
+        DistillStep(load(byte_msa, dtype="float32"), TrainConfig(steps=1, lm_target="dense"), "cpu", "sparse",
+                    shard=True)
 
 
 def test_training_updates_the_backbone_and_fits_its_data(byte_msa, tmp_path):
