@@ -117,8 +117,8 @@ def run_stage(a) -> int:
                   checkpoint_every=a.checkpoint_every, dtype=a.dtype, block_loss=a.block_loss,
                   holdout_tokens=a.holdout_tokens, cuda_graph=a.cuda_graph, lr_schedule=a.lr_schedule,
                   lr_warmup_steps=a.lr_warmup, lr_decay_steps=a.lr_decay_steps, lr_min=a.lr_min)
-    config = (TrainConfig(**common, loss_coeff=a.loss_coeff, lm_target=a.lm_target) if training
-              else DistillConfig(**common))
+    config = (TrainConfig(**common, loss_coeff=a.loss_coeff, lm_target=a.lm_target, recompute_mlp=a.recompute_mlp)
+              if training else DistillConfig(**common))
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -212,6 +212,7 @@ def _stage_options(d: argparse.ArgumentParser, training: bool) -> None:
         d.add_argument("--loss-coeff", type=float, default=1.0, help="weight of the index KL beside the LM loss")
         d.add_argument("--lm-target", choices=("data", "dense"), default="data",
                        help="the LM loss: the next token of DATA, or the model's own dense output (m3c train)")
+        d.add_argument("--recompute-mlp", action="store_true", help="m3c train --recompute-mlp")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cuda")
     d.add_argument("--cuda-graph", action="store_true")

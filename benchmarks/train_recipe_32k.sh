@@ -20,8 +20,8 @@
 #        `scripts/long_code.py DIR --calib-bytes 80000000 --exclude LONG_CODE_DIR/long_code_eval.txt` writes, avoid
 #        repeating 4.6M tokens), BUDGET (none: the model's stored budget; else `recipe_distill.py budget` options,
 #        e.g. "--topk 64 --top-p 0.95 --min-blocks 16": the training runs and the output keeps that budget; the
-#        model is then copied to OUT/model), LM_TARGET (data | dense: `m3c train --lm-target`), RULER_OPTS (none:
-#        more `m3c eval ruler` options),
+#        model is then copied to OUT/model), LM_TARGET (data | dense: `m3c train --lm-target`), RECOMPUTE_MLP (0; 1:
+#        `m3c train --recompute-mlp`), RULER_OPTS (none: more `m3c eval ruler` options),
 #        TOKENS ("0 5M 10M 20M"; K / M / G = 1e3 / 1e6 / 1e9 tokens, rounded up to whole steps), RULER_AT (the
 #        TOKENS entries that get the suite; default all; "none": none), SEQ_LEN (32768), BATCH (1), LR (1e-5),
 #        LOSS_COEFF (1.0), CHECKPOINT_EVERY (100), SAMPLES (25), LENGTHS (4K,8K,16K,32K), LOSS_WINDOWS (4: 32K windows),
@@ -59,12 +59,15 @@ for spec in $TOKENS; do
       t to_json "$S/train.json" $PY "$HERE/recipe_distill.py" train "$MODEL" "$TRAIN_DATA" "$OUT/train" \
         --steps $steps --record "$OUT/runs.jsonl" --seq-len $SEQ_LEN --batch $BATCH --lr $LR \
         --loss-coeff $LOSS_COEFF --lm-target "${LM_TARGET:-data}" --checkpoint-every $CHECKPOINT_EVERY \
-        --device "$DEVICE"
+        --device "$DEVICE" $([ "${RECOMPUTE_MLP:-0}" = 1 ] && echo --recompute-mlp)
     fi
   fi
-  eval_loss() { $M3C eval loss "$evaluated" --data "$OUT/eval_ids.npy" --dtype bfloat16 --device "$DEVICE" --json "$@"; }
+  eval_loss() {
+    $M3C eval loss "$evaluated" --data "$OUT/eval_ids.npy" --dtype bfloat16 --device "$DEVICE" --json "$@"
+  }
   [ -f "$S/loss32k.json" ] || t to_json "$S/loss32k.json" eval_loss --seq-len $SEQ_LEN --max-windows $LOSS_WINDOWS
-  [ -f "$S/loss2k.json" ] || t to_json "$S/loss2k.json" eval_loss --seq-len 2048 --max-windows $SHORT_WINDOWS --no-oracle
+  [ -f "$S/loss2k.json" ] || t to_json "$S/loss2k.json" eval_loss --seq-len 2048 --max-windows $SHORT_WINDOWS \
+    --no-oracle
   if wants_ruler "$spec" && [ ! -f "$S/ruler.json" ]; then
     t to_json "$S/ruler.json" $M3C eval ruler "$evaluated" --data "$LONG/long_code_eval.txt" --lengths "$LENGTHS" \
       --samples $SAMPLES --selections index --dtype bfloat16 --device "$DEVICE" --json ${RULER_OPTS:-}

@@ -168,10 +168,14 @@ def _training(verb: str, run, config, params: dict) -> None:
                                 "next-token distribution with dense attention (KL from a frozen copy of MODEL_DIR, "
                                 "computed on the same text): the sparse model learns to match the dense one rather "
                                 "than the text (raw text moves an instruct model's answers: docs/training.md). It "
-                                "costs a dense forward a step and a second copy of the weights; not with --shard.")])
+                                "costs a dense forward a step and a second copy of the weights; not with --shard."),
+              click.option("--recompute-mlp", is_flag=True,
+                           help="Run each dense MLP's forward again in the backward instead of keeping its "
+                                "[tokens, intermediate] tensors (torch.utils.checkpoint): the same step with less "
+                                "memory, for about a third more MLP FLOPs. Not with --shard.")])
 def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min,
-          loss_coeff, lm_target, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force, autocast, as_json,
-          shard):
+          loss_coeff, lm_target, recompute_mlp, checkpoint_every, device, dtype, seed, holdout_tokens, resume, force,
+          autocast, as_json, shard):
     """Continue training the converted model MODEL_DIR with sparse attention active (docs/msa.md section 4).
 
     Every parameter learns from the next-token loss through the sparse attention; --loss-coeff x the index KL
@@ -183,6 +187,7 @@ def train(model_dir, data, out_dir, steps, seq_len, batch, lr, lr_schedule, lr_w
     from m3compile.train.distill import TrainConfig, train
 
     config = TrainConfig(steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_coeff=loss_coeff, lm_target=lm_target,
+                         recompute_mlp=recompute_mlp,
                          checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, autocast=autocast,
                          holdout_tokens=holdout_tokens, lr_schedule=lr_schedule, lr_warmup_steps=lr_warmup_steps,
                          lr_decay_steps=lr_decay_steps, lr_min=lr_min)

@@ -45,6 +45,7 @@ from m3compile.io.weights import checkpoint_digest, copy_tokenizer_files, first_
 from m3compile.models.decoder import RotaryEmbedding
 from m3compile.ops import lowering, scope
 from m3compile.passes.kl_distill import drop_logits, hidden_output
+from m3compile.passes.recompute_mlp import recompute_mlps
 from m3compile.pipelines import run_pipeline
 from m3compile.train.holdout import HeldOut, split_holdout
 from m3compile.train.lm_loss import lm_kl, lm_loss
@@ -208,6 +209,9 @@ class TrainConfig(DistillConfig):
     loss_coeff: float = 1.0
     block_loss: float = 0.0  # continued training has no block loss unless asked (its LM loss moves the backbone too)
     lm_target: str = "data"
+    # run each dense MLP under torch.utils.checkpoint (passes/recompute_mlp.py): its [T, intermediate] tensors are made
+    # again in the backward instead of kept; the same step, less memory. Not part of a resume (the math is unchanged)
+    recompute_mlp: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -405,6 +409,11 @@ class DistillStep:
                 raise M3CompileError("--lm-target dense keeps a whole frozen copy of the model: not with --shard "
                                      "(each process would hold every weight)")
             self.teacher = _dense_teacher(model, self.amp)
+        if self.training and config.recompute_mlp:
+            if shard:
+                raise M3CompileError("--recompute-mlp is not supported with --shard (FSDP wraps the graph's modules, "
+                                     "not the model's MLPs)")
+            recompute_mlps(self.gm, model)
         names = list(dict(self.gm.named_parameters()) if self.training else index_parameters(self.gm))
         for p in self.gm.parameters():
             p.requires_grad_(False)
