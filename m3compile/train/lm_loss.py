@@ -27,24 +27,10 @@ def lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, 
     """Cross-entropy of `head(hidden)` against `targets` (fp32; "mean" over the tokens or their "sum"), the logits
     made `rows` tokens at a time. `hidden` [..., hidden_size], `targets` the same leading shape. Under autocast the
     head runs in the autocast dtype, as a whole-logits loss would."""
-    h = hidden.flatten(0, -2)
-    y = targets.flatten()
-    if h.shape[0] != y.shape[0]:
-        raise M3CompileError(f"lm_loss: {h.shape[0]} hidden rows against {y.shape[0]} targets")
-    if reduction not in ("mean", "sum"):
-        raise M3CompileError(f"lm_loss: reduction is 'mean' or 'sum', got {reduction!r}")
-    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
-    total = h.new_zeros((), dtype=torch.float32)
-    for i in range(0, h.shape[0], rows):
-        args = (h[i:i + rows], head.weight, head.bias, y[i:i + rows])
-        # the head has no randomness: no RNG state to save (a CUDA graph's capture could not read it)
-        total = total + (checkpoint(_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
-                         else _chunk(*args))
+    h, y = hidden.flatten(0, -2), targets.flatten()
+    _check("lm_loss", h, y, "targets", reduction)
+    total = _in_chunks(_ce_chunk, (h, y), (head.weight, head.bias), rows, _wants_grad(h, head))
     return total / max(1, y.numel()) if reduction == "mean" else total
-
-
-def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(h, weight, bias).float(), y, reduction="sum")
 
 
 def lm_kl(hidden: torch.Tensor, head: torch.nn.Linear, teacher_hidden: torch.Tensor, teacher_head: torch.nn.Linear,
@@ -52,21 +38,39 @@ def lm_kl(hidden: torch.Tensor, head: torch.nn.Linear, teacher_hidden: torch.Ten
     """KL(teacher || model) of the next-token distributions, summed over the vocabulary (fp32; "mean" over the tokens
     or their "sum"): the teacher's are softmax(teacher_head(teacher_hidden)), which gets no gradient; the model's
     softmax(head(hidden)). The logits are made `rows` tokens at a time, as in lm_loss."""
-    h, t = hidden.flatten(0, -2), teacher_hidden.flatten(0, -2)
-    if h.shape[0] != t.shape[0]:
-        raise M3CompileError(f"lm_kl: {h.shape[0]} hidden rows against the teacher's {t.shape[0]}")
-    if reduction not in ("mean", "sum"):
-        raise M3CompileError(f"lm_kl: reduction is 'mean' or 'sum', got {reduction!r}")
-    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
-    total = h.new_zeros((), dtype=torch.float32)
-    for i in range(0, h.shape[0], rows):
-        args = (h[i:i + rows], head.weight, head.bias, t[i:i + rows].detach(), teacher_head.weight, teacher_head.bias)
-        total = total + (checkpoint(_kl_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
-                         else _kl_chunk(*args))
+    h, t = hidden.flatten(0, -2), teacher_hidden.flatten(0, -2).detach()
+    _check("lm_kl", h, t, "teacher rows", reduction)
+    total = _in_chunks(_kl_chunk, (h, t), (head.weight, head.bias, teacher_head.weight, teacher_head.bias), rows,
+                       _wants_grad(h, head))
     return total / max(1, h.shape[0]) if reduction == "mean" else total
 
 
-def _kl_chunk(h, weight, bias, t, t_weight, t_bias) -> torch.Tensor:
+def _check(name: str, h: torch.Tensor, other: torch.Tensor, what: str, reduction: str) -> None:
+    if h.shape[0] != other.shape[0]:
+        raise M3CompileError(f"{name}: {h.shape[0]} hidden rows against {other.shape[0]} {what}")
+    if reduction not in ("mean", "sum"):
+        raise M3CompileError(f"{name}: reduction is 'mean' or 'sum', got {reduction!r}")
+
+
+def _wants_grad(h: torch.Tensor, head: torch.nn.Linear) -> bool:
+    return torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+
+
+def _in_chunks(fn, sliced: tuple, fixed: tuple, rows: int, grad: bool) -> torch.Tensor:
+    """The sum of fn(each `rows`-row slice of `sliced`, *fixed), each a checkpoint region when `grad`."""
+    total = sliced[0].new_zeros((), dtype=torch.float32)
+    for i in range(0, sliced[0].shape[0], rows):
+        args = (*(a[i:i + rows] for a in sliced), *fixed)
+        # the head has no randomness: no RNG state to save (a CUDA graph's capture could not read it)
+        total = total + (checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False) if grad else fn(*args))
+    return total
+
+
+def _ce_chunk(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight, bias).float(), y, reduction="sum")
+
+
+def _kl_chunk(h, t, weight, bias, t_weight, t_bias) -> torch.Tensor:
     log_q = F.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
     with torch.no_grad():
         log_p = F.log_softmax(F.linear(t, t_weight, t_bias).float(), dim=-1)
