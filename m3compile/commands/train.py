@@ -119,6 +119,7 @@ _METRICS = {
               lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
                            f"recall {a['recall']:.3f} -> {b['recall']:.3f}"),
 }
+_LM_DENSE = "LM (KL to the dense copy) "  # the LM figure's name under --lm-target dense
 
 
 def _training(verb: str, run, config, params: dict) -> None:
@@ -130,6 +131,8 @@ def _training(verb: str, run, config, params: dict) -> None:
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     row, change = _METRICS[verb]
+    if getattr(config, "lm_target", "data") == "dense":
+        row, change = ((lambda f: lambda *m: f(*m).replace("LM ", _LM_DENSE, 1))(f) for f in (row, change))
     columns = (TextColumn(f"[bold]{verb}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
     with Progress(*columns, disable=params["as_json"] or not rank0) as bar:

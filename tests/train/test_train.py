@@ -113,6 +113,9 @@ def test_training_on_the_dense_copy_fits_the_models_own_dense_output(byte_msa, t
     code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", tmp_path / "short", "--steps", "2",
                        "--seq-len", "64", "--holdout-tokens", "0", "--resume")
     assert code == 2 and "lm_target" in output, output
+    code, output = run("train", byte_msa, "--data", CALIB_DATA, "--out", tmp_path / "cli", "--steps", "1",
+                       "--seq-len", "64", "--holdout-tokens", "0", "--lm-target", "dense")
+    assert code == 0 and "LM (KL to the dense copy) 0.0000" in output, output
     with pytest.raises(M3CompileError, match="lm_target"):
         TrainConfig(steps=1, lm_target="text")
     from m3compile.train.distill import DistillStep
