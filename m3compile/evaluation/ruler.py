@@ -83,6 +83,9 @@ class RulerReport:
     variances       {task: {selection: {length: s^2 / n}}}: each score's squared standard error, from which the
                     standard error of an average over any set of tasks follows (another run's exclusions)
     prompt_tokens   {length: mean prompt tokens over every sample}
+    decode_blocks   {length: the mean blocks an MSA layer's KV group kept per decode step with the index selection}
+                    (the answer's budget as it ran, adaptive ones included; every answer step of every task), {}
+                    without an index selection or MSA layers
     kv_cache        the K/V cache dtype of prefill and decode: "auto" (the model's), "bf16", "fp8" or "int8"
     answer_budget   the index selection's budget of each prompt's last answer_tokens tokens and of the answer
                     (m3compile.generate's answer_budget), or None: the model's throughout
@@ -101,6 +104,7 @@ class RulerReport:
     scores: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
     variances: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)  # each score's s^2 / n
     prompt_tokens: dict[int, float] = field(default_factory=dict)
+    decode_blocks: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     kv_cache: str = "auto"
     answer_budget: str | None = None
@@ -145,6 +149,7 @@ class RulerReport:
             "variances": {t: {s: {str(n): round(v, 3) for n, v in by_len.items()} for s, by_len in by_sel.items()}
                           for t, by_sel in self.variances.items()},
             "prompt_tokens": {str(n): round(v, 1) for n, v in self.prompt_tokens.items()},
+            "decode_blocks": {str(n): round(v, 2) for n, v in self.decode_blocks.items()},
             "kv_cache": self.kv_cache, "answer_budget": self.answer_budget, "answer_tokens": self.answer_tokens,
             "decode_budget": self.decode_budget, "seconds": round(self.seconds, 2),
         }
@@ -158,12 +163,13 @@ def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, deco
                 stop_ids: list[int], selection: str = "index", batch: int | None = None,
                 progress: Callable[[int], None] | None = None, kernels: bool | None = None,
                 kv_cache: str = "auto", answer_budget: str | None = None, answer_tokens: int = 128,
-                decode_budget: str | None = None) -> list[float]:
+                decode_budget: str | None = None, block_counts: list[int] | None = None) -> list[float]:
     """Greedy answers of `samples` (batches of `batch` prompts per generate call: each prompt prefilled once, then
     the paged cached decode) with the MSA layers selecting as `selection` (config.SELECTIONS); per sample the
     share of its answers found in the decoded text (`score`). progress(n): n more samples done. kv_cache: the K/V
     cache dtype (m3compile.generate's kv_cache_dtype); kernels, answer_budget, answer_tokens, decode_budget: as
-    m3compile.generate's (the index selection's alone)."""
+    m3compile.generate's (the index selection's alone). block_counts: a [blocks kept, rows] pair the decode steps'
+    counts are added to (GenerationResult.block_counts)."""
     out = []
     step = batch or len(samples)
     for start in range(0, len(samples), step):
@@ -171,7 +177,10 @@ def run_samples(model: Decoder, samples: list[Sample], max_new_tokens: int, deco
         answer = dict(answer_budget=answer_budget, answer_tokens=answer_tokens, decode_budget=decode_budget) \
             if selection == "index" else {}
         result = generate(model, [s.ids for s in chunk], max_new_tokens, eos_token_id=stop_ids, selection=selection,
-                          kernels=kernels, kv_cache_dtype=kv_cache, **answer)
+                          kernels=kernels, kv_cache_dtype=kv_cache, count_blocks=block_counts is not None, **answer)
+        if block_counts is not None and result.block_counts:
+            block_counts[0] += result.block_counts[0]
+            block_counts[1] += result.block_counts[1]
         for s, tokens in zip(chunk, result.tokens):
             out.append(score(decode([t for t in tokens if t not in stop_ids]), s.answers))
         if progress:
@@ -244,7 +253,7 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
         report.scores[name] = {s: {} for s in selections}
         report.variances[name] = {s: {} for s in selections}
     for length in report.lengths:
-        counted = []
+        counted, kept = [], [0, 0]
         for name in tasks:
             task = TASKS[name]
             if progress:
@@ -262,12 +271,14 @@ def ruler(model: Decoder, codec: PromptCodec, text: str, *, tasks: list[str] | N
                 got = run_samples(model, built, task.max_new_tokens, codec.decode, stop_ids=codec.stop_ids,
                                   selection=sel, batch=batch, progress=advance, kernels=kernels,
                                   kv_cache=kv_cache, answer_budget=answer_budget, answer_tokens=answer_tokens,
-                                  decode_budget=decode_budget)
+                                  decode_budget=decode_budget, block_counts=kept if sel == "index" else None)
                 mean = sum(got) / len(got)
                 report.scores[name][sel][length] = 100.0 * mean
                 var = sum((g - mean) ** 2 for g in got) / (len(got) - 1) if len(got) > 1 else 0.0
                 report.variances[name][sel][length] = 100.0**2 * var / len(got)
         report.prompt_tokens[length] = sum(counted) / len(counted)
+        if kept[1]:
+            report.decode_blocks[length] = kept[0] / kept[1]
     report.seconds = time.perf_counter() - start
     return report
 

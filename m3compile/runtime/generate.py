@@ -24,7 +24,7 @@ from m3compile import memory
 from m3compile.ops import lowering
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
 from m3compile.runtime.forward import lowering_default, prefill
-from m3compile.runtime.paged_cache import PagedCache
+from m3compile.runtime.paged_cache import PagedCache, count_blocks as start_counting
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
 __all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache",
@@ -37,6 +37,16 @@ class GenerationResult:
     prefill_logits: list[torch.Tensor]  # [vocab] logits after each prompt
     step_logits: torch.Tensor  # [steps, B, vocab] logits of each decode step (fp32)
     timings: dict | None = None  # with generate(..., timings=True): seconds per phase (runtime/timings.py)
+    # with generate(..., count_blocks=True): (blocks kept, (sequence, KV group, MSA layer, step) rows) over the decode
+    # steps run, finished sequences' included; None otherwise
+    block_counts: tuple[int, int] | None = None
+
+    @property
+    def decode_blocks(self) -> float | None:
+        """The mean blocks an MSA layer's KV group kept per decode step (None: not counted, or no such step)."""
+        if not self.block_counts or not self.block_counts[1]:
+            return None
+        return self.block_counts[0] / self.block_counts[1]
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -66,7 +76,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
              cuda_graph: bool | None = None, kernels: bool | None = None, kv_cache_dtype: str = "auto",
              prefill_chunk: int | None = None, timings: bool = False,
              selection: str = "index", cache_len: int | None = None, answer_budget: str | dict | None = None,
-             answer_tokens: int | None = None, decode_budget: str | dict | None = None) -> GenerationResult:
+             answer_tokens: int | None = None, decode_budget: str | dict | None = None,
+             count_blocks: bool = False) -> GenerationResult:
     """Generation with paged caches: prompts of any lengths, one batched decode per new token.
 
     Greedy by default; temperature > 0 samples from the top-p nucleus (seed: a reproducible draw).
@@ -108,6 +119,9 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
     decode_budget: the budget of every new token (the same forms), where it should differ from the answer budget:
     e.g. the question read at 256 blocks and the answer written at the model's own budget ("off"), whose decode
     step costs what the model's does. None (default): the model's stored one, else the answer budget.
+    count_blocks: count the blocks each MSA layer's KV groups keep in every decode step (a reduction a layer, on the
+    device: the decode budget's cost as it ran, adaptive budgets included); GenerationResult.block_counts and
+    .decode_blocks hold them.
     The stored budgets apply to the index selection alone; given ones with another selection are an error.
     eos_token_id: one id or several (a chat model's end of turn and its end of text): a sequence stops at any.
     selection: how MSA layers pick their blocks in prefill and decode (m3compile.config.SELECTIONS): "index" (the
@@ -201,6 +215,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
             if auto:
                 cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
             timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
+            if count_blocks:  # the counter exists before a capture, so the captured step adds to it
+                start_counting(cache)
             try:
                 step_fn = DecodeStep(model, cache, B, graph=bool(cuda_graph) and max_new_tokens > 1, kernels=kernels,
                                      selection=selection)
@@ -210,6 +226,8 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                 warnings.warn(f"decode step not captured as a CUDA graph ({str(e).splitlines()[0][:120]}); "
                               "running eagerly")
                 step_fn = DecodeStep(model, cache, B, kernels=kernels, selection=selection)
+            if count_blocks:
+                start_counting(cache)  # zeroed: the capture's warm-up steps not counted
             out = [[] for _ in range(B)]
             done = [False] * B
             step_logits = []
@@ -231,6 +249,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                 step_logits.append(logits.clone() if step_fn.graph is not None else logits)
                 next_tok = _pick(logits, temperature, top_p, generator)
             timer.mark("release")  # the CUDA graph and the caches freed
+            counted = tuple(int(c) for c in cache.kept.tolist()) if count_blocks else None
             del step_fn, cache
             timer.stop()
         steps = torch.stack(step_logits) if step_logits else torch.empty(0, B, vocab)
@@ -238,7 +257,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
         timer.add("decode_steps", len(step_logits))
         timer.add("batch", B)
         timer.add("new_tokens", sum(map(len, out)))
-        return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None)
+        return GenerationResult(out, prefill_logits, steps, timer.to_dict() if timings else None, counted)
 
 
 def check_answer_budget(model: Decoder, answer_budget=None, answer_tokens: int | None = None,

@@ -41,6 +41,9 @@ class PagedCache:
         self.block_table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, per_seq)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
+        # with count_blocks(): [blocks kept, (sequence, KV group) rows] summed over the MSA layers of every decode
+        # step, on the device (capturable: a CUDA graph's replays add to it too); None: not counted
+        self.kept: torch.Tensor | None = None
         self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
         quantised = dtype in paged.KV_QUANTISED  # one scale per (token, head) row
@@ -189,6 +192,14 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
                                           enable_gqa=True)
 
 
+def count_blocks(cache: "PagedCache") -> None:
+    """Start (or restart) counting the blocks the decode steps' MSA layers keep (cache.kept)."""
+    if cache.kept is None:
+        cache.kept = torch.zeros(2, dtype=torch.int64, device=cache.seq_lens.device)
+    else:
+        cache.kept.zero_()
+
+
 class PromptView:
     """One pass of a prompt into the caches. Each layer's keys, values and index keys go to the cache first; then
     its queries attend to the keys and values as the cache holds them (every earlier pass's and their own; a
@@ -270,6 +281,10 @@ class StepView:
                                                local_blocks=m.local_blocks)
         else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
             blocks = self._dense_blocks(attn.n_kv_heads)
+        kept = getattr(cache, "kept", None)  # (a serving engine's cache counts nothing)
+        if kept is not None and m is not None and self.selection in ("index", "oracle"):
+            kept[0] += (blocks >= 0).sum()  # the budget's -1 slots and those past a sequence's end excluded
+            kept[1] += blocks.shape[0] * blocks.shape[1]
         with scope("m3c.decode_attention"):
             o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
                                       cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],

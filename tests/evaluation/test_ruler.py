@@ -360,6 +360,7 @@ def test_ruler_with_an_answer_budget(qwen_like, monkeypatch):
     d = json.loads(out)
     assert d["answer_budget"] == "k5" and d["decode_budget"] == "k3"
     assert [k for _, _, k in starts] == [own, 5] and budgets and set(budgets) == {3}
+    assert d["decode_blocks"] == {"1024": 3.0}  # the answer's blocks as counted in its decode steps
     code, out, err = _invoke("eval", "ruler", path, "--data", data, "--lengths", "1K", "--samples", 1,
                              "--tasks", "niah_single_1", "--selections", "index", "--answer-budget", "k5",
                              "--answer-tokens", 40, "--decode-budget", "k3")

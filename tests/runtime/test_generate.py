@@ -149,6 +149,37 @@ def test_a_decode_budget_selects_every_new_token_apart_from_the_question(llama_d
     torch.testing.assert_close(alone.step_logits, same.step_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_counted_decode_blocks_are_the_selections_kept_blocks(llama_dir, monkeypatch):
+    """count_blocks: the blocks every decode step's MSA layers kept (the adaptive cut's -1 slots and those past a
+    sequence's end left out), counted on the device, equal a count of the selections themselves; the fixed top-2
+    keeps 2 wherever 2 blocks are visible; nothing is counted unless asked."""
+    from m3compile.runtime import paged_cache
+
+    model = m3compile.load(llama_dir, dtype="float32")
+    seen = []
+    select = paged_cache.paged.paged_select
+
+    def spy(*args, **kwargs):
+        blocks = select(*args, **kwargs)
+        seen.append(blocks.clone())
+        return blocks
+
+    monkeypatch.setattr(paged_cache.paged, "paged_select", spy)
+    prompts = [torch.randint(0, 256, (70,)).tolist(), torch.randint(0, 256, (21,)).tolist()]
+    n_msa = sum(model.args.sparse_layers)
+    for budget in (None, "p0.9:1:4"):
+        seen.clear()
+        r = m3compile.generate(model, prompts, 5, kernels=False, decode_budget=budget, count_blocks=True)
+        steps = r.step_logits.shape[0]
+        assert len(seen) == steps * n_msa
+        assert r.block_counts == (sum(int((b >= 0).sum()) for b in seen), 2 * model.args.n_kv_heads * len(seen))
+        if budget is None:
+            assert r.decode_blocks == 2.0
+        else:
+            assert 1.0 <= r.decode_blocks <= 4.0 and r.decode_blocks != 2.0
+    assert m3compile.generate(model, prompts, 3, kernels=False).block_counts is None
+
+
 def test_an_answer_budget_like_the_models_changes_nothing(llama_dir):
     """Two prefill passes give the one pass's logits (the caches hold the body's keys), so the model's own budget as
     the answer budget generates the same tokens; the whole prompt as the tail equals the model at that budget."""
