@@ -17,6 +17,8 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
+from m3compile.models.decoder import MLP
+
 __all__ = ["recompute_mlps", "RecomputedMLP"]
 
 
@@ -38,8 +40,6 @@ def recompute_mlps(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[int
     """Replace each traced dense MLP of `gm` (gate_proj, up_proj and down_proj of `model`'s module `<prefix>.mlp`, and
     the nodes between them) by one call of that module under checkpoint; returns the layers rewritten, in graph
     order. `model` is the module `gm` was traced from."""
-    from m3compile.models.decoder import MLP
-
     g = gm.graph
     by_target = {n.target: n for n in g.nodes if n.op == "call_module"}
     done = []
