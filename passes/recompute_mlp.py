@@ -3,7 +3,7 @@
     h -> gate_proj -> act \\
     h -> up_proj --------- * -> down_proj -> y            (the traced MLP: its intermediates saved for the backward)
     becomes
-    h -> m3c_recompute_mlp_L(h) -> y                      (the model's own MLP module, checkpointed)
+    h -> m3c_recompute_model_layers_L_mlp(h) -> y         (the model's own MLP module, checkpointed)
 
 A SwiGLU MLP keeps three or four [T, intermediate] tensors for its backward (gate, up, the activation and their
 product): at 32K tokens on Qwen2.5-0.5B (intermediate 4,864, 24 layers) about 30 GB in bf16, most of a training step's
@@ -64,7 +64,7 @@ def recompute_mlps(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[int
         down.replace_all_uses_with(call)
         for n in [down, *reversed(inner)]:
             g.erase_node(n)
-        done.append(int(prefix.split(".")[-2]) if prefix.split(".")[-2].isdigit() else len(done))
+        done.append(int(prefix.split(".")[-2]))  # <...>.layers.L.mlp
     if done:
         g.lint()
         gm.recompile()

@@ -110,16 +110,20 @@ def _block_change(a: dict, b: dict) -> str:
     return f"   block loss {a['block']:.4f} -> {b['block']:.4f}" if "block" in a else ""
 
 
+def _train_metrics(lm: str):
+    """m3c train's progress row and closing change, the LM figure named `lm`."""
+    return (lambda m: f"{lm} {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
+            lambda a, b: f"{lm} {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
+                         f"recall {a['recall']:.3f} -> {b['recall']:.3f}")
+
+
 # per training verb: a metrics row as the progress bar shows it, and the first -> last row of the closing summary
 _METRICS = {
     "distil": (lambda m: f"{m['mode']}  KL {m['kl']:.4f}{_block(m)}  recall {m['recall']:.3f}",
                lambda a, b: f"KL {a['kl']:.4f} -> {b['kl']:.4f}   recall {a['recall']:.3f} -> {b['recall']:.3f}"
                             + _block_change(a, b)),
-    "train": (lambda m: f"LM {m['lm']:.4f}  KL {m['kl']:.4f}  recall {m['recall']:.3f}",
-              lambda a, b: f"LM {a['lm']:.4f} -> {b['lm']:.4f}   KL {a['kl']:.4f} -> {b['kl']:.4f}   "
-                           f"recall {a['recall']:.3f} -> {b['recall']:.3f}"),
+    "train": _train_metrics("LM"),
 }
-_LM_DENSE = "LM (KL to the dense copy) "  # the LM figure's name under --lm-target dense
 
 
 def _training(verb: str, run, config, params: dict) -> None:
@@ -132,7 +136,7 @@ def _training(verb: str, run, config, params: dict) -> None:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     row, change = _METRICS[verb]
     if getattr(config, "lm_target", "data") == "dense":
-        row, change = ((lambda f: lambda *m: f(*m).replace("LM ", _LM_DENSE, 1))(f) for f in (row, change))
+        row, change = _train_metrics("LM (KL to the dense copy)")
     columns = (TextColumn(f"[bold]{verb}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
     with Progress(*columns, disable=params["as_json"] or not rank0) as bar:

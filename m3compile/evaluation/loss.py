@@ -24,6 +24,7 @@ from m3compile.models.decoder import Attention, Decoder, MSALayerArgs
 from m3compile.ops import lowering
 from m3compile.runtime import PagedCache, lowering_default, prefill_nll
 from m3compile.runtime.generate import resolve_index_cache, resolve_kv_cache
+from m3compile.train.lm_loss import LOGIT_ROWS
 
 __all__ = ["evaluate", "EvalReport", "layer_costs", "costliest_layers", "dense_layers_by_cost", "LayerCostReport",
            "TAIL_NATS", "RECALL_QUANTILE"]
@@ -204,15 +205,15 @@ class _RecallProbe:
         return out
 
 
-_LOGIT_ROWS = 4096  # tokens whose logits are made at once: a 32K window of a 152K vocabulary would hold 20 GB in fp32
 
 
 def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each next token's cross-entropy (nats), the logits made _LOGIT_ROWS tokens at a time."""
+    """Each next token's cross-entropy (nats), the logits made LOGIT_ROWS tokens at a time (train/lm_loss.py: a 32K
+    window's whole logits would hold 20 GB in fp32)."""
     h = model.model(x).flatten(0, 1)
     y = y.flatten()
-    return torch.cat([F.cross_entropy(model.lm_head(h[i:i + _LOGIT_ROWS]).float(), y[i:i + _LOGIT_ROWS],
-                                      reduction="none") for i in range(0, h.shape[0], _LOGIT_ROWS)])
+    return torch.cat([F.cross_entropy(model.lm_head(h[i:i + LOGIT_ROWS]).float(), y[i:i + LOGIT_ROWS],
+                                      reduction="none") for i in range(0, h.shape[0], LOGIT_ROWS)])
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from m3compile import memory
 from m3compile.ops import lowering
 from m3compile.runtime.cuda_graph import DecodeStep, graph_unavailable
 from m3compile.runtime.forward import lowering_default, prefill
-from m3compile.runtime.paged_cache import PagedCache, count_blocks as start_counting
+from m3compile.runtime.paged_cache import PagedCache
 from m3compile.runtime.timings import NULL_TIMINGS, Timings
 
 __all__ = ["generate", "GenerationResult", "KV_CACHE_TORCH_DTYPES", "resolve_kv_cache", "resolve_index_cache",
@@ -216,7 +216,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                 cuda_graph = max_new_tokens > 8 and graph_unavailable(model, device, kernels) is None
             timer.mark("graph_capture")  # (eager: the DecodeStep's setup only; its first steps compile in "decode")
             if count_blocks:  # the counter exists before a capture, so the captured step adds to it
-                start_counting(cache)
+                cache.count_blocks()
             try:
                 step_fn = DecodeStep(model, cache, B, graph=bool(cuda_graph) and max_new_tokens > 1, kernels=kernels,
                                      selection=selection)
@@ -227,7 +227,7 @@ def generate(model: Decoder, prompts: list[list[int]] | torch.Tensor, max_new_to
                               "running eagerly")
                 step_fn = DecodeStep(model, cache, B, kernels=kernels, selection=selection)
             if count_blocks:
-                start_counting(cache)  # zeroed: the capture's warm-up steps not counted
+                cache.count_blocks()  # zeroed: the capture's warm-up steps not counted
             out = [[] for _ in range(B)]
             done = [False] * B
             step_logits = []

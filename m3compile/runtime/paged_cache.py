@@ -33,6 +33,11 @@ class PagedCache:
     Each sequence's pages are consecutive (block_table row b = pages b * per_seq ...), so a sequence's keys read
     back as one strided view (`keys_values`, `index_keys`: what a chunked prefill attends to)."""
 
+    # after count_blocks(): [blocks kept, (sequence, KV group) rows] summed over the MSA layers of every decode step,
+    # on the device (a CUDA graph captured after count_blocks() adds to it on every replay); None: nothing counted.
+    # A class default, so a cache that builds itself otherwise (the vLLM plugin's) counts nothing too
+    kept: torch.Tensor | None = None
+
     def __init__(self, model: Decoder, batch: int, max_len: int, page: int, device, dtype, index_dtype):
         a = model.args
         self.model_dtype = key_dtype = next(model.parameters()).dtype  # what reads return; the tails' dtype
@@ -41,9 +46,6 @@ class PagedCache:
         self.block_table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, per_seq)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device)  # sequence ids 0..B-1: the decode step's rows
-        # with count_blocks(): [blocks kept, (sequence, KV group) rows] summed over the MSA layers of every decode
-        # step, on the device (capturable: a CUDA graph's replays add to it too); None: not counted
-        self.kept: torch.Tensor | None = None
         self.page_ids = torch.arange(per_seq, dtype=torch.int32, device=device)  # logical pages 0..per_seq-1
         P = batch * per_seq
         quantised = dtype in paged.KV_QUANTISED  # one scale per (token, head) row
@@ -67,6 +69,14 @@ class PagedCache:
                 self.idx_scale[i] = torch.zeros(P, page, dtype=torch.float32, device=device) if fp8 else None
                 if fp8:  # each sequence's keys of its newest page, unquantised (kernels.decode.paged_index_write)
                     self.tail[i] = torch.zeros(batch, page, a.msa.index_dim, dtype=key_dtype, device=device)
+
+    def count_blocks(self) -> None:
+        """Count the blocks the decode steps' MSA layers keep from now on (`kept`): zeroed in place where a counter
+        exists, so a step captured after the first call keeps adding to the one it captured."""
+        if self.kept is None:
+            self.kept = torch.zeros(2, dtype=torch.int64, device=self.seq_lens.device)
+        else:
+            self.kept.zero_()
 
     def nbytes(self) -> int:
         """Bytes of the caches' pages, scales and tails (what m3compile.memory.cache_bytes counts; the block table
@@ -192,14 +202,6 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
                                           enable_gqa=True)
 
 
-def count_blocks(cache: "PagedCache") -> None:
-    """Start (or restart) counting the blocks the decode steps' MSA layers keep (cache.kept)."""
-    if cache.kept is None:
-        cache.kept = torch.zeros(2, dtype=torch.int64, device=cache.seq_lens.device)
-    else:
-        cache.kept.zero_()
-
-
 class PromptView:
     """One pass of a prompt into the caches. Each layer's keys, values and index keys go to the cache first; then
     its queries attend to the keys and values as the cache holds them (every earlier pass's and their own; a
@@ -281,10 +283,9 @@ class StepView:
                                                local_blocks=m.local_blocks)
         else:  # a dense layer, or an MSA layer run densely: every page (no selection to compute)
             blocks = self._dense_blocks(attn.n_kv_heads)
-        kept = getattr(cache, "kept", None)  # (a serving engine's cache counts nothing)
-        if kept is not None and m is not None and self.selection in ("index", "oracle"):
-            kept[0] += (blocks >= 0).sum()  # the budget's -1 slots and those past a sequence's end excluded
-            kept[1] += blocks.shape[0] * blocks.shape[1]
+        if cache.kept is not None and m is not None and self.selection in ("index", "oracle"):
+            cache.kept[0] += (blocks >= 0).sum()  # the budget's -1 slots and those past a sequence's end excluded
+            cache.kept[1] += blocks.shape[0] * blocks.shape[1]
         with scope("m3c.decode_attention"):
             o = paged.paged_attention(q[:, :, 0], cache.k[i], cache.v[i], blocks, cache.block_table,
                                       cache.seq_lens, scale=attn.scale, k_scale=cache.k_scale[i],

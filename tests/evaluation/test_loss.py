@@ -231,7 +231,7 @@ def test_token_losses_are_the_same_in_pieces(monkeypatch):
     y = torch.randint(0, 64, (2, 21))
     with torch.no_grad():
         whole = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none")
-        monkeypatch.setattr(loss_mod, "_LOGIT_ROWS", 5)  # 42 rows: eight pieces of 5 and one of 2
+        monkeypatch.setattr(loss_mod, "LOGIT_ROWS", 5)  # 42 rows: eight pieces of 5 and one of 2
         pieces = loss_mod._token_losses(model, x, y)
     assert pieces.shape == (42,)
     torch.testing.assert_close(pieces, whole)
