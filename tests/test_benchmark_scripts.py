@@ -277,3 +277,34 @@ def test_guided_answer_block_mass_is_the_question_s_causal_attention_per_block()
             p = torch.softmax(q[0, h, c] @ k[0, h // 3, : T - C + c + 1].T * 0.3, -1)
             want[h // 3].index_add_(0, torch.arange(p.shape[0]) // bs, p)
     torch.testing.assert_close(mass, want)
+
+
+def test_recipe_budget_copies_a_model_at_another_stored_budget(byte_msa, tmp_path):
+    """benchmarks/recipe_distill.py budget: the copy loads with the budget given and the source's weights; a budget
+    m3compile would refuse, an existing output or an unconverted model is one error and leaves no output."""
+    import sys
+
+    import torch
+
+    from m3compile import load
+
+    def budget(out, *options, model=byte_msa):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recipe_distill.py"), "budget", str(model),
+                               str(out), *options], capture_output=True, text=True, timeout=120)
+
+    done = budget(tmp_path / "p", "--topk", "6", "--top-p", "0.9", "--min-blocks", "2")
+    assert done.returncode == 0, done.stderr
+    msa = load(tmp_path / "p", dtype="float32").args.msa
+    assert (msa.topk, msa.top_p, msa.min_blocks) == (6, 0.9, 2)
+    a, b = load(byte_msa, dtype="float32").state_dict(), load(tmp_path / "p", dtype="float32").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    before = json.loads((byte_msa / "config.json").read_text())
+    for out, options, model, needle in [
+            (tmp_path / "bad", ["--topk", "2", "--min-blocks", "3"], byte_msa, "exceeds"),
+            (tmp_path / "p", ["--topk", "3"], byte_msa, "exists"),
+            (tmp_path / "dense", ["--topk", "3"], ROOT / "checkpoints" / "byte-llama", "not a model m3compile converted")]:
+        existed = out.exists()
+        done = budget(out, *options, model=model)
+        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert out.exists() == existed and not list(tmp_path.glob("*.part"))
+    assert json.loads((byte_msa / "config.json").read_text()) == before  # the source untouched
