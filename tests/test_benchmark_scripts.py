@@ -308,3 +308,18 @@ def test_recipe_budget_copies_a_model_at_another_stored_budget(byte_msa, tmp_pat
         assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert out.exists() == existed and not list(tmp_path.glob("*.part"))
     assert json.loads((byte_msa / "config.json").read_text()) == before  # the source untouched
+
+
+def test_a_loss_below_dense_is_written_with_its_own_sign(tmp_path):
+    """A trained model's sparse loss below its own dense (the sparse-training run's row) reads -0.026%, not +-0.026%."""
+    main = runpy.run_path(str(ROOT / "benchmarks" / "plot_frontier.py"))["main"]
+    out = tmp_path / "out"
+    (out / "p0.95-16-64").mkdir(parents=True)
+    shutil.copy(RESULTS / "2026-12-07-h100-sparse-training-32k" / "p0.95-16-64+k256+off" / "loss.json",
+                out / "p0.95-16-64" / "loss.json")
+    tasks = {"niah_single_1": [100, 100], "niah_multikey_3": [50, 40]}
+    (out / "ruler_dense.json").write_text(json.dumps(ruler_json("dense", tasks)))
+    (out / "p0.95-16-64" / "ruler.json").write_text(json.dumps(ruler_json("index", tasks)))
+    main([str(out)])
+    row = (out / "frontier.md").read_text().splitlines()[3]
+    assert row.startswith("| p0.95-16-64 | ") and "| -0.026%, -0.029% |" in row, row
