@@ -323,3 +323,34 @@ def test_a_loss_below_dense_is_written_with_its_own_sign(tmp_path):
     main([str(out)])
     row = (out / "frontier.md").read_text().splitlines()[3]
     assert row.startswith("| p0.95-16-64 | ") and "| -0.026%, -0.029% |" in row, row
+
+
+def test_answer_attention_spread_counts_the_blocks_of_the_last_rows_mass():
+    """benchmarks/experiments/answer_attention_spread.py: its attention function returns SDPA's output, and keeps for
+    the last rows each KV group's head-mean causal attention per key block; blocks_for counts the fewest blocks that
+    hold a share p of a row's mass, never more than the row can see."""
+    import torch
+    import torch.nn.functional as F
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "experiments" / "answer_attention_spread.py"))
+    attend, rows, state, blocks_for = (script[k] for k in ("_spread_attention", "ROWS", "STATE", "blocks_for"))
+    Hq, Hkv, T, D, bs, R = 6, 2, 37, 8, 8, 5
+    q, k, v = torch.randn(1, Hq, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    state.update(rows=R, block=bs)
+    layer = type("Layer", (), {"layer_idx": 3})()
+    out, _ = attend(layer, q, k, v, None, scaling=0.3)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True,
+                                          scale=0.3)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    mass = rows[3]
+    assert mass.shape == (Hkv, R, 5)
+    torch.testing.assert_close(mass.sum(-1), torch.ones(Hkv, R))
+    for g in range(Hkv):
+        for r in range(R):
+            t = T - R + r
+            p = sum(torch.softmax(q[0, h, t] @ k[0, g, : t + 1].T * 0.3, -1) for h in range(3 * g, 3 * g + 3)) / 3
+            torch.testing.assert_close(mass[g, r], torch.zeros(5).index_add_(0, torch.arange(t + 1) // bs, p))
+    m = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]])
+    assert blocks_for(m, 0.8, torch.tensor([4, 4, 4])).tolist() == [2, 4, 1]
+    assert blocks_for(m, 0.95, torch.tensor([4, 4, 4])).tolist() == [3, 4, 1]
+    assert blocks_for(m, 0.95, torch.tensor([2, 2, 2])).tolist() == [2, 2, 1]
