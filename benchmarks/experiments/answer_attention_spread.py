@@ -8,11 +8,13 @@ runs the dense model through transformers with an attention function that also k
 rows (the prompt's last QUESTION tokens and the answer's tokens), and, per layer from 1 up and KV group, sums the
 group's head-mean probability over each BLOCK-token block. It prints, per task and length, the mean fraction of the
 visible blocks that holds P of that mass (fewest blocks first): the oracle's budget at top-p P, on the rows where
-the answer budget applies.
+the answer budget applies. With --plain N it measures instead the last QUESTION + 32 tokens of N windows of plain
+text (the data file cut into `length`-token windows): where the same share of the mass sits in code the model
+merely continues, as distillation sees it.
 
     python benchmarks/experiments/answer_attention_spread.py HF_MODEL_DIR data/long_code_eval.txt \
         [--lengths 4096,8192] [--tasks niah_multikey_3,niah_multivalue,niah_multiquery] [--samples 2] \
-        [--block 128] [--question 128] [--p 0.9,0.95] [--json OUT.json]
+        [--block 128] [--question 128] [--p 0.9,0.95] [--plain N] [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=128, help="the prompt's last tokens counted as the question")
     ap.add_argument("--p", default="0.9,0.95")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain", type=int, default=0, help="windows of plain text instead of the tasks' samples")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     ps = [float(x) for x in a.p.split(",")]
@@ -80,38 +83,45 @@ def main() -> None:
     STATE["block"] = a.block
     rows_out = []
     for length in [int(x) for x in a.lengths.split(",")]:
-        for name in a.tasks.split(","):
-            task = TASKS[name]
-            for s in build_samples(task, length, a.samples, a.seed, hay, render, codec.encode_batch):
-                answer = codec.encode_batch([" " + ", ".join(s.answers)])[0] if codec.chat else []
-                answer = [t for t in answer][: task.max_new_tokens]
-                ids = s.ids + answer
-                STATE["rows"] = a.question + len(answer)
-                t0 = time.perf_counter()
-                ROWS.clear()
-                with torch.no_grad():
-                    model(torch.tensor([ids]))
-                T = len(ids)
-                R = STATE["rows"]
-                visible = (torch.arange(T - R, T) // a.block) + 1
-                row = {"task": name, "length": length, "tokens": T, "answer_tokens": len(answer),
-                       "seconds": round(time.perf_counter() - t0, 1)}
-                for p in ps:
-                    frac_q, frac_a, blk_q, blk_a = [], [], [], []
-                    for layer in sorted(ROWS)[1:]:  # layer 0 stays dense in a conversion
-                        need = blocks_for(ROWS[layer], p, visible).float()  # [kv, R]
-                        frac = need / visible.float()
-                        frac_q.append(frac[:, : a.question].mean())
-                        frac_a.append(frac[:, a.question:].mean())
-                        blk_q.append(need[:, : a.question].mean())
-                        blk_a.append(need[:, a.question:].mean())
-                    row[f"p{p}"] = {"question_fraction": round(float(torch.stack(frac_q).mean()), 3),
-                                    "answer_fraction": round(float(torch.stack(frac_a).mean()), 3),
-                                    "question_blocks": round(float(torch.stack(blk_q).mean()), 1),
-                                    "answer_blocks": round(float(torch.stack(blk_a).mean()), 1)}
-                row["blocks_visible"] = int(visible[-1])
-                rows_out.append(row)
-                print(json.dumps(row), flush=True)
+        if a.plain:
+            ids_all = codec.tokenizer.encode(text).ids
+            runs = [("plain", ids_all[i * length:(i + 1) * length], 32) for i in range(a.plain)]
+        else:
+            runs = []
+            for name in a.tasks.split(","):
+                task = TASKS[name]
+                for s in build_samples(task, length, a.samples, a.seed, hay, render, codec.encode_batch):
+                    answer = codec.encode_batch([" " + ", ".join(s.answers)])[0] if codec.chat else []
+                    answer = answer[: task.max_new_tokens]
+                    runs.append((name, s.ids + answer, len(answer)))
+        for name, ids, n_answer in runs:
+            answer = ids[len(ids) - n_answer:]
+            STATE["rows"] = a.question + len(answer)
+            t0 = time.perf_counter()
+            ROWS.clear()
+            with torch.no_grad():
+                model(torch.tensor([ids]))
+            T = len(ids)
+            R = STATE["rows"]
+            visible = (torch.arange(T - R, T) // a.block) + 1
+            row = {"task": name, "length": length, "tokens": T, "answer_tokens": len(answer),
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            for p in ps:
+                frac_q, frac_a, blk_q, blk_a = [], [], [], []
+                for layer in sorted(ROWS)[1:]:  # layer 0 stays dense in a conversion
+                    need = blocks_for(ROWS[layer], p, visible).float()  # [kv, R]
+                    frac = need / visible.float()
+                    frac_q.append(frac[:, : a.question].mean())
+                    frac_a.append(frac[:, a.question:].mean())
+                    blk_q.append(need[:, : a.question].mean())
+                    blk_a.append(need[:, a.question:].mean())
+                row[f"p{p}"] = {"question_fraction": round(float(torch.stack(frac_q).mean()), 3),
+                                "answer_fraction": round(float(torch.stack(frac_a).mean()), 3),
+                                "question_blocks": round(float(torch.stack(blk_q).mean()), 1),
+                                "answer_blocks": round(float(torch.stack(blk_a).mean()), 1)}
+            row["blocks_visible"] = int(visible[-1])
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows_out, f, indent=1)
