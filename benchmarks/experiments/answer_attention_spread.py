@@ -6,11 +6,11 @@ attention itself is that spread there, or only the index's estimate of it: it bu
 (m3compile.evaluation.ruler_tasks, as `m3c eval ruler` does), appends each sample's expected answer (teacher-forced),
 runs the dense model through transformers with an attention function that also keeps the probabilities of the last
 rows (the prompt's last QUESTION tokens and the answer's tokens), and, per layer from 1 up and KV group, sums the
-group's head-mean probability over each BLOCK-token block. It prints, per task and length, the mean fraction of the
-visible blocks that holds P of that mass (fewest blocks first): the oracle's budget at top-p P, on the rows where
-the answer budget applies. With --plain N it measures instead the last QUESTION + 32 tokens of N windows of plain
-text (the data file cut into `length`-token windows): where the same share of the mass sits in code the model
-merely continues, as distillation sees it.
+group's head-mean probability over each BLOCK-token block (the oracle's block mass, kernels/causal_lse/naive.py).
+It prints, per task and length, the mean fraction of the visible blocks that holds P of that mass (fewest blocks
+first): the oracle's budget at top-p P, on the rows where the answer budget applies. With --plain N it measures
+instead the last QUESTION + 32 tokens of N windows of plain text (the data file cut into `length`-token windows):
+where the same share of the mass sits in code the model merely continues, as distillation sees it.
 
     python benchmarks/experiments/answer_attention_spread.py HF_MODEL_DIR data/long_code_eval.txt \
         [--lengths 4096,8192] [--tasks niah_multikey_3,niah_multivalue,niah_multiquery] [--samples 2] \
@@ -28,6 +28,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from m3compile.evaluation.ruler_tasks import TASKS, Haystacks, build_samples
 from m3compile.io.tokenizer import PromptCodec
+from m3compile.kernels.causal_lse.naive import _block_mass
 
 ROWS: dict[int, torch.Tensor] = {}  # layer -> [KV groups, rows, blocks] the group's head-mean mass per block
 STATE = {"rows": 0, "block": 128}
@@ -35,19 +36,10 @@ STATE = {"rows": 0, "block": 128}
 
 def _spread_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA's output (causal, grouped heads), and the last STATE["rows"] rows' block masses kept in ROWS."""
-    B, H, T, D = query.shape
-    kv = key.shape[1]
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-    R, blk = STATE["rows"], STATE["block"]
-    q = query[0, :, T - R:]  # [H, R, D]
-    k = key[0].repeat_interleave(H // kv, 0)  # [H, T, D]
-    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)
-    pos = torch.arange(T - R, T)[:, None]
-    s = s.masked_fill(torch.arange(T)[None, :] > pos, float("-inf"))
-    p = s.softmax(-1).reshape(kv, H // kv, R, T).mean(1)  # [kv, R, T]
-    n_blocks = -(-T // blk)
-    p = F.pad(p, (0, n_blocks * blk - T)).reshape(kv, R, n_blocks, blk).sum(-1)
-    ROWS[module.layer_idx] = p
+    T, D = query.shape[2:]
+    scale = scaling if scaling is not None else D ** -0.5
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    ROWS[module.layer_idx] = _block_mass(query, key, T - STATE["rows"], T, STATE["block"], scale)[0]
     return out.transpose(1, 2).contiguous(), None
 
 

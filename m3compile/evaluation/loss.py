@@ -205,8 +205,6 @@ class _RecallProbe:
         return out
 
 
-
-
 def _token_losses(model: Decoder, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Each next token's cross-entropy (nats), the logits made LOGIT_ROWS tokens at a time (train/lm_loss.py: a 32K
     window's whole logits would hold 20 GB in fp32)."""
