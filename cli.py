@@ -30,7 +30,7 @@ from m3compile.outputs import COMMITTED
 from m3compile.commands.bench import bench
 from m3compile.commands.common import (
     EXIT_INTERRUPTED, Group, InputPath, OutputPath, Size, fail, kv_cache_option, libraries_to_log, load_model, log_path,
-    stdout_console, terminal,
+    parse_layers, stdout_console, terminal,
 )
 from m3compile.commands.compile import compile_after_convert, compile_model, kernel_cache_for
 from m3compile.commands.eval import eval_
@@ -102,15 +102,6 @@ class _Group(Group):
             sys.exit(EXIT_INTERRUPTED)
         except KeyboardInterrupt:
             fail(_interrupted(), EXIT_INTERRUPTED)
-
-
-def _parse_layers(text: str | None) -> tuple[int, ...]:
-    if text is None or text.strip() == "":
-        return ()
-    try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated layer indices, got {text!r}") from None
 
 
 def _parse_size(text: str) -> int:
@@ -265,7 +256,7 @@ def convert(src, out, preset, out_opt, block_size, topk, top_p, min_blocks, answ
     if out is None:
         raise click.UsageError("missing OUT directory")
     config = MSAConfig(block_size=block_size, topk=topk, index_heads=index_heads, index_dim=index_dim,
-                       init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=_parse_layers(dense_layers),
+                       init_blocks=init_blocks, local_blocks=local_blocks, dense_layers=parse_layers(dense_layers),
                        vision_window=vision_window, index_dtype=index_dtype, top_p=top_p, min_blocks=min_blocks,
                        answer_budget=answer_budget, answer_tokens=answer_tokens, decode_budget=decode_budget)
     if src is not None and all(ctx.get_parameter_source(p) == click.core.ParameterSource.DEFAULT
@@ -632,7 +623,7 @@ def inspect(src, preset, context, fmt, layer, out, block_size, topk, dense_layer
     if dense_layers is not None or block_size != 128 or topk != 16:
         default_dense = "0,1,2" if src is None and (preset or "m3") == "m3" else "0"
         config = MSAConfig(block_size=block_size, topk=topk,
-                           dense_layers=_parse_layers(dense_layers if dense_layers is not None else default_dense))
+                           dense_layers=parse_layers(dense_layers if dense_layers is not None else default_dense))
     report = inspect(src, preset=preset, config=config, context=context, blocks=blocks)
     if fmt == "rich":
         console = stdout_console()

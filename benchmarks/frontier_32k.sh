@@ -17,7 +17,8 @@
 #        with the answer itself at budget C, `--decode-budget C`: A's prefill, C's decode; C = off: the answer at
 #        A's budget, A's decode), SAMPLES (25), LENGTHS (4K,8K,16K,32K),
 #        LOSS_WINDOWS (4), SEQ_LEN (32768: the loss eval's windows), SPEED (1; 0 skips the bench), BATCH (8),
-#        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call),
+#        M3C (m3c), DEVICE (cuda), DENSE (1; 0 leaves the dense row to another call), DENSE_LAYERS (the bench's
+#        --dense-layers: 0 to N-1 for MODEL's N dense layers),
 #        PARALLEL (1: the quality runs, dense's and each budget's loss and RULER, this many at once on the one GPU,
 #        each logging to OUT/<row>.log; the speed benches always run alone, after them. A RULER row at 32K holds
 #        17-23 GB on Qwen2.5-Coder-0.5B: 3 rows fit an 80 GB card, a fourth ran out of memory on an H100)
@@ -78,8 +79,13 @@ else  # at most PARALLEL at once; each row's messages in its own log
   [ $failed = 0 ] || { echo "error: a quality run failed (its log: OUT/<row>.log)" >&2; exit 1; }
 fi
 bench() {  # bench FOLDER TOPK: the llama3-8b preset at 128K at that top-k -> FOLDER/speed.json
+  # the preset keeps as many layers dense as MODEL does (layers 0 to N-1: the count is what its speed depends on)
+  DENSE_LAYERS=${DENSE_LAYERS:-$(python3 -c "import json, sys
+freq = json.load(open(sys.argv[1]))['sparse_attention_config']['sparse_attention_freq']
+print(','.join(str(i) for i in range(freq.count(0))))" "$MODEL/config.json")}
   t $M3C bench model llama3-8b --index-dim 64 --index-dtype fp8 --kv-cache fp8 --topk "$2" \
-    --prefill-lengths 128K --decode-lengths 128K --batch $BATCH --steps 3 --profile-max 8K --out "$1/bench" >&2
+    --dense-layers "$DENSE_LAYERS" --prefill-lengths 128K --decode-lengths 128K --batch $BATCH --steps 3 \
+    --profile-max 8K --out "$1/bench" >&2
   cp "$1/bench/llama3-8b.json" "$1/speed.json"
 }
 for budget in $BUDGETS; do

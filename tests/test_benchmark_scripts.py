@@ -183,12 +183,13 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
     """k16+k256+k16: the question at k256, the answer at k16 (--decode-budget); its speed is k16's prefill and
     k16's decode."""
     fake = _fake_m3c(tmp_path)
-    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+k256+k16", "SPEED": "1", "DENSE": "0"}
+    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+k256+k16", "SPEED": "1", "DENSE": "0", "DENSE_LAYERS": "0"}
     done = _script(env, tmp_path / "o")
     assert done.returncode == 0, done.stderr
     runs = _started(tmp_path)
     assert len(runs) == 3 and runs[1].endswith("--topk 16 --top-p 1 --answer-budget k256 --decode-budget k16")
     assert runs[2].startswith("bench model llama3-8b") and "--topk 16 " in runs[2]  # the answer's top-16, benched
+    assert "--dense-layers 0 " in runs[2]  # as many dense layers as the model m ("DENSE_LAYERS" below)
     assert (tmp_path / "o" / "k16" / "speed.json").is_file() and not (tmp_path / "o" / "k16" / "loss.json").exists()
     (tmp_path / "o" / "k256").mkdir()  # the question's row (a stand-in), unused
     shutil.copy(RESULTS / "2026-12-07-h100-frontier-and-first-run" / "p0.95-16-64" / "speed.json",
@@ -207,6 +208,21 @@ def test_a_row_with_a_decode_budget_runs_the_suite_with_both_and_takes_its_decod
     env["BUDGETS"] = "k16+k256+x3"
     done = _script(env, tmp_path / "o2", timeout=60)
     assert done.returncode != 0 and "got x3" in done.stderr and not (tmp_path / "o2").exists()
+
+
+def test_the_bench_keeps_as_many_layers_dense_as_the_model(tmp_path):
+    """A model with 3 dense layers of 7 (`m3c convert --dense-costliest 2`): its speed is benched with layers 0-2
+    dense."""
+    fake = _fake_m3c(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"sparse_attention_config": {
+        "sparse_attention_freq": [0, 1, 1, 0, 1, 0, 1]}}))
+    env = {**os.environ, "M3C": str(fake), "BUDGETS": "k16+k256+k16", "SPEED": "1", "DENSE": "0"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_32k.sh"), str(model), "d", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _started(tmp_path)[-1].startswith("bench model llama3-8b") and "--dense-layers 0,1,2 " in _started(tmp_path)[-1]
 
 
 def test_a_rows_suite_split_by_length_over_processes_is_joined(tmp_path):

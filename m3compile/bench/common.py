@@ -53,7 +53,7 @@ def bench_presets() -> list[str]:
 
 
 def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | None = None, topk: int | None = None,
-                 dense_layers: tuple[int, ...] = (0,), n_layers: int | None = None, index_dtype: str = "auto",
+                 dense_layers: tuple[int, ...] | None = None, n_layers: int | None = None, index_dtype: str = "auto",
                  index_dim: int | None = None, default_msa: tuple[int, int] = (128, 16),
                  top_p: float | None = None, min_blocks: int | None = None,
                  ) -> tuple[Decoder, Decoder, str, dict | None]:
@@ -63,7 +63,8 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | No
     for a checkpoint that was already converted. `n_layers`: a preset's first layers only (same shapes, shallower).
     `index_dtype` "fp8": the MSA layers score with e4m3 (MSAConfig.index_dtype; a converted checkpoint's is replaced).
     `index_dim`: the conversion's index head dim (MSAConfig.index_dim; a dense model or preset only). `top_p`,
-    `min_blocks`: the conversion's adaptive budget (MSAConfig's; a dense model or preset only; None: none)."""
+    `min_blocks`: the conversion's adaptive budget (MSAConfig's; a dense model or preset only; None: none).
+    `dense_layers`: the conversion's (None: layer 0; a converted model's own, which another is refused)."""
     torch_dtype = parse_dtype(dtype)
     path = Path(model)
     if path.is_dir():
@@ -79,8 +80,11 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | No
     check = None
     if args.msa is None:  # dense: convert in memory
         adaptive = {k: v for k, v in (("top_p", top_p), ("min_blocks", min_blocks)) if v is not None}
+        if dense_layers is not None and any(i >= args.n_layers for i in dense_layers):
+            raise M3CompileError(f"--dense-layers {','.join(map(str, dense_layers))}: {model} has {args.n_layers} "
+                                 f"layers (0-{args.n_layers - 1})")
         gm, _ = convert(dense, MSAConfig(block_size=block or default_msa[0], topk=topk or default_msa[1],
-                                         dense_layers=dense_layers,
+                                         dense_layers=(0,) if dense_layers is None else dense_layers,
                                          index_dtype=index_dtype, index_dim=index_dim, **adaptive))
         check = conversion_check(gm, dense)
         sparse_args = gm.meta["model_args"]
@@ -89,7 +93,9 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | No
         for option, asked, own in (("--index-dim", index_dim, args.msa.index_dim),
                                    ("--block", block, args.msa.block_size), ("--topk", topk, args.msa.topk),
                                    ("--top-p", top_p, args.msa.top_p),
-                                   ("--min-blocks", min_blocks, args.msa.min_blocks)):
+                                   ("--min-blocks", min_blocks, args.msa.min_blocks),
+                                   ("--dense-layers", dense_layers, None if dense_layers is None else tuple(
+                                       i for i in range(args.n_layers) if not args.is_sparse(i)))):
             if asked is not None and asked != own:
                 raise M3CompileError(f"{model} is already converted with {option[2:]} {own}: {option} {asked} "
                                      f"cannot apply to it (it needs its dense source)")

@@ -117,6 +117,7 @@ class ModelBenchConfig:
     topk: int | None = None
     top_p: float | None = None  # the conversion's adaptive budget and its floor (None: none, or a converted model's)
     min_blocks: int | None = None
+    dense_layers: tuple[int, ...] | None = None  # the conversion's dense layers (None: layer 0, or a converted model's)
     dense_max: int = 131072  # longest prefill timed on the dense model; longer ones are extrapolated
     msa_max: int = 131072  # the same for the MSA model
     profile_max: int | None = None  # longest prefill also run under the profiler for its stages (None: every one)
@@ -636,7 +637,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     t0 = time.perf_counter()
     dense, sparse, what, check = bench_models(cfg.model, device=cfg.device, dtype=cfg.dtype, block=cfg.block,
                                               topk=cfg.topk, index_dtype=cfg.index_dtype, index_dim=cfg.index_dim,
-                                              top_p=cfg.top_p, min_blocks=cfg.min_blocks)
+                                              top_p=cfg.top_p, min_blocks=cfg.min_blocks,
+                                              dense_layers=cfg.dense_layers)
     verdict = "converted checkpoint" if check is None else "ok" if check["ok"] else \
         f"MISMATCH {check['mismatched'][:3]}"
     log(f"models ready in {time.perf_counter() - t0:.1f} s; conversion check: {verdict}")

@@ -8,7 +8,7 @@ import click
 
 from m3compile.config import INDEX_CACHE_DTYPES, INDEX_DTYPES
 from m3compile.commands.common import (
-    Group, InputPath, OutputPath, Size, kv_cache_option, stacked, stdout_console,
+    Group, InputPath, OutputPath, Size, kv_cache_option, parse_layers, stacked, stdout_console,
 )
 
 __all__ = ["bench"]
@@ -144,6 +144,10 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
                    "slots: the adaptive path's cost at a measured mean (e.g. --topk 64 --top-p 0.01 --min-blocks 45).")
 @click.option("--min-blocks", type=int, default=None,
               help="A dense model's conversion: the adaptive budget's floor (as m3c convert --min-blocks).")
+@click.option("--dense-layers", default=None,
+              help="A dense model's conversion: comma-separated layers that keep dense attention [default: 0; a "
+                   "converted model's own]. Their count is what speed depends on: a converted model with N dense "
+                   "layers is timed on a preset as --dense-layers 0,...,N-1.")
 @_bench_dense_max("longer ones are extrapolated per stage and marked")
 @click.option("--msa-max", default="128K", show_default=True, type=Size(),
               help="Longest prefill timed on the MSA model; longer ones are extrapolated per stage and marked.")
@@ -177,8 +181,8 @@ def bench_kernels(prefill_lengths, decode_lengths, batch, heads, kv_heads, head_
                    "generate runs them].")
 @_bench_device
 @_bench_out("<model>.json and model_speedup.png (every model bench in OUT)")
-def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, top_p, min_blocks, dense_max,
-                msa_max, dtype,
+def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, index_dim, top_p, min_blocks, dense_layers,
+                dense_max, msa_max, dtype,
                 index_cache, index_dtype, kv_cache, prefill_chunk, bandwidth, sparse_kernel, profile_max, steps,
                 decode_steps, figure_seconds, separate_projections, device, out_dir):
     """Time the whole model, dense against converted and lowered: time to first token and decode tokens/s.
@@ -197,6 +201,8 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
 
     lengths = {name: value for name, value in (("prefill_lengths", prefill_lengths),
                                                ("decode_lengths", decode_lengths)) if value is not None}
+    if dense_layers is not None:
+        lengths["dense_layers"] = parse_layers(dense_layers, "--dense-layers")
     cfg = ModelBenchConfig(model=str(model), batch=batch, block=block, topk=topk, top_p=top_p, min_blocks=min_blocks,
                            dense_max=dense_max,
                            msa_max=msa_max, dtype=dtype, profile_max=profile_max,

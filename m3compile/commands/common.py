@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console",
-           "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "split_names", "stacked", "load_model",
+           "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "parse_layers", "split_names", "stacked", "load_model",
            "budget_options", "kv_cache_option"]
 
 EXIT_BAD_INPUT = 2
@@ -183,6 +183,16 @@ class Size(click.ParamType):
             return parse_sizes(value, name, self.kind) if self.many else parse_size(value, name, self.kind)
         except M3CompileError as e:
             raise click.UsageError(str(e), ctx) from None
+
+
+def parse_layers(text: str | None, option: str = "--dense-layers") -> tuple[int, ...]:
+    """Comma-separated layer indices ('' or None: none)."""
+    if text is None or text.strip() == "":
+        return ()
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{option}: expected comma-separated layer indices, got {text!r}") from None
 
 
 def split_names(text: str | None) -> list[str] | None:

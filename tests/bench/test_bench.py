@@ -26,7 +26,7 @@ OPTIONS = {
     "model": {"--prefill-lengths", "--decode-lengths", "--batch", "--block", "--topk", "--index-dim", "--dense-max",
               "--msa-max", "--dtype", "--index-cache", "--index-dtype", "--sparse-kernel", "--steps", "--decode-steps",
               "--figure-seconds", "--device", "--out", "--kv-cache", "--prefill-chunk", "--bandwidth", "--profile-max",
-              "--separate-projections", "--top-p", "--min-blocks"},
+              "--separate-projections", "--top-p", "--min-blocks", "--dense-layers"},
     "distill": {"--seq-len", "--batch", "--dtype", "--autocast", "--block-loss", "--no-train", "--no-eval", "--shard",
                 "--layers", "--count-ops", "--cuda-graph", "--steps", "--block", "--topk", "--device", "--out"},
     "backward": {"--heads", "--kv-heads", "--head-dim", "--index-dim", "--block", "--topk", "--lengths", "--dense-max",

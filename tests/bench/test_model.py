@@ -106,6 +106,23 @@ def test_adaptive_budget_conversion(tmp_path, monkeypatch):
     assert not (tmp_path / "bad").exists()
 
 
+def test_dense_layers_conversion(tmp_path, monkeypatch):
+    """--dense-layers keeps those layers dense (the result counts the MSA layers); a layer the model lacks is one
+    line and no output."""
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
+    out = tmp_path / "bench"
+    common = ["bench", "model", str(LLAMA_BYTE), "--device", "cpu", "--dtype", "float32", "--prefill-lengths", "64",
+              "--decode-lengths", "", "--block", "16", "--topk", "2", "--steps", "1"]
+    r = CliRunner().invoke(main, [*common, "--dense-layers", "0,1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "byte-llama.json").read_text())
+    assert (data["config"]["dense_layers"], data["msa_layers"]) == ([0, 1], data["layers"] - 2)
+    r = CliRunner().invoke(main, [*common, "--dense-layers", "0,99", "--out", str(tmp_path / "bad")])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and errors == [r.output.strip().splitlines()[-1]] and "--dense-layers 0,99" in errors[0]
+    assert not (tmp_path / "bad").exists()
+
+
 def test_decode_batch_is_what_fits():
     """Llama-3-8B shapes at 128K: 8 sequences of bf16 caches need ~146 GB; with ~118 GB free six fit. Qwen2.5-7B
     (4 KV heads) fits 8 at 128K; nothing fits at 8M."""
