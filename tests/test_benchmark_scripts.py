@@ -5,9 +5,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import runpy
+
+from tests.conftest import EVAL_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -370,3 +373,33 @@ def test_answer_attention_spread_counts_the_blocks_of_the_last_rows_mass():
     assert blocks_for(m, 0.8, torch.tensor([4, 4, 4])).tolist() == [2, 4, 1]
     assert blocks_for(m, 0.95, torch.tensor([4, 4, 4])).tolist() == [3, 4, 1]
     assert blocks_for(m, 0.95, torch.tensor([2, 2, 2])).tolist() == [2, 2, 1]
+
+
+def test_index_temperature_divides_the_index_scores_and_sharper_keeps_fewer_blocks(byte_msa, tmp_path):
+    """benchmarks/experiments/index_temperature.py: dividing the index query norm's gain by T divides every index
+    score by T, so at one top_p a lower T keeps no more blocks (the top blocks' softmax share only grows as T falls),
+    and the model's own gains come back after the grid."""
+    import torch
+
+    from m3compile import load
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "experiments" / "index_temperature.py"))
+    model = load(byte_msa, dtype="float32")
+    norm = next(m for n, m in model.named_modules() if n.endswith("index_q_norm"))
+    x = torch.randn(3, norm.weight.numel())
+    before = norm(x)
+    gains = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("index_q_norm")}
+    script["set_temperature"](model, gains, 0.5)
+    torch.testing.assert_close(norm(x), 2 * before)
+    out = tmp_path / "t.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "experiments" / "index_temperature.py"),
+                           str(byte_msa), str(EVAL_DATA), "--seq-len", "256", "--max-windows", "1", "--floor", "1",
+                           "--ceiling", "16", "--top-ps", "0.5,0.9", "--temperatures", "0.25,1,4", "--at-p", "0.5",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    at_p = {r["temperature"]: r for r in rows if r["top_p"] == 0.5 and "oracle_blocks" not in r}
+    assert at_p[0.25]["blocks"] <= at_p[1.0]["blocks"] <= at_p[4.0]["blocks"]
+    assert at_p[0.25]["blocks"] < at_p[4.0]["blocks"]
+    first = next(r for r in rows if r["top_p"] == 0.5 and "oracle_blocks" in r)
+    assert at_p[1.0]["blocks"] == first["blocks"] and at_p[1.0]["loss_increase"] == first["loss_increase"]
