@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import click
 
@@ -141,9 +142,17 @@ def _training(verb: str, run, config, params: dict) -> None:
                TimeRemainingColumn())
     with Progress(*columns, disable=params["as_json"] or not rank0) as bar:
         task = bar.add_task(verb, total=config.steps, info="loading")
+        # not a terminal (a log file, a pipe): the bar draws once, at the end; a plain line every tenth of the run
+        # (at most one a minute, and the last step) says how far it is meanwhile
+        lines = not bar.disable and not bar.console.is_terminal
+        last = {"at": time.monotonic()}
 
         def show(step, total, m):
-            bar.update(task, completed=step, info=f"{row(m)}  {m['tokens_per_s']:,.0f} tok/s")
+            info = f"{row(m)}  {m['tokens_per_s']:,.0f} tok/s"
+            bar.update(task, completed=step, info=info)
+            if lines and (step == total or step % max(1, total // 10) == 0 or time.monotonic() - last["at"] >= 60):
+                last["at"] = time.monotonic()
+                bar.console.print(f"{verb} step {step}/{total}  {info}", highlight=False)
 
         report = run(params["model_dir"], params["data"], params["out_dir"], config, device=params["device"],
                      resume=params["resume"], force=params["force"], shard=params["shard"], progress=show)

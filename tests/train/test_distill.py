@@ -295,6 +295,15 @@ def distill_cli(model_dir, data, out, *extra):
                *([] if "--holdout-tokens" in extra else ["--holdout-tokens", "0"]))
 
 
+def test_a_run_whose_output_is_not_a_terminal_prints_progress_lines(byte_msa, tmp_path):
+    """Into a log or a pipe the bar draws only at the end: a plain line every tenth of the run says how far it is."""
+    code, output = distill_cli(byte_msa, CALIB_DATA, tmp_path / "out")
+    assert code == 0, output
+    steps = [line.split("  ")[0] for line in output.splitlines() if line.startswith("distil step ")]
+    assert steps == ["distil step 1/2", "distil step 2/2"], output
+    assert "tok/s" in next(line for line in output.splitlines() if line.startswith("distil step 2/2"))
+
+
 def test_data_shorter_than_one_sequence(byte_msa, tmp_path):
     short = tmp_path / "short.bin"
     short.write_bytes(b"def f():\n    pass\n")
