@@ -37,13 +37,12 @@ def set_temperature(model, gains: dict, t: float) -> None:
 def row(model, ids, args, top_p: float, t: float, oracle: bool) -> dict:
     model.set_budget(top_p=top_p, min_blocks=args.floor, topk=args.ceiling)
     start = time.perf_counter()
-    r = evaluate(model, ids, args.seq_len, args.max_windows, oracle=oracle).to_dict()
+    report = evaluate(model, ids, args.seq_len, args.max_windows, oracle=oracle)
+    r = report.to_dict()
     out = {"top_p": top_p, "temperature": t, "blocks": r["mean_blocks"], "loss_increase": r["loss_increase"],
            "recall": r["mean_recall"], "seconds": round(time.perf_counter() - start, 1)}
     if oracle:
-        per_layer = [v for v in (r["oracle_blocks"] or {}).values() if v is not None]
-        out |= {"oracle_blocks": sum(per_layer) / len(per_layer) if per_layer else None,
-                "oracle_loss_increase": r["oracle_loss_increase"]}
+        out |= {"oracle_blocks": report.mean_oracle_blocks, "oracle_loss_increase": r["oracle_loss_increase"]}
     print(json.dumps(out), flush=True)
     return out
 

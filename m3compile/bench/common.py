@@ -80,9 +80,6 @@ def bench_models(model: str, *, device, dtype: str = "bfloat16", block: int | No
     check = None
     if args.msa is None:  # dense: convert in memory
         adaptive = {k: v for k, v in (("top_p", top_p), ("min_blocks", min_blocks)) if v is not None}
-        if dense_layers is not None and any(i >= args.n_layers for i in dense_layers):
-            raise M3CompileError(f"--dense-layers {','.join(map(str, dense_layers))}: {model} has {args.n_layers} "
-                                 f"layers (0-{args.n_layers - 1})")
         gm, _ = convert(dense, MSAConfig(block_size=block or default_msa[0], topk=topk or default_msa[1],
                                          dense_layers=(0,) if dense_layers is None else dense_layers,
                                          index_dtype=index_dtype, index_dim=index_dim, **adaptive))

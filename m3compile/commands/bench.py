@@ -201,9 +201,8 @@ def bench_model(model, prefill_lengths, decode_lengths, batch, block, topk, inde
 
     lengths = {name: value for name, value in (("prefill_lengths", prefill_lengths),
                                                ("decode_lengths", decode_lengths)) if value is not None}
-    if dense_layers is not None:
-        lengths["dense_layers"] = parse_layers(dense_layers, "--dense-layers")
     cfg = ModelBenchConfig(model=str(model), batch=batch, block=block, topk=topk, top_p=top_p, min_blocks=min_blocks,
+                           dense_layers=None if dense_layers is None else parse_layers(dense_layers),
                            dense_max=dense_max,
                            msa_max=msa_max, dtype=dtype, profile_max=profile_max,
                            index_cache=index_cache, index_dtype=index_dtype, index_dim=index_dim,

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "fail", "terminal", "log_path", "libraries_to_log", "stdout_console",
-           "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "parse_layers", "split_names", "stacked", "load_model",
-           "budget_options", "kv_cache_option"]
+           "InputPath", "OutputPath", "Command", "Group", "guard_outputs", "Size", "parse_layers", "split_names", "stacked",
+           "load_model", "budget_options", "kv_cache_option"]
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

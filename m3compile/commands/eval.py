@@ -139,9 +139,8 @@ def eval_loss(model_dir, data, seq_len, max_windows, batch, no_oracle, kv_cache,
         table.add_row(str(layer), f"{r:.3f}", f"{report.recall_p10[layer]:.3f}", opt(report.oracle_recall.get(layer)),
                       f"{report.blocks[layer]:.2f}", f"{report.blocks_p90[layer]:.0f}",
                       opt(report.oracle_blocks.get(layer), ".2f"))
-    oracle_blocks = (sum(report.oracle_blocks.values()) / len(report.oracle_blocks)) if report.oracle_blocks else None
     table.add_row("mean", f"{report.mean_recall:.3f}", f"min {report.min_recall_p10:.3f}",
-                  opt(report.mean_oracle_recall), f"{report.mean_blocks:.2f}", "", opt(oracle_blocks, ".2f"))
+                  opt(report.mean_oracle_recall), f"{report.mean_blocks:.2f}", "", opt(report.mean_oracle_blocks, ".2f"))
     console.print(table)
 
 

@@ -97,6 +97,10 @@ class EvalReport:
         return sum(self.blocks.values()) / len(self.blocks) if self.blocks else None
 
     @property
+    def mean_oracle_blocks(self) -> float | None:
+        return sum(self.oracle_blocks.values()) / len(self.oracle_blocks) if self.oracle_blocks else None
+
+    @property
     def mean_oracle_recall(self) -> float | None:
         return sum(self.oracle_recall.values()) / len(self.oracle_recall) if self.oracle_recall else None
 

@@ -119,7 +119,7 @@ def test_dense_layers_conversion(tmp_path, monkeypatch):
     assert (data["config"]["dense_layers"], data["msa_layers"]) == ([0, 1], data["layers"] - 2)
     r = CliRunner().invoke(main, [*common, "--dense-layers", "0,99", "--out", str(tmp_path / "bad")])
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert r.exit_code == 2 and errors == [r.output.strip().splitlines()[-1]] and "--dense-layers 0,99" in errors[0]
+    assert r.exit_code == 2 and errors == [r.output.strip().splitlines()[-1]] and "dense layer 99 does not exist" in errors[0]
     assert not (tmp_path / "bad").exists()
 
 
